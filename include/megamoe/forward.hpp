@@ -1,0 +1,32 @@
+// The buffers of one forward call and their validation.
+#pragma once
+
+#include <cstdint>
+
+#include "megamoe/spec.hpp"
+
+namespace megamoe {
+
+// One call's inputs; all pointers address memory of the device that runs the call (host memory
+// for the CPU reference).
+struct MoeInputs {
+  int num_tokens = 0;                     // T, 1 <= T <= planned capacity
+  const void* x = nullptr;                // [T, H] bf16, 16-byte aligned
+  const float* router_logits = nullptr;   // [T, E] fp32 (softmax_topk, deepseek_grouped)
+  const int32_t* topk_ids = nullptr;      // [T, k] int32 (precomputed); -1 = not routed here
+  const float* topk_weights = nullptr;    // [T, k] fp32 (precomputed)
+};
+
+struct MoeOutputs {
+  void* y = nullptr;  // [T, H] bf16, 16-byte aligned, must not overlap any input
+};
+
+// Alignment the kernels rely on: TMA rows and 16-byte vector stores.
+inline constexpr int kActivationAlignment = 16;
+
+// Throws megamoe::Error (null_pointer, misaligned_pointer, aliasing, capacity_exceeded,
+// invalid_argument) before anything is read or written.
+void validate_forward_args(const MoeSpec& spec, int capacity_tokens, const MoeInputs& inputs,
+                           const MoeOutputs& outputs);
+
+}  // namespace megamoe

@@ -1,0 +1,66 @@
+// MoeSpec: the static description of one MoE layer (shapes, precision, routing).
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace megamoe {
+
+enum class Precision {
+  bf16,       // bf16 operands, fp32 accumulation, bf16 intermediate between FC1 and FC2
+  fp8_block,  // DeepSeek-V3 format: E4M3 weights with one scale per 128x128 block,
+              // activations and the FC1 output quantized per token per 128 channels
+};
+
+// How fp8_block scales are represented. ue8m0 restricts every scale to a power of two
+// (what DeepGEMM calls UE8M0); fp32 keeps amax / 448 as is.
+enum class ScaleFormat { fp32, ue8m0 };
+
+// softmax over all experts, then top-k; renormalize makes the k weights sum to 1.
+struct SoftmaxTopK {
+  bool renormalize = false;
+};
+
+// DeepSeek-V3 routing: s = sigmoid(logit); choice = s + bias; the score of a group is the sum of
+// its two best choice values; the best topk_group groups survive; top-k over their experts by
+// choice; weights are the raw s of the chosen experts, optionally renormalized, times
+// routed_scaling_factor.
+struct DeepseekGrouped {
+  int n_group = 1;
+  int topk_group = 1;
+  float routed_scaling_factor = 1.0f;
+  bool renormalize = true;
+  std::vector<float> e_score_correction_bias;  // [E]; empty means all zeros
+};
+
+// The caller passes topk_ids [T, k] int32 and topk_weights [T, k] fp32.
+// An id of -1 means "not routed here" and contributes nothing.
+struct Precomputed {};
+
+using Routing = std::variant<SoftmaxTopK, DeepseekGrouped, Precomputed>;
+
+struct MoeSpec {
+  int num_experts = 0;   // E
+  int top_k = 0;         // k
+  int hidden = 0;        // H
+  int intermediate = 0;  // I (per expert; W13 has 2I rows)
+  Precision precision = Precision::bf16;
+  ScaleFormat scale_format = ScaleFormat::fp32;
+  Routing routing = SoftmaxTopK{};
+};
+
+// Channel granularity the kernels need: 128 for fp8_block (the scale blocks), 64 for bf16
+// (one 128-byte swizzled K slice).
+int channel_granularity(Precision precision);
+
+// Throws megamoe::Error(invalid_spec) with a message naming the field and the fix.
+void validate(const MoeSpec& spec);
+
+const char* to_string(Precision precision);
+const char* to_string(ScaleFormat format);
+std::string to_string(const Routing& routing);
+std::ostream& operator<<(std::ostream& os, const MoeSpec& spec);
+
+}  // namespace megamoe

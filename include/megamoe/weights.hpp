@@ -1,0 +1,59 @@
+// Weight preparation: from the vLLM/SGLang layout to the layout the kernels stream.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "megamoe/dtypes.hpp"
+#include "megamoe/spec.hpp"
+
+namespace megamoe {
+
+// Caller weights in the layout vLLM and SGLang store: w13 [E, 2I, H] (gate rows, then up rows)
+// and w2 [E, H, I], row-major, both of `dtype` (bf16 or fp32), in host memory.
+struct WeightsView {
+  const void* w13 = nullptr;
+  const void* w2 = nullptr;
+  DType dtype = DType::bf16;
+};
+
+// Packed weights, row-major with K contiguous (what TMA and wgmma read):
+//  - w13: [E, 2I, H]; rows interleaved by 8 (gate[0:8], up[0:8], gate[8:16], ...) so that the
+//    wgmma fragment of one thread holds both halves of a SwiGLU pair.
+//  - w2:  [E, H, I], rows in the original order.
+//  - bf16: 2-byte elements, no scales. fp8_block: E4M3 bytes and one fp32 scale per 128x128
+//    block of the packed matrix (w13_scales [E, 2I/128, H/128], w2_scales [E, H/128, I/128]);
+//    the value of an element is decode(byte) * scale.
+struct PackedWeights {
+  int num_experts = 0;
+  int hidden = 0;
+  int intermediate = 0;
+  Precision precision = Precision::bf16;
+  ScaleFormat scale_format = ScaleFormat::fp32;
+  std::vector<uint8_t> w13;
+  std::vector<float> w13_scales;
+  std::vector<uint8_t> w2;
+  std::vector<float> w2_scales;
+
+  int element_bytes() const { return precision == Precision::fp8_block ? 1 : 2; }
+  // Bytes one expert's weights and scales occupy (what a touched expert costs to stream).
+  size_t bytes_per_expert() const;
+};
+
+// Called after each expert is packed (done experts, total); long packs report progress with it.
+using PackProgress = std::function<void(int done, int total)>;
+
+// Validates the spec and the view, then packs. Throws megamoe::Error on bad input.
+PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights,
+                              const PackProgress& progress = {});
+
+// Inverse of prepare_weights for tests and references: the dequantized values in the original
+// vLLM layout, fp32 (w13 [E, 2I, H], w2 [E, H, I]).
+struct DequantizedWeights {
+  std::vector<float> w13;
+  std::vector<float> w2;
+};
+DequantizedWeights unpack_weights(const PackedWeights& packed);
+
+}  // namespace megamoe

@@ -1,0 +1,69 @@
+// Validation of one forward call's buffers.
+#include "megamoe/forward.hpp"
+
+#include <cstdint>
+#include <string>
+
+#include "megamoe/error.hpp"
+
+namespace megamoe {
+namespace {
+
+struct Span {
+  const char* name;
+  uintptr_t begin;
+  size_t bytes;
+};
+
+void require_pointer(const void* ptr, const char* name, size_t alignment) {
+  if (ptr == nullptr) throw Error(ErrorCode::null_pointer, std::string(name) + " is null");
+  if (reinterpret_cast<uintptr_t>(ptr) % alignment != 0) {
+    throw Error(ErrorCode::misaligned_pointer, std::string(name) + " must be " + std::to_string(alignment) +
+                                                   "-byte aligned (got address " +
+                                                   std::to_string(reinterpret_cast<uintptr_t>(ptr)) + ")");
+  }
+}
+
+bool overlaps(const Span& a, const Span& b) {
+  return a.bytes > 0 && b.bytes > 0 && a.begin < b.begin + b.bytes && b.begin < a.begin + a.bytes;
+}
+
+}  // namespace
+
+void validate_forward_args(const MoeSpec& spec, int capacity_tokens, const MoeInputs& inputs,
+                           const MoeOutputs& outputs) {
+  validate(spec);
+  const int T = inputs.num_tokens;
+  if (T < 0) throw Error(ErrorCode::invalid_argument, "num_tokens=" + std::to_string(T) + " must be >= 0");
+  if (T > capacity_tokens) {
+    throw Error(ErrorCode::capacity_exceeded, "num_tokens=" + std::to_string(T) + " exceeds the capacity of " +
+                                                  std::to_string(capacity_tokens) +
+                                                  " tokens this layer was planned for; plan a larger max_tokens");
+  }
+  if (T == 0) return;  // nothing is read or written
+
+  const size_t H = static_cast<size_t>(spec.hidden);
+  const size_t E = static_cast<size_t>(spec.num_experts);
+  const size_t k = static_cast<size_t>(spec.top_k);
+  require_pointer(inputs.x, "x", kActivationAlignment);
+  require_pointer(outputs.y, "y", kActivationAlignment);
+
+  Span inputs_read[3] = {{"x", reinterpret_cast<uintptr_t>(inputs.x), T * H * 2}, {}, {}};
+  if (std::holds_alternative<Precomputed>(spec.routing)) {
+    require_pointer(inputs.topk_ids, "topk_ids (precomputed routing)", alignof(int32_t));
+    require_pointer(inputs.topk_weights, "topk_weights (precomputed routing)", alignof(float));
+    inputs_read[1] = {"topk_ids", reinterpret_cast<uintptr_t>(inputs.topk_ids), T * k * sizeof(int32_t)};
+    inputs_read[2] = {"topk_weights", reinterpret_cast<uintptr_t>(inputs.topk_weights), T * k * sizeof(float)};
+  } else {
+    require_pointer(inputs.router_logits, "router_logits", alignof(float));
+    inputs_read[1] = {"router_logits", reinterpret_cast<uintptr_t>(inputs.router_logits), T * E * sizeof(float)};
+  }
+  const Span y{"y", reinterpret_cast<uintptr_t>(outputs.y), T * H * 2};
+  for (const Span& input : inputs_read) {
+    if (overlaps(y, input)) {
+      throw Error(ErrorCode::aliasing, std::string("y overlaps ") + input.name + "; in-place forward is not supported");
+    }
+  }
+}
+
+}  // namespace megamoe

@@ -1,0 +1,122 @@
+// MoeSpec validation and printing.
+#include "megamoe/spec.hpp"
+
+#include <cmath>
+#include <ostream>
+#include <sstream>
+
+#include "megamoe/dtypes.hpp"
+#include "megamoe/error.hpp"
+
+namespace megamoe {
+namespace {
+
+[[noreturn]] void reject(const std::string& message) { throw Error(ErrorCode::invalid_spec, message); }
+
+void validate_grouped(const DeepseekGrouped& mode, const MoeSpec& spec) {
+  const int E = spec.num_experts;
+  if (mode.n_group < 1 || E % mode.n_group != 0) {
+    reject("deepseek_grouped: n_group=" + std::to_string(mode.n_group) + " must be >= 1 and divide num_experts=" +
+           std::to_string(E));
+  }
+  if (mode.topk_group < 1 || mode.topk_group > mode.n_group) {
+    reject("deepseek_grouped: topk_group=" + std::to_string(mode.topk_group) + " must be in [1, n_group=" +
+           std::to_string(mode.n_group) + "]");
+  }
+  const int reachable = mode.topk_group * (E / mode.n_group);
+  if (spec.top_k > reachable) {
+    reject("deepseek_grouped: top_k=" + std::to_string(spec.top_k) + " exceeds the " + std::to_string(reachable) +
+           " experts in topk_group=" + std::to_string(mode.topk_group) + " groups of " + std::to_string(E / mode.n_group));
+  }
+  if (!std::isfinite(mode.routed_scaling_factor) || mode.routed_scaling_factor <= 0.0f) {
+    reject("deepseek_grouped: routed_scaling_factor must be finite and > 0");
+  }
+  if (!mode.e_score_correction_bias.empty() && static_cast<int>(mode.e_score_correction_bias.size()) != E) {
+    reject("deepseek_grouped: e_score_correction_bias has " + std::to_string(mode.e_score_correction_bias.size()) +
+           " entries; it needs num_experts=" + std::to_string(E) + " (or none)");
+  }
+  for (float b : mode.e_score_correction_bias)
+    if (!std::isfinite(b)) reject("deepseek_grouped: e_score_correction_bias holds a non-finite value");
+}
+
+}  // namespace
+
+const char* to_string(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::invalid_spec: return "invalid spec";
+    case ErrorCode::invalid_argument: return "invalid argument";
+    case ErrorCode::null_pointer: return "null pointer";
+    case ErrorCode::misaligned_pointer: return "misaligned pointer";
+    case ErrorCode::aliasing: return "aliasing buffers";
+    case ErrorCode::capacity_exceeded: return "capacity exceeded";
+    case ErrorCode::unsupported: return "unsupported";
+    case ErrorCode::cuda_error: return "CUDA error";
+  }
+  return "unknown error";
+}
+
+const char* to_string(DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return "bf16";
+    case DType::fp32: return "fp32";
+    case DType::fp8_e4m3: return "fp8_e4m3";
+  }
+  return "?";
+}
+
+int size_of(DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return 2;
+    case DType::fp32: return 4;
+    case DType::fp8_e4m3: return 1;
+  }
+  return 0;
+}
+
+const char* to_string(Precision precision) { return precision == Precision::fp8_block ? "fp8_block" : "bf16"; }
+const char* to_string(ScaleFormat format) { return format == ScaleFormat::ue8m0 ? "ue8m0" : "fp32"; }
+
+std::string to_string(const Routing& routing) {
+  std::ostringstream os;
+  if (const auto* softmax = std::get_if<SoftmaxTopK>(&routing)) {
+    os << "softmax_topk(renormalize=" << (softmax->renormalize ? "true" : "false") << ")";
+  } else if (const auto* grouped = std::get_if<DeepseekGrouped>(&routing)) {
+    os << "deepseek_grouped(n_group=" << grouped->n_group << ", topk_group=" << grouped->topk_group
+       << ", routed_scaling_factor=" << grouped->routed_scaling_factor
+       << ", renormalize=" << (grouped->renormalize ? "true" : "false")
+       << ", bias=" << (grouped->e_score_correction_bias.empty() ? "none" : "per-expert") << ")";
+  } else {
+    os << "precomputed";
+  }
+  return os.str();
+}
+
+int channel_granularity(Precision precision) { return precision == Precision::fp8_block ? 128 : 64; }
+
+void validate(const MoeSpec& spec) {
+  if (spec.num_experts < 1) reject("num_experts=" + std::to_string(spec.num_experts) + " must be >= 1");
+  if (spec.top_k < 1 || spec.top_k > spec.num_experts) {
+    reject("top_k=" + std::to_string(spec.top_k) + " must be in [1, num_experts=" + std::to_string(spec.num_experts) + "]");
+  }
+  const int granularity = channel_granularity(spec.precision);
+  for (auto [name, value] : {std::pair{"hidden", spec.hidden}, std::pair{"intermediate", spec.intermediate}}) {
+    if (value < granularity || value % granularity != 0) {
+      reject(std::string(name) + "=" + std::to_string(value) + " must be a positive multiple of " +
+             std::to_string(granularity) + " for precision " + to_string(spec.precision) +
+             (spec.precision == Precision::fp8_block ? " (one scale per 128 channels)" : " (one 128-byte K slice)"));
+    }
+  }
+  if (spec.precision != Precision::fp8_block && spec.scale_format != ScaleFormat::fp32) {
+    reject("scale_format=ue8m0 only applies to precision fp8_block");
+  }
+  if (const auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing)) validate_grouped(*grouped, spec);
+}
+
+std::ostream& operator<<(std::ostream& os, const MoeSpec& spec) {
+  return os << "MoeSpec{E=" << spec.num_experts << ", k=" << spec.top_k << ", H=" << spec.hidden
+            << ", I=" << spec.intermediate << ", precision=" << to_string(spec.precision)
+            << (spec.precision == Precision::fp8_block ? std::string(", scales=") + to_string(spec.scale_format) : "")
+            << ", routing=" << to_string(spec.routing) << "}";
+}
+
+}  // namespace megamoe

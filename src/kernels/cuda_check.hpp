@@ -1,0 +1,23 @@
+// Host-side CUDA error checks: every runtime call and every launch goes through these.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "megamoe/error.hpp"
+
+namespace megamoe {
+
+inline void cuda_check(cudaError_t status, const char* what, const char* file, int line) {
+  if (status != cudaSuccess) {
+    throw Error(ErrorCode::cuda_error, std::string(what) + " failed at " + file + ":" + std::to_string(line) + ": " +
+                                           cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")");
+  }
+}
+
+}  // namespace megamoe
+
+#define MEGAMOE_CUDA_CHECK(expr) ::megamoe::cuda_check((expr), #expr, __FILE__, __LINE__)
+// After a launch: catches configuration errors now and, in debug runs, faults of earlier work.
+#define MEGAMOE_CHECK_LAUNCH(name) ::megamoe::cuda_check(cudaGetLastError(), name, __FILE__, __LINE__)

@@ -1,0 +1,86 @@
+// Workspace of one single-GPU forward: the host sizes the allocation with this struct and the
+// kernels carve the same allocation with it. Every region starts on a 128-byte boundary.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/layout/weight_layout.hpp"
+
+namespace megamoe::layout {
+
+inline constexpr size_t kRegionAlignment = 128;
+
+MEGAMOE_HOST_DEVICE constexpr size_t align_up(size_t value, size_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+struct MoeWorkspaceLayout {
+  // Shape facts the layout was built from.
+  int num_experts = 0;
+  int top_k = 0;
+  int hidden = 0;
+  int intermediate = 0;
+  int max_tokens = 0;
+  int row_padding = 1;       // each expert's segment of the pool is padded to this many rows
+  int element_bytes = 2;     // 1 for fp8_block, 2 for bf16
+  bool has_scales = false;   // fp8_block keeps one fp32 scale per row per 128 channels
+  size_t pool_rows = 0;      // worst-case rows of the expert-contiguous pool
+
+  // Byte offsets of each region.
+  size_t expert_counts = 0;   // int32 [E]: routed rows per expert
+  size_t expert_offsets = 0;  // int32 [E+1]: first pool row of each expert, padded
+  size_t slot_rows = 0;       // int32 [T*k]: pool row of each (token, slot), -1 if unused
+  size_t pool_tokens = 0;     // int32 [pool_rows]: source token of each pool row, -1 for padding
+  size_t activations = 0;     // [pool_rows, H] gathered (and quantized) activations
+  size_t activation_scales = 0;  // fp32 [pool_rows, H/128] (fp8_block)
+  size_t fc1_output = 0;      // [pool_rows, I] SwiGLU output, the FC2 input
+  size_t fc1_scales = 0;      // fp32 [pool_rows, I/128] (fp8_block)
+  size_t slot_outputs = 0;    // bf16 [T*k, H] weighted expert outputs for the deterministic combine
+  size_t error_flags = 0;     // int32 [4]: invalid routing ids seen, reported after forward
+  size_t total_bytes = 0;
+
+  // Rows of the pool in the worst case: every routed row plus, for each expert that can be
+  // non-empty, up to row_padding - 1 rows of padding.
+  MEGAMOE_HOST_DEVICE static constexpr size_t worst_case_pool_rows(int num_experts, int top_k, int max_tokens,
+                                                                   int row_padding) {
+    const size_t routed = static_cast<size_t>(max_tokens) * top_k;
+    const size_t nonempty = routed < static_cast<size_t>(num_experts) ? routed : static_cast<size_t>(num_experts);
+    return align_up(routed + nonempty * (row_padding - 1), row_padding);
+  }
+
+  MEGAMOE_HOST_DEVICE static constexpr MoeWorkspaceLayout make(int num_experts, int top_k, int hidden, int intermediate,
+                                                               int max_tokens, int row_padding, bool fp8) {
+    MoeWorkspaceLayout l;
+    l.num_experts = num_experts;
+    l.top_k = top_k;
+    l.hidden = hidden;
+    l.intermediate = intermediate;
+    l.max_tokens = max_tokens;
+    l.row_padding = row_padding;
+    l.element_bytes = fp8 ? 1 : 2;
+    l.has_scales = fp8;
+    l.pool_rows = worst_case_pool_rows(num_experts, top_k, max_tokens, row_padding);
+    const size_t slots = static_cast<size_t>(max_tokens) * top_k;
+    size_t cursor = 0;
+    auto take = [&cursor](size_t bytes) {
+      const size_t offset = cursor;
+      cursor = align_up(cursor + bytes, kRegionAlignment);
+      return offset;
+    };
+    l.expert_counts = take(sizeof(int32_t) * num_experts);
+    l.expert_offsets = take(sizeof(int32_t) * (num_experts + 1));
+    l.slot_rows = take(sizeof(int32_t) * slots);
+    l.pool_tokens = take(sizeof(int32_t) * l.pool_rows);
+    l.activations = take(l.pool_rows * hidden * l.element_bytes);
+    l.activation_scales = take(fp8 ? l.pool_rows * (hidden / 128) * sizeof(float) : 0);
+    l.fc1_output = take(l.pool_rows * intermediate * l.element_bytes);
+    l.fc1_scales = take(fp8 ? l.pool_rows * (intermediate / 128) * sizeof(float) : 0);
+    l.slot_outputs = take(slots * hidden * 2);
+    l.error_flags = take(sizeof(int32_t) * 4);
+    l.total_bytes = cursor;
+    return l;
+  }
+};
+
+}  // namespace megamoe::layout

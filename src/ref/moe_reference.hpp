@@ -1,0 +1,40 @@
+// The MoE layer forward on the CPU in fp64: the oracle every device kernel is checked against.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "megamoe/forward.hpp"
+#include "megamoe/weights.hpp"
+#include "ref/routing.hpp"
+
+namespace megamoe::ref {
+
+struct ReferenceReport {
+  RoutingResult routing;     // ids and weights used (the caller's own when precomputed)
+  long invalid_ids = 0;      // out-of-range or duplicate ids, which contributed nothing
+  std::vector<double> y;     // [T, H] before the final rounding to bf16
+};
+
+// Called after each expert is computed (done experts, total).
+using ReferenceProgress = std::function<void(int done, int total)>;
+
+// Emulates the device pipeline at every quantization point, so it can be compared tightly:
+//  fp8_block: x -> E4M3 per token per 128 channels; FC1 on decoded values (exact products, fp64
+//  sums); SwiGLU in fp64 rounded to fp32; FC1 output -> E4M3 per token per 128; FC2; weighted
+//  sum over the top-k in fixed slot order; bf16 out.
+//  bf16: the same with no quantization, the FC1 output rounded to bf16.
+// Host buffers; validates like forward and writes outputs.y only after validation.
+ReferenceReport reference_forward(const MoeSpec& spec, const PackedWeights& weights, const MoeInputs& inputs,
+                                  const MoeOutputs& outputs, const ReferenceProgress& progress = {});
+
+// Unquantized math on the caller's original weights (no activation or FC1-output quantization):
+// the loose check that quantization did not change what the layer computes.
+ReferenceReport reference_forward_unquantized(const MoeSpec& spec, const WeightsView& weights,
+                                              const MoeInputs& inputs, const MoeOutputs& outputs,
+                                              const ReferenceProgress& progress = {});
+
+// SiLU(g) * u in fp64.
+double swiglu(double gate, double up);
+
+}  // namespace megamoe::ref

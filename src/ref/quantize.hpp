@@ -1,0 +1,36 @@
+// Block quantization to FP8 E4M3: weights in 128x128 blocks, activations per row per 128
+// channels. Every function here defines the exact arithmetic the device kernels reproduce.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "megamoe/spec.hpp"
+
+namespace megamoe::ref {
+
+inline constexpr int kQuantBlock = 128;
+
+// Quantizes `count` values spaced `stride` apart as one block: writes the codes to `codes`
+// (same spacing) and returns the block's scale. Decoded value = e4m3_decode(code) * scale.
+float quantize_block(const float* values, int count, long stride, ScaleFormat format,
+                     uint8_t* codes);
+
+// Row-major [rows, cols] matrix, cols a multiple of 128: one scale per row per 128 columns,
+// scales [rows, cols/128].
+struct QuantizedRows {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+};
+QuantizedRows quantize_rows_per_128(const float* values, int rows, int cols, ScaleFormat format);
+
+// Row-major [rows, cols] matrix, both multiples of 128: one scale per 128x128 block,
+// scales [rows/128, cols/128]. Appends to `codes` and `scales`.
+void quantize_blocks_128x128(const float* values, int rows, int cols, ScaleFormat format,
+                             std::vector<uint8_t>& codes, std::vector<float>& scales);
+
+// Decoded value of every code, row-major [rows, cols], given per-row-per-128 scales.
+std::vector<double> dequantize_rows_per_128(const uint8_t* codes, const float* scales, int rows,
+                                            int cols);
+
+}  // namespace megamoe::ref

@@ -1,0 +1,37 @@
+// Reference routing: router logits -> top-k expert ids and weights.
+//
+// Conventions the device kernels follow too:
+//  - logits are sanitized first: NaN -> -FLT_MAX (never preferred), +-inf -> +-FLT_MAX, so every
+//    row yields k distinct valid ids and finite weights;
+//  - ties are broken by the lower expert (or group) index;
+//  - scores are computed in double and rounded to float.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "megamoe/spec.hpp"
+
+namespace megamoe::ref {
+
+struct RoutingResult {
+  int num_tokens = 0;
+  int top_k = 0;
+  std::vector<int32_t> ids;     // [T, k]; ordered by decreasing preference
+  std::vector<float> weights;   // [T, k]
+};
+
+// softmax_topk or deepseek_grouped; logits [T, E]. Throws for precomputed routing.
+RoutingResult route(const MoeSpec& spec, const float* logits, int num_tokens);
+
+float sanitize_logit(float logit);
+
+// Per-token validity of precomputed ids: an id is used iff 0 <= id < E and no earlier slot of the
+// same token holds it; -1 is silently unused; any other unused id counts as invalid.
+struct RoutingCheck {
+  std::vector<uint8_t> used;  // [T, k]
+  long invalid_ids = 0;
+};
+RoutingCheck check_routing(const int32_t* ids, int num_tokens, int top_k, int num_experts);
+
+}  // namespace megamoe::ref

@@ -1,0 +1,145 @@
+// prepare_weights: vLLM-layout weights -> interleaved, optionally FP8-block-quantized packs.
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "kernels/layout/weight_layout.hpp"
+#include "megamoe/error.hpp"
+#include "megamoe/weights.hpp"
+#include "ref/fp8_codec.hpp"
+#include "ref/quantize.hpp"
+#include "ref/weight_packing.hpp"
+
+namespace megamoe {
+namespace {
+
+// One expert's matrix as fp32, whatever the caller's dtype.
+std::vector<float> load_matrix(const void* base, DType dtype, size_t offset, size_t count) {
+  std::vector<float> out(count);
+  if (dtype == DType::fp32) {
+    std::memcpy(out.data(), static_cast<const float*>(base) + offset, count * sizeof(float));
+  } else {
+    const bf16_t* src = static_cast<const bf16_t*>(base) + offset;
+    for (size_t i = 0; i < count; ++i) out[i] = src[i].to_float();
+  }
+  return out;
+}
+
+void append_matrix(const std::vector<float>& values, int rows, int cols, const PackedWeights& packed,
+                   std::vector<uint8_t>& codes, std::vector<float>& scales) {
+  if (packed.precision == Precision::fp8_block) {
+    ref::quantize_blocks_128x128(values.data(), rows, cols, packed.scale_format, codes, scales);
+    return;
+  }
+  const size_t base = codes.size();
+  codes.resize(base + values.size() * sizeof(bf16_t));
+  for (size_t i = 0; i < values.size(); ++i) {
+    const bf16_t b = bf16_t::from_float(values[i]);
+    std::memcpy(codes.data() + base + i * sizeof(bf16_t), &b, sizeof b);
+  }
+}
+
+}  // namespace
+
+namespace ref {
+namespace {
+
+// Exact decoded values of one packed matrix of one expert: e4m3 * fp32 scale fits a double.
+std::vector<double> decode_matrix(const PackedWeights& packed, const std::vector<uint8_t>& codes,
+                                  const std::vector<float>& scales, size_t expert, int rows, int cols) {
+  const size_t count = static_cast<size_t>(rows) * cols;
+  std::vector<double> out(count);
+  if (packed.precision == Precision::bf16) {
+    const uint8_t* src = codes.data() + expert * count * sizeof(bf16_t);
+    for (size_t i = 0; i < count; ++i) {
+      bf16_t b;
+      std::memcpy(&b, src + i * sizeof(bf16_t), sizeof b);
+      out[i] = b.to_float();
+    }
+    return out;
+  }
+  const int block_cols = cols / kQuantBlock;
+  const float* expert_scales = scales.data() + expert * (rows / kQuantBlock) * block_cols;
+  const uint8_t* src = codes.data() + expert * count;
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      const double scale = expert_scales[(r / kQuantBlock) * block_cols + c / kQuantBlock];
+      out[static_cast<size_t>(r) * cols + c] = e4m3_decode(src[static_cast<size_t>(r) * cols + c]) * scale;
+    }
+  return out;
+}
+
+}  // namespace
+}  // namespace ref
+
+size_t PackedWeights::bytes_per_expert() const {
+  const size_t elements = 3ull * hidden * intermediate;
+  const size_t scale_count = precision == Precision::fp8_block
+                                 ? 3ull * (hidden / ref::kQuantBlock) * (intermediate / ref::kQuantBlock)
+                                 : 0;
+  return elements * element_bytes() + scale_count * sizeof(float);
+}
+
+PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, const PackProgress& progress) {
+  validate(spec);
+  if (weights.w13 == nullptr) throw Error(ErrorCode::null_pointer, "weights.w13 is null");
+  if (weights.w2 == nullptr) throw Error(ErrorCode::null_pointer, "weights.w2 is null");
+  if (weights.dtype != DType::bf16 && weights.dtype != DType::fp32) {
+    throw Error(ErrorCode::invalid_argument, std::string("weights.dtype=") + to_string(weights.dtype) +
+                                                 " is not accepted; pass bf16 or fp32 weights");
+  }
+  const int E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
+  PackedWeights packed;
+  packed.num_experts = E;
+  packed.hidden = H;
+  packed.intermediate = I;
+  packed.precision = spec.precision;
+  packed.scale_format = spec.scale_format;
+  const size_t w13_count = 2ull * I * H;
+  const size_t w2_count = static_cast<size_t>(H) * I;
+  packed.w13.reserve(E * w13_count * packed.element_bytes());
+  packed.w2.reserve(E * w2_count * packed.element_bytes());
+
+  std::vector<float> interleaved(w13_count);
+  for (int e = 0; e < E; ++e) {
+    const std::vector<float> w13 = load_matrix(weights.w13, weights.dtype, e * w13_count, w13_count);
+    for (int row = 0; row < 2 * I; ++row) {
+      std::memcpy(interleaved.data() + static_cast<size_t>(layout::packed_w13_row(row, I)) * H,
+                  w13.data() + static_cast<size_t>(row) * H, H * sizeof(float));
+    }
+    append_matrix(interleaved, 2 * I, H, packed, packed.w13, packed.w13_scales);
+    append_matrix(load_matrix(weights.w2, weights.dtype, e * w2_count, w2_count), H, I, packed, packed.w2,
+                  packed.w2_scales);
+    if (progress) progress(e + 1, E);
+  }
+  return packed;
+}
+
+namespace ref {
+
+ExpertMatrices decode_expert(const PackedWeights& packed, int expert) {
+  const int H = packed.hidden, I = packed.intermediate;
+  const std::vector<double> w13 = decode_matrix(packed, packed.w13, packed.w13_scales, expert, 2 * I, H);
+  ExpertMatrices out;
+  out.w13.resize(w13.size());
+  for (int row = 0; row < 2 * I; ++row) {
+    std::copy_n(w13.data() + static_cast<size_t>(layout::packed_w13_row(row, I)) * H, H,
+                out.w13.data() + static_cast<size_t>(row) * H);
+  }
+  out.w2 = decode_matrix(packed, packed.w2, packed.w2_scales, expert, H, I);
+  return out;
+}
+
+}  // namespace ref
+
+DequantizedWeights unpack_weights(const PackedWeights& packed) {
+  DequantizedWeights out;
+  for (int e = 0; e < packed.num_experts; ++e) {
+    const ref::ExpertMatrices expert = ref::decode_expert(packed, e);
+    out.w13.insert(out.w13.end(), expert.w13.begin(), expert.w13.end());
+    out.w2.insert(out.w2.end(), expert.w2.begin(), expert.w2.end());
+  }
+  return out;
+}
+
+}  // namespace megamoe

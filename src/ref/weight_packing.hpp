@@ -1,0 +1,18 @@
+// Exact decoding of packed weights, for the reference layer and unpack_weights.
+#pragma once
+
+#include <vector>
+
+#include "megamoe/weights.hpp"
+
+namespace megamoe::ref {
+
+// One expert's weights in the original vLLM order (w13 [2I, H] gate rows then up rows,
+// w2 [H, I]); fp8 values are decode(code) * scale, exact in double.
+struct ExpertMatrices {
+  std::vector<double> w13;
+  std::vector<double> w2;
+};
+ExpertMatrices decode_expert(const PackedWeights& packed, int expert);
+
+}  // namespace megamoe::ref

@@ -1,0 +1,124 @@
+#include <gtest/gtest.h>
+
+#include <optional>
+
+#include "megamoe/error.hpp"
+#include "megamoe/forward.hpp"
+#include "megamoe/spec.hpp"
+
+namespace megamoe {
+namespace {
+
+MoeSpec valid_spec() {
+  MoeSpec spec;
+  spec.num_experts = 16;
+  spec.top_k = 4;
+  spec.hidden = 256;
+  spec.intermediate = 128;
+  spec.precision = Precision::fp8_block;
+  return spec;
+}
+
+template <class F>
+std::optional<ErrorCode> error_of(F&& call, std::string* message = nullptr) {
+  try {
+    call();
+  } catch (const Error& e) {
+    if (message) *message = e.what();
+    return e.code();
+  }
+  return std::nullopt;
+}
+
+TEST(ValidateSpec, AcceptsValidSpecs) {
+  EXPECT_EQ(error_of([] { validate(valid_spec()); }), std::nullopt);
+  MoeSpec bf16 = valid_spec();
+  bf16.precision = Precision::bf16;
+  bf16.hidden = 192;
+  bf16.intermediate = 64;
+  EXPECT_EQ(error_of([&] { validate(bf16); }), std::nullopt);
+}
+
+TEST(ValidateSpec, EachErrorNamesTheField) {
+  struct Case {
+    const char* field;
+    void (*mutate)(MoeSpec&);
+  };
+  const Case cases[] = {
+      {"num_experts", [](MoeSpec& s) { s.num_experts = 0; }},
+      {"top_k", [](MoeSpec& s) { s.top_k = 17; }},
+      {"top_k", [](MoeSpec& s) { s.top_k = 0; }},
+      {"hidden", [](MoeSpec& s) { s.hidden = 192; }},  // fp8_block needs multiples of 128
+      {"intermediate", [](MoeSpec& s) { s.intermediate = 0; }},
+      {"hidden", [](MoeSpec& s) { s.precision = Precision::bf16; s.hidden = 96; }},
+      {"ue8m0", [](MoeSpec& s) { s.precision = Precision::bf16; s.scale_format = ScaleFormat::ue8m0; }},
+      {"n_group", [](MoeSpec& s) { s.routing = DeepseekGrouped{.n_group = 3, .topk_group = 1}; }},
+      {"topk_group", [](MoeSpec& s) { s.routing = DeepseekGrouped{.n_group = 4, .topk_group = 5}; }},
+      {"top_k", [](MoeSpec& s) { s.routing = DeepseekGrouped{.n_group = 8, .topk_group = 1}; }},  // 2 experts reachable
+      {"routed_scaling_factor", [](MoeSpec& s) { s.routing = DeepseekGrouped{.n_group = 4, .topk_group = 2, .routed_scaling_factor = 0.0f}; }},
+      {"e_score_correction_bias", [](MoeSpec& s) {
+         s.routing = DeepseekGrouped{.n_group = 4, .topk_group = 2, .e_score_correction_bias = {1.0f, 2.0f}};
+       }},
+  };
+  for (const Case& c : cases) {
+    MoeSpec spec = valid_spec();
+    c.mutate(spec);
+    std::string message;
+    EXPECT_EQ(error_of([&] { validate(spec); }, &message), ErrorCode::invalid_spec) << c.field;
+    EXPECT_NE(message.find(c.field), std::string::npos) << "message '" << message << "' should name " << c.field;
+  }
+}
+
+class ValidateForward : public ::testing::Test {
+ protected:
+  static constexpr int kTokens = 4;
+  alignas(16) uint16_t x[kTokens * 256] = {};
+  alignas(16) uint16_t y[kTokens * 256] = {};
+  alignas(16) float logits[kTokens * 16] = {};
+  alignas(16) int32_t ids[kTokens * 4] = {};
+  alignas(16) float weights[kTokens * 4] = {};
+
+  MoeInputs inputs() { return MoeInputs{kTokens, x, logits, ids, weights}; }
+};
+
+TEST_F(ValidateForward, AcceptsValidCallsAndEmptyBatches) {
+  EXPECT_EQ(error_of([&] { validate_forward_args(valid_spec(), 8, inputs(), MoeOutputs{y}); }), std::nullopt);
+  MoeInputs empty = inputs();
+  empty.num_tokens = 0;
+  empty.x = nullptr;
+  EXPECT_EQ(error_of([&] { validate_forward_args(valid_spec(), 8, empty, MoeOutputs{nullptr}); }), std::nullopt);
+}
+
+TEST_F(ValidateForward, RejectsEachBadArgument) {
+  const MoeSpec spec = valid_spec();
+  MoeSpec precomputed = spec;
+  precomputed.routing = Precomputed{};
+  auto check = [&](ErrorCode expected, const MoeSpec& s, int capacity, MoeInputs in, MoeOutputs out) {
+    EXPECT_EQ(error_of([&] { validate_forward_args(s, capacity, in, out); }), expected);
+  };
+  MoeInputs in = inputs();
+  check(ErrorCode::capacity_exceeded, spec, 3, in, MoeOutputs{y});
+  in.num_tokens = -1;
+  check(ErrorCode::invalid_argument, spec, 8, in, MoeOutputs{y});
+  in = inputs();
+  in.x = nullptr;
+  check(ErrorCode::null_pointer, spec, 8, in, MoeOutputs{y});
+  in = inputs();
+  in.x = reinterpret_cast<const char*>(x) + 2;
+  check(ErrorCode::misaligned_pointer, spec, 8, in, MoeOutputs{y});
+  check(ErrorCode::null_pointer, spec, 8, inputs(), MoeOutputs{nullptr});
+  check(ErrorCode::misaligned_pointer, spec, 8, inputs(), MoeOutputs{reinterpret_cast<char*>(y) + 8});
+  in = inputs();
+  in.router_logits = nullptr;
+  check(ErrorCode::null_pointer, spec, 8, in, MoeOutputs{y});
+  check(ErrorCode::null_pointer, precomputed, 8, MoeInputs{kTokens, x, logits, nullptr, weights}, MoeOutputs{y});
+  check(ErrorCode::null_pointer, precomputed, 8, MoeInputs{kTokens, x, logits, ids, nullptr}, MoeOutputs{y});
+  check(ErrorCode::aliasing, spec, 8, inputs(), MoeOutputs{x});
+  check(ErrorCode::aliasing, spec, 8, inputs(), MoeOutputs{x + 128});
+  MoeSpec bad = spec;
+  bad.top_k = 0;
+  check(ErrorCode::invalid_spec, bad, 8, inputs(), MoeOutputs{y});
+}
+
+}  // namespace
+}  // namespace megamoe

@@ -1,0 +1,117 @@
+#include "plan/planner.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "megamoe/error.hpp"
+#include "plan/workloads.hpp"
+
+namespace megamoe::plan {
+namespace {
+
+MoeSpec workload(const std::string& name, Precision precision) {
+  MoeSpec spec = find_workload(name).spec;
+  spec.precision = precision;
+  return spec;
+}
+
+TEST(Planner, SmallBatchesUseSwapAbWithTokenTileCoveringRowsPerExpert) {
+  const DeviceFacts h200 = DeviceFacts::h200_measured();
+  for (const Workload& w : named_workloads()) {
+    for (Precision precision : {Precision::bf16, Precision::fp8_block}) {
+      MoeSpec spec = w.spec;
+      spec.precision = precision;
+      for (int tokens : kTokenBuckets) {
+        const MoePlan plan = plan_moe(spec, tokens, 8192, h200);
+        SCOPED_TRACE(w.name + " tokens=" + std::to_string(tokens));
+        for (const GemmConfig* c : {&plan.fc1, &plan.fc2}) {
+          EXPECT_EQ(c->swap_ab, plan.expected_rows_per_expert <= 64);
+          if (c->swap_ab) {
+            EXPECT_GE(c->token_tile, std::min(plan.expected_rows_per_expert, 64));
+            EXPECT_GE(c->token_tile, 8);
+            EXPECT_EQ(c->block_n, c->token_tile);
+          }
+          EXPECT_EQ(c->block_k, precision == Precision::fp8_block ? 128 : 64);
+          EXPECT_GE(c->stages, 3) << "every named workload must get enough stages to hide TMA latency";
+          EXPECT_LE(c->smem_bytes, h200.smem_per_block_optin);
+          EXPECT_EQ(c->block_m % 64, 0) << "wgmma M is 64 per warpgroup";
+          EXPECT_FALSE(c->reasons.empty());
+        }
+      }
+    }
+  }
+}
+
+TEST(Planner, OneTokenTouchesTopKExpertsWithOneRowEach) {
+  const MoePlan plan = plan_moe(workload("qwen35-a3b", Precision::fp8_block), 1, 128, DeviceFacts::h200_measured());
+  EXPECT_EQ(plan.expected_rows_per_expert, 1);
+  EXPECT_TRUE(plan.fc1.swap_ab);
+  EXPECT_EQ(plan.fc1.token_tile, 8);
+  EXPECT_EQ(plan.fc1.expected_tiles, 8 * (2 * 512 / 128));
+}
+
+TEST(Planner, LargeBatchesPutTokensOnM) {
+  const MoePlan plan = plan_moe(workload("dsv3", Precision::fp8_block), 8192, 8192, DeviceFacts::h200_measured());
+  EXPECT_EQ(plan.expected_rows_per_expert, 256);
+  EXPECT_FALSE(plan.fc1.swap_ab);
+  EXPECT_EQ(plan.fc1.token_tile, 128);
+}
+
+TEST(Planner, IsDeterministicAndPrintable) {
+  const MoeSpec spec = workload("qwen3-30b-a3b", Precision::bf16);
+  std::ostringstream a, b;
+  a << plan_moe(spec, 128, 2048, DeviceFacts::h200_measured());
+  b << plan_moe(spec, 128, 2048, DeviceFacts::h200_measured());
+  EXPECT_EQ(a.str(), b.str());
+  EXPECT_NE(a.str().find("swapAB"), std::string::npos);
+}
+
+TEST(Planner, RejectsImpossibleRequests) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  DeviceFacts tiny = DeviceFacts::h200_measured();
+  tiny.smem_per_block_optin = 40 * 1024;
+  EXPECT_THROW(plan_moe(spec, 4096, 8192, tiny), Error);
+  EXPECT_THROW(plan_moe(spec, 0, 8, DeviceFacts::h200_measured()), Error);
+  EXPECT_THROW(plan_moe(spec, 9, 8, DeviceFacts::h200_measured()), Error);
+  DeviceFacts none;
+  EXPECT_THROW(plan_moe(spec, 1, 8, none), Error);
+}
+
+TEST(Floors, OneTokenStreamsExactlyTopKExperts) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  const DeviceFacts h200 = DeviceFacts::h200_measured();
+  const Floors f = expected_floors(spec, 1, h200);
+  EXPECT_NEAR(f.touched_experts, 8.0, 1e-9);
+  const double expert_bytes = 3.0 * 2048 * 512 + 3.0 * 16 * 4 * 4;
+  EXPECT_DOUBLE_EQ(expert_weight_bytes(spec), expert_bytes);
+  EXPECT_NEAR(f.weight_bytes, 8 * expert_bytes, 1e-3);
+  EXPECT_NEAR(f.useful_flops, 2.0 * 8 * 3 * 2048 * 512, 1);
+  EXPECT_NEAR(f.floor_us, f.weight_bytes / 4.18e12 * 1e6, 1e-9);
+  EXPECT_STREQ(f.bound, "hbm");
+}
+
+TEST(Floors, ExpectedTouchedExpertsMatchesTheClosedForm) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  const Floors f128 = expected_floors(spec, 128, DeviceFacts::h200_measured());
+  EXPECT_NEAR(f128.touched_experts, 256 * (1 - std::pow(1 - 8.0 / 256, 128)), 1e-9);
+  // The seeds' note: at 128 tokens almost every expert is touched, so ~0.19 ms of weights.
+  EXPECT_GT(f128.touched_experts, 250);
+  EXPECT_NEAR(f128.floor_us, 190, 10);
+  const Floors big = expected_floors(workload("dsv3", Precision::fp8_block), 8192, DeviceFacts::h200_measured());
+  EXPECT_STREQ(big.bound, "compute");
+}
+
+TEST(Floors, RoutedFloorsCountDistinctValidExperts) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::bf16);
+  std::vector<int32_t> ids = {0, 1, 2, 3, 4, 5, 6, 7,  // token 0
+                              0, 1, 2, 3, -1, 300, 9, 9};  // token 1: -1 unused, 300 invalid, 9 twice
+  const Floors f = routed_floors(spec, ids.data(), 2, DeviceFacts::h200_measured());
+  EXPECT_EQ(f.touched_experts, 9);
+  EXPECT_EQ(f.routed_rows, 8 + 5);
+  EXPECT_NEAR(f.weight_bytes, 9 * 3.0 * 2048 * 512 * 2, 1e-3);
+}
+
+}  // namespace
+}  // namespace megamoe::plan

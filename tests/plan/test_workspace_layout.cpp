@@ -1,0 +1,62 @@
+#include "kernels/layout/moe_workspace.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "plan/planner.hpp"
+#include "plan/workloads.hpp"
+
+namespace megamoe::layout {
+namespace {
+
+TEST(MoeWorkspaceLayout, WorstCasePoolCoversEveryRoutingThatFits) {
+  // Adversarial routings for E=8, k=2, T=5, padding 4: count each expert's padded rows.
+  const int E = 8, k = 2, T = 5, pad = 4;
+  const size_t bound = MoeWorkspaceLayout::worst_case_pool_rows(E, k, T, pad);
+  // 10 routed rows spread over 8 experts: 2 experts with 2 rows and 6 with 1 -> 8 tiles of 4.
+  EXPECT_GE(bound, 32u);
+  // All on as many experts as possible can never exceed routed + nonempty * (pad - 1).
+  EXPECT_EQ(bound, 10u + 8u * 3u + (pad - (10 + 24) % pad) % pad);
+  EXPECT_EQ(MoeWorkspaceLayout::worst_case_pool_rows(256, 8, 1, 8), 64u);  // 8 experts, 1 row each, 7 padding
+}
+
+TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
+  for (bool fp8 : {false, true}) {
+    const MoeWorkspaceLayout l = MoeWorkspaceLayout::make(256, 8, 7168, 2048, 4096, 128, fp8);
+    const std::vector<std::pair<size_t, size_t>> regions = {
+        {l.expert_counts, 4 * 256},
+        {l.expert_offsets, 4 * 257},
+        {l.slot_rows, 4ull * 4096 * 8},
+        {l.pool_tokens, 4 * l.pool_rows},
+        {l.activations, l.pool_rows * 7168 * (fp8 ? 1 : 2)},
+        {l.activation_scales, fp8 ? l.pool_rows * 56 * 4 : 0},
+        {l.fc1_output, l.pool_rows * 2048 * (fp8 ? 1 : 2)},
+        {l.fc1_scales, fp8 ? l.pool_rows * 16 * 4 : 0},
+        {l.slot_outputs, 4096ull * 8 * 7168 * 2},
+        {l.error_flags, 16}};
+    size_t end = 0;
+    for (const auto& [offset, bytes] : regions) {
+      EXPECT_EQ(offset % kRegionAlignment, 0u);
+      EXPECT_GE(offset, end) << "regions overlap";
+      end = offset + bytes;
+    }
+    EXPECT_GE(l.total_bytes, end);
+    EXPECT_EQ(l.pool_rows % 128, 0u);
+  }
+}
+
+TEST(MoeWorkspaceLayout, PlannerSizesThePoolForTheWidestTileUpToCapacity) {
+  MoeSpec spec = plan::find_workload("qwen35-a3b").spec;
+  spec.precision = Precision::fp8_block;
+  const plan::MoePlan small = plan::plan_moe(spec, 1, 8192, plan::DeviceFacts::h200_measured());
+  const plan::MoePlan large = plan::plan_moe(spec, 8192, 8192, plan::DeviceFacts::h200_measured());
+  EXPECT_EQ(small.workspace.total_bytes, large.workspace.total_bytes)
+      << "one allocation must serve every token count up to capacity";
+  EXPECT_GE(small.workspace.row_padding, large.fc1.token_tile);
+}
+
+}  // namespace
+}  // namespace megamoe::layout

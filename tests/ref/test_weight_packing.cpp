@@ -1,0 +1,120 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "common/test_random.hpp"
+#include "kernels/layout/weight_layout.hpp"
+#include "megamoe/error.hpp"
+#include "megamoe/weights.hpp"
+#include "ref/fp8_codec.hpp"
+
+namespace megamoe {
+namespace {
+
+MoeSpec small_spec(Precision precision, int E = 3, int H = 256, int I = 128) {
+  MoeSpec spec;
+  spec.num_experts = E;
+  spec.top_k = 2;
+  spec.hidden = H;
+  spec.intermediate = I;
+  spec.precision = precision;
+  return spec;
+}
+
+TEST(WeightLayout, InterleaveByEightIsABijection) {
+  for (int I : {8, 64, 512, 2048}) {
+    std::vector<int> seen(2 * I, 0);
+    for (int row = 0; row < 2 * I; ++row) {
+      const int packed = layout::packed_w13_row(row, I);
+      ASSERT_GE(packed, 0);
+      ASSERT_LT(packed, 2 * I);
+      ASSERT_EQ(layout::original_w13_row(packed, I), row);
+      ++seen[packed];
+    }
+    for (int count : seen) ASSERT_EQ(count, 1);
+  }
+  // gate[0:8], up[0:8], gate[8:16], ...
+  EXPECT_EQ(layout::original_w13_row(0, 64), 0);
+  EXPECT_EQ(layout::original_w13_row(7, 64), 7);
+  EXPECT_EQ(layout::original_w13_row(8, 64), 64);
+  EXPECT_EQ(layout::original_w13_row(15, 64), 71);
+  EXPECT_EQ(layout::original_w13_row(16, 64), 8);
+  EXPECT_EQ(layout::original_w13_row(24, 64), 72);
+}
+
+TEST(PrepareWeights, Bf16PackIsExactAndInterleaved) {
+  test::SeededRng rng;
+  const MoeSpec spec = small_spec(Precision::bf16, 3, 128, 64);
+  const auto w13 = rng.bf16_normals(3ull * 2 * 64 * 128);
+  const auto w2 = rng.bf16_normals(3ull * 128 * 64);
+  const PackedWeights packed = prepare_weights(spec, WeightsView{w13.data(), w2.data(), DType::bf16});
+  ASSERT_EQ(packed.w13.size(), w13.size() * 2);
+  EXPECT_TRUE(packed.w13_scales.empty());
+  // Packed row 8 of expert 1 is up row 0, i.e. original row I.
+  bf16_t first;
+  std::memcpy(&first, packed.w13.data() + (1ull * 2 * 64 * 128 + 8 * 128) * 2, 2);
+  EXPECT_EQ(first.bits, w13[1ull * 2 * 64 * 128 + 64 * 128].bits);
+  const DequantizedWeights back = unpack_weights(packed);
+  for (size_t i = 0; i < w13.size(); ++i) ASSERT_EQ(back.w13[i], w13[i].to_float()) << i;
+  for (size_t i = 0; i < w2.size(); ++i) ASSERT_EQ(back.w2[i], w2[i].to_float()) << i;
+}
+
+TEST(PrepareWeights, Fp32InputRoundsToBf16) {
+  const MoeSpec spec = small_spec(Precision::bf16, 2, 64, 64);
+  std::vector<float> w13(2 * 2 * 64 * 64, 1.0f + 0x1p-10f), w2(2 * 64 * 64, -3.0f);
+  const DequantizedWeights back = unpack_weights(prepare_weights(spec, WeightsView{w13.data(), w2.data(), DType::fp32}));
+  for (float v : back.w13) ASSERT_EQ(v, 1.0f);  // 1 + 2^-10 rounds to 1 in bf16
+  for (float v : back.w2) ASSERT_EQ(v, -3.0f);
+}
+
+class PrepareFp8 : public ::testing::TestWithParam<ScaleFormat> {};
+
+TEST_P(PrepareFp8, ScalesPerPackedBlockAndBoundedError) {
+  test::SeededRng rng;
+  MoeSpec spec = small_spec(Precision::fp8_block, 2, 256, 128);
+  spec.scale_format = GetParam();
+  std::vector<float> w13 = rng.normals(2ull * 256 * 256, 0.05f), w2 = rng.normals(2ull * 256 * 128, 0.05f);
+  w13[1ull * 256 * 256 + 200 * 256 + 3] = 4.0f;  // expert 1, up row 72 -> packed row 16*9+8 = 152: block (1, 0)
+  const PackedWeights packed = prepare_weights(spec, WeightsView{w13.data(), w2.data(), DType::fp32});
+  ASSERT_EQ(packed.w13.size(), w13.size());
+  ASSERT_EQ(packed.w13_scales.size(), 2u * 2 * 2);
+  ASSERT_EQ(packed.w2_scales.size(), 2u * 2 * 1);
+  EXPECT_EQ(layout::packed_w13_row(200, 128), 152);
+  if (spec.scale_format == ScaleFormat::fp32) {
+    EXPECT_EQ(packed.w13_scales[4 + 1 * 2 + 0], 4.0f / 448.0f);
+    EXPECT_EQ(packed.w13[1ull * 256 * 256 + 152 * 256 + 3], 0x7E);
+  }
+  const DequantizedWeights back = unpack_weights(packed);
+  for (size_t i = 0; i < w13.size(); ++i) {
+    // Half an E4M3 step of the block's largest value bounds the error of any element.
+    ASSERT_NEAR(back.w13[i], w13[i], std::fabs(w13[i]) / 16 + 4.0 / 448 * 0x1p-10 * 2 + 1e-7) << i;
+  }
+  for (size_t i = 0; i < w2.size(); ++i) ASSERT_NEAR(back.w2[i], w2[i], std::fabs(w2[i]) / 16 + 1e-5) << i;
+  EXPECT_EQ(packed.bytes_per_expert(), 3ull * 256 * 128 + 3ull * 2 * 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, PrepareFp8, ::testing::Values(ScaleFormat::fp32, ScaleFormat::ue8m0));
+
+TEST(PrepareWeights, RejectsBadInput) {
+  const MoeSpec spec = small_spec(Precision::fp8_block);
+  std::vector<float> w(3ull * 2 * 128 * 256);
+  auto code_of = [&](const WeightsView& view, const MoeSpec& s) -> std::optional<ErrorCode> {
+    try {
+      prepare_weights(s, view);
+    } catch (const Error& e) {
+      return e.code();
+    }
+    return std::nullopt;
+  };
+  EXPECT_EQ(code_of(WeightsView{nullptr, w.data(), DType::fp32}, spec), ErrorCode::null_pointer);
+  EXPECT_EQ(code_of(WeightsView{w.data(), nullptr, DType::fp32}, spec), ErrorCode::null_pointer);
+  EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp8_e4m3}, spec), ErrorCode::invalid_argument);
+  MoeSpec bad = spec;
+  bad.hidden = 200;
+  EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp32}, bad), ErrorCode::invalid_spec);
+}
+
+}  // namespace
+}  // namespace megamoe

@@ -1,0 +1,43 @@
+// A small ordered JSON writer for bench records: objects of numbers, strings, bools and nested
+// values, written with stable key order so committed results diff cleanly.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace megamoe::bench {
+
+class Json {
+ public:
+  static Json object();
+  static Json array();
+  Json(double number);
+  Json(long long number);
+  Json(int number) : Json(static_cast<long long>(number)) {}
+  Json(bool flag);
+  Json(std::string text);
+  Json(const char* text) : Json(std::string(text)) {}
+
+  Json& set(const std::string& key, Json value);  // objects
+  Json& push(Json value);                         // arrays
+  std::string dump(int indent = 2) const;
+
+ private:
+  enum class Kind { object, array, number, integer, boolean, string };
+  Json() = default;
+  void write(std::string& out, int indent, int depth) const;
+
+  Kind kind_ = Kind::object;
+  double number_ = 0;
+  long long integer_ = 0;
+  bool boolean_ = false;
+  std::string text_;
+  std::vector<std::pair<std::string, Json>> members_;  // object members or array items (empty keys)
+};
+
+// Writes `json` to `path`, creating parent folders; throws std::runtime_error on failure.
+void write_json_file(const std::string& path, const Json& json);
+
+}  // namespace megamoe::bench

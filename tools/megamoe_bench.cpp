@@ -1,0 +1,299 @@
+// megamoe-bench: measures one MoE layer configuration and prints what it measured.
+//
+// This build has no GPU forward yet (it arrives with the single-GPU layer), so the bench runs the
+// CPU fp64 reference on a reduced problem (fewer experts and tokens than the workload, said so in
+// the output), checks the quantization-emulating reference against unquantized math, and prints
+// the planner's configuration and the H200 floors of the full workload.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench_json.hpp"
+#include "megamoe/error.hpp"
+#include "megamoe/forward.hpp"
+#include "megamoe/weights.hpp"
+#include "plan/planner.hpp"
+#include "plan/workloads.hpp"
+#include "progress.hpp"
+#include "ref/moe_reference.hpp"
+
+namespace megamoe::bench {
+namespace {
+
+constexpr int kCpuDefaultTokens = 4;
+constexpr int kCpuDefaultExperts = 16;
+
+struct Options {
+  std::string workload = "qwen35-a3b";
+  std::optional<int> tokens;
+  std::optional<int> experts;
+  Precision precision = Precision::fp8_block;
+  ScaleFormat scale_format = ScaleFormat::fp32;
+  std::string routing = "auto";
+  uint64_t seed = 0x5eed;
+  std::string json_path;
+};
+
+void print_usage() {
+  std::printf(
+      "usage: megamoe-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3] [--tokens N]\n"
+      "                     [--precision bf16|fp8_block] [--scales fp32|ue8m0]\n"
+      "                     [--routing auto|softmax|grouped|precomputed] [--experts N]\n"
+      "                     [--seed S] [--json PATH]\n"
+      "  --workload   named workload (default qwen35-a3b)\n"
+      "  --tokens     tokens in the call (CPU reference default %d)\n"
+      "  --precision  bf16 or fp8_block (default fp8_block)\n"
+      "  --scales     fp8_block scale format (default fp32)\n"
+      "  --routing    auto = the workload's own routing (default)\n"
+      "  --experts    experts materialized for the CPU reference (default min(E, %d))\n"
+      "  --seed       random seed of the generated weights and inputs\n"
+      "  --json PATH  also write the measured figures as JSON\n",
+      kCpuDefaultTokens, kCpuDefaultExperts);
+}
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "megamoe-bench: %s\n(run megamoe-bench --help for the options)\n", message.c_str());
+  std::exit(2);
+}
+
+int parse_positive(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end != '\0' || value < 1 || value > 1 << 24) {
+    usage_error(flag + " needs a positive integer, got '" + text + "'");
+  }
+  return static_cast<int>(value);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      print_usage();
+      std::exit(0);
+    }
+    if (i + 1 >= argc) usage_error("missing value after " + flag);
+    const std::string value = argv[++i];
+    if (flag == "--workload") {
+      o.workload = value;
+    } else if (flag == "--tokens") {
+      o.tokens = parse_positive(flag, value);
+    } else if (flag == "--experts") {
+      o.experts = parse_positive(flag, value);
+    } else if (flag == "--precision") {
+      if (value == "bf16") o.precision = Precision::bf16;
+      else if (value == "fp8_block") o.precision = Precision::fp8_block;
+      else usage_error("--precision takes bf16 or fp8_block, got '" + value + "'");
+    } else if (flag == "--scales") {
+      if (value == "fp32") o.scale_format = ScaleFormat::fp32;
+      else if (value == "ue8m0") o.scale_format = ScaleFormat::ue8m0;
+      else usage_error("--scales takes fp32 or ue8m0, got '" + value + "'");
+    } else if (flag == "--routing") {
+      if (value != "auto" && value != "softmax" && value != "grouped" && value != "precomputed") {
+        usage_error("--routing takes auto, softmax, grouped or precomputed, got '" + value + "'");
+      }
+      o.routing = value;
+    } else if (flag == "--seed") {
+      o.seed = std::strtoull(value.c_str(), nullptr, 10);
+    } else if (flag == "--json") {
+      o.json_path = value;
+    } else {
+      usage_error("unknown option " + flag);
+    }
+  }
+  return o;
+}
+
+// Fast deterministic uniform generator (xorshift64*); weights need not be Gaussian.
+class Random {
+ public:
+  explicit Random(uint64_t seed) : state_(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  uint64_t next() {
+    state_ ^= state_ >> 12;
+    state_ ^= state_ << 25;
+    state_ ^= state_ >> 27;
+    return state_ * 0x2545F4914F6CDD1Dull;
+  }
+  float uniform(float lo, float hi) { return lo + (hi - lo) * static_cast<float>(next() >> 40) * 0x1p-24f; }
+
+ private:
+  uint64_t state_;
+};
+
+Routing routing_for(const Options& o, const MoeSpec& workload_spec, int experts, Random& random) {
+  std::string mode = o.routing;
+  if (mode == "auto") mode = std::holds_alternative<DeepseekGrouped>(workload_spec.routing) ? "grouped" : "softmax";
+  if (mode == "softmax") return SoftmaxTopK{.renormalize = true};
+  if (mode == "precomputed") return Precomputed{};
+  DeepseekGrouped grouped = std::holds_alternative<DeepseekGrouped>(workload_spec.routing)
+                                ? std::get<DeepseekGrouped>(workload_spec.routing)
+                                : DeepseekGrouped{.n_group = 8, .topk_group = 4, .routed_scaling_factor = 2.5f};
+  grouped.e_score_correction_bias.resize(experts);
+  for (float& b : grouped.e_score_correction_bias) b = random.uniform(-0.05f, 0.05f);
+  return grouped;
+}
+
+// Uniform values with the standard deviation of N(0, 1/fan_in): realistic magnitudes.
+std::vector<bf16_t> random_bf16(size_t count, float stddev, Random& random, Progress* progress) {
+  const float half_width = stddev * std::sqrt(3.0f);
+  std::vector<bf16_t> out(count);
+  for (size_t i = 0; i < count; ++i) {
+    out[i] = bf16_t::from_float(random.uniform(-half_width, half_width));
+    if (progress && i % (1 << 22) == 0) progress->update(static_cast<long>(i >> 20), static_cast<long>(count >> 20));
+  }
+  return out;
+}
+
+double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff += (a[i] - b[i]) * (a[i] - b[i]);
+    norm += b[i] * b[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+int run(const Options& o) {
+  const plan::Workload& workload = plan::find_workload(o.workload);
+  MoeSpec full = workload.spec;
+  full.precision = o.precision;
+  full.scale_format = o.scale_format;
+  Random random(o.seed);
+
+  // The reduced problem the CPU reference can afford.
+  MoeSpec spec = full;
+  spec.num_experts = o.experts.value_or(std::min(full.num_experts, kCpuDefaultExperts));
+  const int tokens = o.tokens.value_or(kCpuDefaultTokens);
+  spec.routing = routing_for(o, full, spec.num_experts, random);
+  full.routing = spec.routing;
+  if (auto* grouped = std::get_if<DeepseekGrouped>(&full.routing)) grouped->e_score_correction_bias.clear();
+  validate(spec);
+
+  std::printf("megamoe-bench: no GPU forward in this build yet (it arrives with the single-GPU layer);\n"
+              "running the CPU fp64 reference on a reduced problem: %d of %d experts, %d tokens.\n\n",
+              spec.num_experts, full.num_experts, tokens);
+  std::cout << "workload " << workload.name << " (" << workload.description << ")\n  full:    " << full
+            << "\n  reduced: " << spec << "\n\n";
+
+  const int E = spec.num_experts, H = spec.hidden, I = spec.intermediate, k = spec.top_k;
+  std::vector<bf16_t> w13, w2;
+  {
+    Progress progress("generate weights, MiB");
+    w13 = random_bf16(static_cast<size_t>(E) * 2 * I * H, 1.0f / std::sqrt(float(H)), random, &progress);
+    w2 = random_bf16(static_cast<size_t>(E) * H * I, 1.0f / std::sqrt(float(I)), random, &progress);
+  }
+  const std::vector<bf16_t> x = random_bf16(static_cast<size_t>(tokens) * H, 1.0f, random, nullptr);
+  std::vector<float> logits(static_cast<size_t>(tokens) * E);
+  for (float& l : logits) l = random.uniform(-3.0f, 3.0f);
+  std::vector<int32_t> ids(static_cast<size_t>(tokens) * k);
+  std::vector<float> weights(ids.size());
+  for (int t = 0; t < tokens; ++t) {
+    std::vector<int32_t> experts(E);
+    for (int e = 0; e < E; ++e) experts[e] = e;
+    for (int j = 0; j < k; ++j) {
+      std::swap(experts[j], experts[j + random.next() % (E - j)]);
+      ids[static_cast<size_t>(t) * k + j] = experts[j];
+      weights[static_cast<size_t>(t) * k + j] = random.uniform(0.05f, 1.0f);
+    }
+  }
+
+  const WeightsView view{w13.data(), w2.data(), DType::bf16};
+  Progress pack_progress("prepare_weights, experts");
+  const PackedWeights packed = prepare_weights(spec, view, [&](int done, int total) { pack_progress.update(done, total); });
+  const double pack_s = pack_progress.seconds();
+
+  const MoeInputs inputs{tokens, x.data(), logits.data(), ids.data(), weights.data()};
+  std::vector<bf16_t> y(static_cast<size_t>(tokens) * H), y_exact(y.size());
+  Progress ref_progress("reference forward, experts");
+  const ref::ReferenceReport report =
+      ref::reference_forward(spec, packed, inputs, MoeOutputs{y.data()},
+                             [&](int done, int total) { ref_progress.update(done, total); });
+  const double reference_s = ref_progress.seconds();
+  Progress exact_progress("unquantized reference, experts");
+  const ref::ReferenceReport exact =
+      ref::reference_forward_unquantized(spec, view, inputs, MoeOutputs{y_exact.data()},
+                                         [&](int done, int total) { exact_progress.update(done, total); });
+  const double rel_err = relative_l2(report.y, exact.y);
+  const plan::Floors reduced_floors = plan::routed_floors(spec, report.routing.ids.data(), tokens, plan::DeviceFacts::h200_measured());
+  const double reference_gflops = reduced_floors.useful_flops / reference_s / 1e9;
+
+  const plan::DeviceFacts h200 = plan::DeviceFacts::h200_measured();
+  const plan::MoePlan plan = plan::plan_moe(full, tokens, std::max(tokens, plan::kTokenBuckets.back()), h200);
+  std::cout << "\nplanner, full workload on " << h200 << ":\n" << plan << "\n\n";
+
+  std::printf("H200 floors of the full workload (%s, uniform routing):\n", to_string(full.precision));
+  std::printf("  %7s | %8s | %10s | %10s | %9s | %s\n", "tokens", "experts", "weights MB", "GFLOP", "floor us", "bound");
+  bench::Json floors_json = bench::Json::array();
+  std::vector<int> buckets = plan::kTokenBuckets;
+  if (std::find(buckets.begin(), buckets.end(), tokens) == buckets.end()) {
+    buckets.push_back(tokens);
+    std::sort(buckets.begin(), buckets.end());
+  }
+  for (int bucket : buckets) {
+    const plan::Floors f = plan::expected_floors(full, bucket, h200);
+    std::printf("  %7d | %8.1f | %10.1f | %10.2f | %9.2f | %s\n", bucket, f.touched_experts, f.weight_bytes / 1e6,
+                f.useful_flops / 1e9, f.floor_us, f.bound);
+    floors_json.push(bench::Json::object()
+                         .set("tokens", bucket)
+                         .set("touched_experts", f.touched_experts)
+                         .set("weight_bytes", f.weight_bytes)
+                         .set("useful_flops", f.useful_flops)
+                         .set("floor_us", f.floor_us)
+                         .set("bound", f.bound));
+  }
+
+  std::printf("\nmeasured on this CPU (reduced problem: %d experts, %d tokens, %s):\n", E, tokens, to_string(spec.precision));
+  std::printf("  prepare_weights                 %10.3f s (%.1f MB packed)\n", pack_s,
+              (packed.w13.size() + packed.w2.size()) / 1e6);
+  std::printf("  reference forward (fp64)        %10.3f s (%.2f GFLOP/s useful, %.1f ms/token)\n", reference_s,
+              reference_gflops, reference_s * 1e3 / tokens);
+  std::printf("  rel. L2 error vs unquantized    %10.3e (%s emulation against fp64 math on the bf16 weights)\n",
+              rel_err, to_string(spec.precision));
+  std::printf("  invalid routing ids             %10ld\n", report.invalid_ids);
+
+  if (!o.json_path.empty()) {
+    bench::Json record = bench::Json::object();
+    record.set("tool", "megamoe-bench")
+        .set("mode", "cpu-reference")
+        .set("workload", workload.name)
+        .set("precision", to_string(spec.precision))
+        .set("scale_format", to_string(spec.scale_format))
+        .set("routing", to_string(spec.routing))
+        .set("tokens", tokens)
+        .set("experts_materialized", E)
+        .set("experts_full", full.num_experts)
+        .set("hidden", H)
+        .set("intermediate", I)
+        .set("top_k", k)
+        .set("seed", static_cast<long long>(o.seed))
+        .set("prepare_weights_s", pack_s)
+        .set("reference_s", reference_s)
+        .set("reference_gflops", reference_gflops)
+        .set("rel_err_vs_unquantized", rel_err)
+        .set("invalid_ids", static_cast<long long>(report.invalid_ids))
+        .set("h200_floors", floors_json);
+    write_json_file(o.json_path, record);
+    std::printf("\nwrote %s\n", o.json_path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace megamoe::bench
+
+int main(int argc, char** argv) {
+  const megamoe::bench::Options options = megamoe::bench::parse(argc, argv);
+  try {
+    return megamoe::bench::run(options);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "megamoe-bench: %s\n", e.what());
+    return 1;
+  }
+}
