@@ -40,7 +40,7 @@ for exe in "$build"/tests/test_kernels_*; do
   note "$name: $(grep -E 'PASSED|FAILED|SKIPPED' "$out/$name.log" | tr '\n' ' ')"
   for tool in memcheck racecheck synccheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 3 "$exe" --gtest_brief=1 >"$out/$name.$tool.log" 2>&1
-    note "  compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY' "$out/$name.$tool.log" | tail -1))"
+    note "  compute-sanitizer $tool: exit $? ($(grep -E 'SUMMARY' "$out/$name.$tool.log" | tail -1))"
   done
 done
 
