@@ -12,11 +12,13 @@
 namespace megamoe::plan {
 namespace {
 
-constexpr int kWgmmaRowsPerWarpgroup = 64;  // wgmma M is fixed at 64 per warpgroup
-constexpr int kMinTokenTile = 8;            // smallest wgmma N
-constexpr int kMaxSwapTokenTile = 64;       // beyond this, tokens fill M without much padding
+constexpr int kWgmmaRowsPerWarpgroup = 64;   // wgmma M is fixed at 64 per instruction
+constexpr int kRowsPerConsumer = 128;        // each math warpgroup owns two m64 slices
+constexpr int kConsumerWarpgroups = 2;
+constexpr int kMinTokenTile = 16;
+constexpr int kMaxTokenTile = 64;
 constexpr int kMaxStages = 8;
-constexpr int kEpilogueStagingBytesPerWarpgroup = 2 * 4096;  // two 4 KiB output stages (seeds/000 "Hopper 08")
+constexpr int kEpilogueExchangeBytes = 8 * kMaxTokenTile * 4;  // per-warp amax partials of the FC1 epilogue
 constexpr int kBarrierBytes = 1024;
 
 int next_pow2(int v) {
@@ -47,31 +49,21 @@ GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int rows_per_exper
   c.block_k = fp8 ? 128 : 64;
   c.reasons.push_back(fp8 ? "block_k=128: one FP8 scale block per K step, so promotion happens once per stage"
                           : "block_k=64: one 128-byte swizzled row of bf16 per K step");
-  if (rows_per_expert <= kMaxSwapTokenTile) {
-    c.swap_ab = true;
-    c.token_tile = std::max(kMinTokenTile, next_pow2(rows_per_expert));
-    c.channel_tile = 2 * kWgmmaRowsPerWarpgroup;
-    c.block_m = c.channel_tile;
-    c.block_n = c.token_tile;
-    c.math_warpgroups = c.block_m / kWgmmaRowsPerWarpgroup;
-    c.reasons.push_back(format("swapAB: ~%lld rows per touched expert <= %lld, so tokens go on wgmma N (tile %lld) "
-                               "instead of padding M=64",
-                               rows_per_expert, kMaxSwapTokenTile, c.token_tile));
-  } else {
-    c.swap_ab = false;
-    c.token_tile = 2 * kWgmmaRowsPerWarpgroup;
-    c.channel_tile = 128;
-    c.block_m = c.token_tile;
-    c.block_n = c.channel_tile;
-    c.math_warpgroups = c.block_m / kWgmmaRowsPerWarpgroup;
-    c.reasons.push_back(format("tokens on M: ~%lld rows per touched expert fill 128-row tiles "
-                               "(2 math warpgroups of 64 rows)",
-                               rows_per_expert));
-  }
-  const int channel_scale_bytes = fp8 ? static_cast<int>(ceil_div(c.channel_tile, 128)) * 4 : 0;
+  c.swap_ab = true;
+  c.math_warpgroups = kConsumerWarpgroups;
+  c.channel_tile = kConsumerWarpgroups * kRowsPerConsumer;
+  c.token_tile = std::clamp(next_pow2(rows_per_expert), kMinTokenTile, kMaxTokenTile);
+  c.block_m = c.channel_tile;
+  c.block_n = c.token_tile;
+  c.reasons.push_back(format("swapAB: expert channels on wgmma M (%lld rows: 2 math warpgroups x 2 x m%lld), tokens "
+                             "on N, so small batches pad N instead of M=64",
+                             c.channel_tile, kWgmmaRowsPerWarpgroup));
+  c.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert, within [16, 64] (two fp32 "
+                             "accumulator sets of 128 x 64 per warpgroup are the register budget)",
+                             c.token_tile, rows_per_expert));
   const int token_scale_bytes = fp8 ? c.token_tile * 4 : 0;
-  c.stage_bytes = (c.block_m + c.block_n) * c.block_k * element_bytes + channel_scale_bytes + token_scale_bytes;
-  const int fixed_bytes = c.math_warpgroups * kEpilogueStagingBytesPerWarpgroup + kBarrierBytes;
+  c.stage_bytes = (c.block_m + c.block_n) * c.block_k * element_bytes + token_scale_bytes;
+  const int fixed_bytes = kEpilogueExchangeBytes + kBarrierBytes;
   const int budget = facts.smem_per_block_optin - fixed_bytes;
   c.stages = std::min(kMaxStages, budget / c.stage_bytes);
   if (c.stages < 2) {
@@ -79,7 +71,7 @@ GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int rows_per_exper
                                                "needs at least 2 stages",
                                                facts.smem_per_block_optin, c.stage_bytes));
   }
-  c.reasons.push_back(format("%lld stages: as many %lld-byte stages as fit next to the epilogue staging "
+  c.reasons.push_back(format("%lld stages: as many %lld-byte stages as fit next to the epilogue exchange "
                              "(>= 3 hides TMA latency; capped at 8)",
                              c.stages, c.stage_bytes));
   c.smem_bytes = c.stages * c.stage_bytes + fixed_bytes;

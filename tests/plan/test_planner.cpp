@@ -17,7 +17,7 @@ MoeSpec workload(const std::string& name, Precision precision) {
   return spec;
 }
 
-TEST(Planner, SmallBatchesUseSwapAbWithTokenTileCoveringRowsPerExpert) {
+TEST(Planner, SwapAbWithTokenTileCoveringRowsPerExpert) {
   const DeviceFacts h200 = DeviceFacts::h200_measured();
   for (const Workload& w : named_workloads()) {
     for (Precision precision : {Precision::bf16, Precision::fp8_block}) {
@@ -27,12 +27,11 @@ TEST(Planner, SmallBatchesUseSwapAbWithTokenTileCoveringRowsPerExpert) {
         const MoePlan plan = plan_moe(spec, tokens, 8192, h200);
         SCOPED_TRACE(w.name + " tokens=" + std::to_string(tokens));
         for (const GemmConfig* c : {&plan.fc1, &plan.fc2}) {
-          EXPECT_EQ(c->swap_ab, plan.expected_rows_per_expert <= 64);
-          if (c->swap_ab) {
-            EXPECT_GE(c->token_tile, std::min(plan.expected_rows_per_expert, 64));
-            EXPECT_GE(c->token_tile, 8);
-            EXPECT_EQ(c->block_n, c->token_tile);
-          }
+          EXPECT_TRUE(c->swap_ab);
+          EXPECT_GE(c->token_tile, std::min(plan.expected_rows_per_expert, 64));
+          EXPECT_TRUE(c->token_tile == 16 || c->token_tile == 32 || c->token_tile == 64);
+          EXPECT_EQ(c->block_n, c->token_tile);
+          EXPECT_EQ(c->block_m, 256);
           EXPECT_EQ(c->block_k, precision == Precision::fp8_block ? 128 : 64);
           EXPECT_GE(c->stages, 3) << "every named workload must get enough stages to hide TMA latency";
           EXPECT_LE(c->smem_bytes, h200.smem_per_block_optin);
@@ -48,15 +47,15 @@ TEST(Planner, OneTokenTouchesTopKExpertsWithOneRowEach) {
   const MoePlan plan = plan_moe(workload("qwen35-a3b", Precision::fp8_block), 1, 128, DeviceFacts::h200_measured());
   EXPECT_EQ(plan.expected_rows_per_expert, 1);
   EXPECT_TRUE(plan.fc1.swap_ab);
-  EXPECT_EQ(plan.fc1.token_tile, 8);
-  EXPECT_EQ(plan.fc1.expected_tiles, 8 * (2 * 512 / 128));
+  EXPECT_EQ(plan.fc1.token_tile, 16);
+  EXPECT_EQ(plan.fc1.expected_tiles, 8 * (2 * 512 / 256));
 }
 
-TEST(Planner, LargeBatchesPutTokensOnM) {
+TEST(Planner, LargeBatchesTakeTheWidestTokenTile) {
   const MoePlan plan = plan_moe(workload("dsv3", Precision::fp8_block), 8192, 8192, DeviceFacts::h200_measured());
   EXPECT_EQ(plan.expected_rows_per_expert, 256);
-  EXPECT_FALSE(plan.fc1.swap_ab);
-  EXPECT_EQ(plan.fc1.token_tile, 128);
+  EXPECT_EQ(plan.fc1.token_tile, 64);
+  EXPECT_EQ(plan.fc1.expected_tiles, 256 * (2 * 2048 / 256) * (256 / 64));
 }
 
 TEST(Planner, IsDeterministicAndPrintable) {

@@ -26,16 +26,21 @@ TEST(MoeWorkspaceLayout, WorstCasePoolCoversEveryRoutingThatFits) {
 TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
   for (bool fp8 : {false, true}) {
     const MoeWorkspaceLayout l = MoeWorkspaceLayout::make(256, 8, 7168, 2048, 4096, 128, fp8);
+    const size_t slots = 4096ull * 8;
     const std::vector<std::pair<size_t, size_t>> regions = {
         {l.expert_counts, 4 * 256},
         {l.expert_offsets, 4 * 257},
-        {l.slot_rows, 4ull * 4096 * 8},
-        {l.pool_tokens, 4 * l.pool_rows},
+        {l.token_tile_prefix, 4 * 257},
+        {l.routed_ids, 4 * slots},
+        {l.routed_weights, 4 * slots},
+        {l.slot_rank, 4 * slots},
+        {l.pool_slot, 4 * l.pool_rows},
         {l.activations, l.pool_rows * 7168 * (fp8 ? 1 : 2)},
         {l.activation_scales, fp8 ? l.pool_rows * 56 * 4 : 0},
         {l.fc1_output, l.pool_rows * 2048 * (fp8 ? 1 : 2)},
         {l.fc1_scales, fp8 ? l.pool_rows * 16 * 4 : 0},
-        {l.slot_outputs, 4096ull * 8 * 7168 * 2},
+        {l.slot_outputs, slots * 7168 * 4},
+        {l.y_accumulator, 4096ull * 7168 * 4},
         {l.error_flags, 16}};
     size_t end = 0;
     for (const auto& [offset, bytes] : regions) {

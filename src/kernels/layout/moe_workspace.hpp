@@ -27,18 +27,27 @@ struct MoeWorkspaceLayout {
   bool has_scales = false;   // fp8_block keeps one fp32 scale per row per 128 channels
   size_t pool_rows = 0;      // worst-case rows of the expert-contiguous pool
 
-  // Byte offsets of each region.
-  size_t expert_counts = 0;   // int32 [E]: routed rows per expert
-  size_t expert_offsets = 0;  // int32 [E+1]: first pool row of each expert, padded
-  size_t slot_rows = 0;       // int32 [T*k]: pool row of each (token, slot), -1 if unused
-  size_t pool_tokens = 0;     // int32 [pool_rows]: source token of each pool row, -1 for padding
-  size_t activations = 0;     // [pool_rows, H] gathered (and quantized) activations
-  size_t activation_scales = 0;  // fp32 [pool_rows, H/128] (fp8_block)
-  size_t fc1_output = 0;      // [pool_rows, I] SwiGLU output, the FC2 input
-  size_t fc1_scales = 0;      // fp32 [pool_rows, I/128] (fp8_block)
-  size_t slot_outputs = 0;    // bf16 [T*k, H] weighted expert outputs for the deterministic combine
-  size_t error_flags = 0;     // int32 [4]: invalid routing ids seen, reported after forward
+  // Byte offsets of each region. "slot" is t * k + j: token t's j-th routed expert.
+  size_t expert_counts = 0;      // int32 [E]: routed rows per expert (zeroed by each forward)
+  size_t expert_offsets = 0;     // int32 [E+1]: first pool row of each expert, segments padded
+  size_t token_tile_prefix = 0;  // int32 [E+1]: token tiles of the experts before each expert
+  size_t routed_ids = 0;         // int32 [T*k]: expert of each slot, -1 when unused
+  size_t routed_weights = 0;     // fp32 [T*k]: routing weight of each slot
+  size_t slot_rank = 0;          // int32 [T*k]: position of the slot inside its expert's segment
+  size_t pool_slot = 0;          // int32 [pool_rows]: slot of each pool row (padding rows unset)
+  size_t activations = 0;        // [pool_rows, H] gathered (and quantized) activations
+  size_t activation_scales = 0;  // fp32 [H/128, pool_rows] (fp8_block), K-block-major for TMA
+  size_t fc1_output = 0;         // [pool_rows, I] SwiGLU output, the FC2 input
+  size_t fc1_scales = 0;         // fp32 [I/128, pool_rows] (fp8_block), K-block-major for TMA
+  size_t slot_outputs = 0;       // fp32 [T*k, H] expert outputs for the deterministic combine
+  size_t y_accumulator = 0;      // fp32 [T, H] atomically accumulated output (fast combine)
+  size_t error_flags = 0;        // int32 [4]: [0] invalid routing ids seen, reported after forward
   size_t total_bytes = 0;
+
+  template <class T>
+  MEGAMOE_HOST_DEVICE T* at(void* base, size_t offset) const {
+    return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+  }
 
   // Rows of the pool in the worst case: every routed row plus, for each expert that can be
   // non-empty, up to row_padding - 1 rows of padding.
@@ -70,13 +79,17 @@ struct MoeWorkspaceLayout {
     };
     l.expert_counts = take(sizeof(int32_t) * num_experts);
     l.expert_offsets = take(sizeof(int32_t) * (num_experts + 1));
-    l.slot_rows = take(sizeof(int32_t) * slots);
-    l.pool_tokens = take(sizeof(int32_t) * l.pool_rows);
+    l.token_tile_prefix = take(sizeof(int32_t) * (num_experts + 1));
+    l.routed_ids = take(sizeof(int32_t) * slots);
+    l.routed_weights = take(sizeof(float) * slots);
+    l.slot_rank = take(sizeof(int32_t) * slots);
+    l.pool_slot = take(sizeof(int32_t) * l.pool_rows);
     l.activations = take(l.pool_rows * hidden * l.element_bytes);
     l.activation_scales = take(fp8 ? l.pool_rows * (hidden / 128) * sizeof(float) : 0);
     l.fc1_output = take(l.pool_rows * intermediate * l.element_bytes);
     l.fc1_scales = take(fp8 ? l.pool_rows * (intermediate / 128) * sizeof(float) : 0);
-    l.slot_outputs = take(slots * hidden * 2);
+    l.slot_outputs = take(slots * hidden * sizeof(float));
+    l.y_accumulator = take(static_cast<size_t>(max_tokens) * hidden * sizeof(float));
     l.error_flags = take(sizeof(int32_t) * 4);
     l.total_bytes = cursor;
     return l;

@@ -1,0 +1,63 @@
+// mbarrier wrappers (PTX ISA "mbarrier") and a wait that can end: every wait in megamoe goes
+// through wait_parity(), which traps with a diagnostic instead of hanging forever.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+namespace megamoe::ptx {
+
+__device__ __forceinline__ uint32_t smem_address(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(barrier)), "r"(arrivals));
+}
+
+// Makes barrier initialization visible to the async proxy (TMA) and the other threads.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(barrier)) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(barrier)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* barrier, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_address(barrier)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// About two seconds at 1.98 GHz: far beyond any legitimate wait inside one kernel.
+inline constexpr long long kWaitTimeoutCycles = 4'000'000'000LL;
+
+// Waits until the phase with `parity` of `barrier` completes. On timeout prints who waited, on
+// what, and traps, so a lost arrival becomes an error instead of a hang.
+__device__ __forceinline__ void wait_parity(uint64_t* barrier, uint32_t parity, const char* what, int index) {
+  if (mbarrier_try_wait_parity(barrier, parity)) return;
+  const long long start = clock64();
+  while (!mbarrier_try_wait_parity(barrier, parity)) {
+    if (clock64() - start > kWaitTimeoutCycles) {
+      printf("megamoe: timeout waiting on %s[%d] for parity %u (block %d, thread %d)\n", what, index, parity,
+             blockIdx.x, threadIdx.x);
+      __trap();
+    }
+  }
+}
+
+}  // namespace megamoe::ptx

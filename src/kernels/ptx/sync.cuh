@@ -1,0 +1,24 @@
+// Named barriers and register reallocation (PTX "bar.sync", "setmaxnreg").
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe::ptx {
+
+// Synchronizes `threads` threads (a multiple of 32) on hardware barrier `id`; id 0 is
+// __syncthreads(), so kernels name theirs from 1 (see NamedBarrier in each kernel).
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <uint32_t kRegisters>
+__device__ __forceinline__ void setmaxnreg_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+
+template <uint32_t kRegisters>
+__device__ __forceinline__ void setmaxnreg_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+
+}  // namespace megamoe::ptx
