@@ -6,20 +6,16 @@
 #include <ostream>
 #include <sstream>
 
+#include "kernels/layout/gemm_smem.hpp"
 #include "megamoe/error.hpp"
 #include "ref/routing.hpp"
 
 namespace megamoe::plan {
 namespace {
 
-constexpr int kWgmmaRowsPerWarpgroup = 64;   // wgmma M is fixed at 64 per instruction
-constexpr int kRowsPerConsumer = 128;        // each math warpgroup owns two m64 slices
+constexpr int kWgmmaRowsPerWarpgroup = 64;  // wgmma M is fixed at 64 per instruction
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kMinTokenTile = 16;
-constexpr int kMaxTokenTile = 64;
-constexpr int kMaxStages = 8;
-constexpr int kEpilogueExchangeBytes = 8 * kMaxTokenTile * 4;  // per-warp amax partials of the FC1 epilogue
-constexpr int kBarrierBytes = 1024;
 
 int next_pow2(int v) {
   int p = 1;
@@ -40,10 +36,17 @@ double expected_touched_experts(const MoeSpec& spec, int tokens) {
   return spec.num_experts * (1.0 - std::pow(untouched_by_one, tokens));
 }
 
+int token_tile_for_rows(int rows_per_expert) {
+  return std::clamp(next_pow2(rows_per_expert), kMinTokenTile, layout::kGemmMaxTokenTile);
+}
+
+int expected_rows_per_expert(const MoeSpec& spec, int tokens) {
+  return static_cast<int>(std::ceil(static_cast<double>(tokens) * spec.top_k / expected_touched_experts(spec, tokens)));
+}
+
 GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int rows_per_expert, double touched_experts,
                        int out_channels, const DeviceFacts& facts) {
   const bool fp8 = spec.precision == Precision::fp8_block;
-  const int element_bytes = fp8 ? 1 : 2;
   GemmConfig c;
   c.name = name;
   c.block_k = fp8 ? 128 : 64;
@@ -51,8 +54,8 @@ GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int rows_per_exper
                           : "block_k=64: one 128-byte swizzled row of bf16 per K step");
   c.swap_ab = true;
   c.math_warpgroups = kConsumerWarpgroups;
-  c.channel_tile = kConsumerWarpgroups * kRowsPerConsumer;
-  c.token_tile = std::clamp(next_pow2(rows_per_expert), kMinTokenTile, kMaxTokenTile);
+  c.channel_tile = layout::kGemmChannelTile;
+  c.token_tile = token_tile_for_rows(rows_per_expert);
   c.block_m = c.channel_tile;
   c.block_n = c.token_tile;
   c.reasons.push_back(format("swapAB: expert channels on wgmma M (%lld rows: 2 math warpgroups x 2 x m%lld), tokens "
@@ -61,11 +64,9 @@ GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int rows_per_exper
   c.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert, within [16, 64] (two fp32 "
                              "accumulator sets of 128 x 64 per warpgroup are the register budget)",
                              c.token_tile, rows_per_expert));
-  const int token_scale_bytes = fp8 ? c.token_tile * 4 : 0;
-  c.stage_bytes = (c.block_m + c.block_n) * c.block_k * element_bytes + token_scale_bytes;
-  const int fixed_bytes = kEpilogueExchangeBytes + kBarrierBytes;
-  const int budget = facts.smem_per_block_optin - fixed_bytes;
-  c.stages = std::min(kMaxStages, budget / c.stage_bytes);
+  c.stage_bytes = layout::gemm_stage_bytes(c.token_tile, fp8);
+  const int fixed_bytes = layout::gemm_fixed_bytes();
+  c.stages = layout::gemm_stages(c.token_tile, fp8, facts.smem_per_block_optin);
   if (c.stages < 2) {
     throw Error(ErrorCode::unsupported, format("device offers %lld bytes of shared memory per CTA; a %lld-byte stage "
                                                "needs at least 2 stages",
@@ -95,6 +96,10 @@ Floors make_floors(const MoeSpec& spec, int tokens, double routed_rows, double t
 }
 
 }  // namespace
+
+int choose_token_tile(const MoeSpec& spec, int tokens) {
+  return token_tile_for_rows(expected_rows_per_expert(spec, tokens));
+}
 
 DeviceFacts DeviceFacts::h200_measured() {
   DeviceFacts f;
@@ -129,13 +134,13 @@ MoePlan plan_moe(const MoeSpec& spec, int tokens, int max_tokens, const DeviceFa
   plan.max_tokens = max_tokens;
   plan.tokens = tokens;
   const double touched = expected_touched_experts(spec, tokens);
-  plan.expected_rows_per_expert = static_cast<int>(std::ceil(static_cast<double>(tokens) * spec.top_k / touched));
+  plan.expected_rows_per_expert = expected_rows_per_expert(spec, tokens);
   plan.fc1 = choose_gemm("fc1", spec, plan.expected_rows_per_expert, touched, 2 * spec.intermediate, facts);
   plan.fc2 = choose_gemm("fc2", spec, plan.expected_rows_per_expert, touched, spec.hidden, facts);
 
   // The pool is sized for the largest token tile any token count up to max_tokens may choose.
   const double touched_at_max = expected_touched_experts(spec, max_tokens);
-  const int rows_at_max = static_cast<int>(std::ceil(static_cast<double>(max_tokens) * spec.top_k / touched_at_max));
+  const int rows_at_max = expected_rows_per_expert(spec, max_tokens);
   const GemmConfig widest = choose_gemm("fc1", spec, rows_at_max, touched_at_max, 2 * spec.intermediate, facts);
   const int row_padding = std::max({plan.fc1.token_tile, plan.fc2.token_tile, widest.token_tile});
   plan.workspace = layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden, spec.intermediate,

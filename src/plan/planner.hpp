@@ -40,6 +40,10 @@ struct MoePlan {
   layout::MoeWorkspaceLayout workspace;
 };
 
+// Token tile (wgmma N) of the grouped GEMMs for a call of `tokens` tokens: the expected rows per
+// touched expert under uniform routing, rounded up to 16, 32 or 64.
+int choose_token_tile(const MoeSpec& spec, int tokens);
+
 // Chooses configs for `tokens` and sizes the workspace for up to `max_tokens`
 // (1 <= tokens <= max_tokens). Throws megamoe::Error when the device cannot host any config.
 MoePlan plan_moe(const MoeSpec& spec, int tokens, int max_tokens, const DeviceFacts& facts);

@@ -1,12 +1,11 @@
 #include "ref/moe_reference.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <mutex>
-#include <thread>
 
 #include "megamoe/error.hpp"
+#include "ref/parallel.hpp"
 #include "ref/quantize.hpp"
 #include "ref/weight_packing.hpp"
 
@@ -58,39 +57,31 @@ void compute_experts(const MoeSpec& spec, ActivationPath path, const ExpertLoade
                      const std::vector<double>& activations, const std::vector<std::vector<Slot>>& slots_of_expert,
                      std::vector<double>& slot_out, const ReferenceProgress& progress) {
   const int H = spec.hidden, I = spec.intermediate, E = spec.num_experts;
-  std::atomic<int> next_expert{0};
   std::mutex progress_mutex;
   int done = 0;
-  auto worker = [&] {
-    std::vector<double> gate_up, h(I);
-    for (int e = next_expert++; e < E; e = next_expert++) {
-      const std::vector<Slot>& slots = slots_of_expert[e];
-      if (!slots.empty()) {
-        const ExpertMatrices w = load_expert(e);
-        for (const Slot& slot : slots) {
-          const double* a = activations.data() + static_cast<size_t>(slot.token) * H;
-          for (int c = 0; c < I; ++c) {
-            const double gate = dot(w.w13.data() + static_cast<size_t>(c) * H, a, H);
-            const double up = dot(w.w13.data() + static_cast<size_t>(I + c) * H, a, H);
-            // The device keeps SwiGLU in fp32 registers before requantizing.
-            h[c] = path == ActivationPath::unquantized ? swiglu(gate, up) : static_cast<float>(swiglu(gate, up));
-          }
-          round_fc1_output(spec, path, h);
-          double* out = slot_out.data() + static_cast<size_t>(slot.index) * H;
-          for (int n = 0; n < H; ++n) out[n] = dot(w.w2.data() + static_cast<size_t>(n) * I, h.data(), I);
+  parallel_for(E, [&](int e) {
+    std::vector<double> h(I);
+    const std::vector<Slot>& slots = slots_of_expert[e];
+    if (!slots.empty()) {
+      const ExpertMatrices w = load_expert(e);
+      for (const Slot& slot : slots) {
+        const double* a = activations.data() + static_cast<size_t>(slot.token) * H;
+        for (int c = 0; c < I; ++c) {
+          const double gate = dot(w.w13.data() + static_cast<size_t>(c) * H, a, H);
+          const double up = dot(w.w13.data() + static_cast<size_t>(I + c) * H, a, H);
+          // The device keeps SwiGLU in fp32 registers before requantizing.
+          h[c] = path == ActivationPath::unquantized ? swiglu(gate, up) : static_cast<float>(swiglu(gate, up));
         }
-      }
-      if (progress) {
-        std::lock_guard<std::mutex> lock(progress_mutex);
-        progress(++done, E);
+        round_fc1_output(spec, path, h);
+        double* out = slot_out.data() + static_cast<size_t>(slot.index) * H;
+        for (int n = 0; n < H; ++n) out[n] = dot(w.w2.data() + static_cast<size_t>(n) * I, h.data(), I);
       }
     }
-  };
-  const unsigned workers = std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(), E));
-  std::vector<std::thread> pool;
-  for (unsigned i = 1; i < workers; ++i) pool.emplace_back(worker);
-  worker();
-  for (std::thread& t : pool) t.join();
+    if (progress) {
+      std::lock_guard<std::mutex> lock(progress_mutex);
+      progress(++done, E);
+    }
+  });
 }
 
 ReferenceReport run_reference(const MoeSpec& spec, ActivationPath path, const ExpertLoader& load_expert,

@@ -30,22 +30,22 @@ QuantizedRows quantize_rows_per_128(const float* values, int rows, int cols, Sca
   return out;
 }
 
-void quantize_blocks_128x128(const float* values, int rows, int cols, ScaleFormat format,
-                             std::vector<uint8_t>& codes, std::vector<float>& scales) {
-  const size_t base = codes.size();
-  codes.resize(base + static_cast<size_t>(rows) * cols);
+void quantize_blocks_128x128(const float* values, int rows, int cols, ScaleFormat format, uint8_t* codes,
+                             float* scales) {
+  const int block_cols = cols / kQuantBlock;
   std::vector<float> block(static_cast<size_t>(kQuantBlock) * kQuantBlock);
   std::vector<uint8_t> block_codes(block.size());
   for (int rb = 0; rb < rows / kQuantBlock; ++rb) {
-    for (int cb = 0; cb < cols / kQuantBlock; ++cb) {
+    for (int cb = 0; cb < block_cols; ++cb) {
       const size_t corner = static_cast<size_t>(rb) * kQuantBlock * cols + static_cast<size_t>(cb) * kQuantBlock;
       for (int r = 0; r < kQuantBlock; ++r)
         for (int c = 0; c < kQuantBlock; ++c)
           block[static_cast<size_t>(r) * kQuantBlock + c] = values[corner + static_cast<size_t>(r) * cols + c];
-      scales.push_back(quantize_block(block.data(), static_cast<int>(block.size()), 1, format, block_codes.data()));
+      scales[static_cast<size_t>(rb) * block_cols + cb] =
+          quantize_block(block.data(), static_cast<int>(block.size()), 1, format, block_codes.data());
       for (int r = 0; r < kQuantBlock; ++r)
         for (int c = 0; c < kQuantBlock; ++c)
-          codes[base + corner + static_cast<size_t>(r) * cols + c] = block_codes[static_cast<size_t>(r) * kQuantBlock + c];
+          codes[corner + static_cast<size_t>(r) * cols + c] = block_codes[static_cast<size_t>(r) * kQuantBlock + c];
     }
   }
 }

@@ -24,10 +24,10 @@ struct QuantizedRows {
 };
 QuantizedRows quantize_rows_per_128(const float* values, int rows, int cols, ScaleFormat format);
 
-// Row-major [rows, cols] matrix, both multiples of 128: one scale per 128x128 block,
-// scales [rows/128, cols/128]. Appends to `codes` and `scales`.
-void quantize_blocks_128x128(const float* values, int rows, int cols, ScaleFormat format,
-                             std::vector<uint8_t>& codes, std::vector<float>& scales);
+// Row-major [rows, cols] matrix, both multiples of 128: one scale per 128x128 block.
+// Writes codes [rows, cols] and scales [rows/128, cols/128].
+void quantize_blocks_128x128(const float* values, int rows, int cols, ScaleFormat format, uint8_t* codes,
+                             float* scales);
 
 // Decoded value of every code, row-major [rows, cols], given per-row-per-128 scales.
 std::vector<double> dequantize_rows_per_128(const uint8_t* codes, const float* scales, int rows,

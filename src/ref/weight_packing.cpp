@@ -1,12 +1,14 @@
 // prepare_weights: vLLM-layout weights -> interleaved, optionally FP8-block-quantized packs.
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <string>
 
 #include "kernels/layout/weight_layout.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/weights.hpp"
 #include "ref/fp8_codec.hpp"
+#include "ref/parallel.hpp"
 #include "ref/quantize.hpp"
 #include "ref/weight_packing.hpp"
 
@@ -25,17 +27,16 @@ std::vector<float> load_matrix(const void* base, DType dtype, size_t offset, siz
   return out;
 }
 
-void append_matrix(const std::vector<float>& values, int rows, int cols, const PackedWeights& packed,
-                   std::vector<uint8_t>& codes, std::vector<float>& scales) {
+// Packs one row-major matrix into `codes` (bf16 bits or E4M3 bytes) and, for fp8, `scales`.
+void pack_matrix(const std::vector<float>& values, int rows, int cols, const PackedWeights& packed, uint8_t* codes,
+                 float* scales) {
   if (packed.precision == Precision::fp8_block) {
     ref::quantize_blocks_128x128(values.data(), rows, cols, packed.scale_format, codes, scales);
     return;
   }
-  const size_t base = codes.size();
-  codes.resize(base + values.size() * sizeof(bf16_t));
   for (size_t i = 0; i < values.size(); ++i) {
     const bf16_t b = bf16_t::from_float(values[i]);
-    std::memcpy(codes.data() + base + i * sizeof(bf16_t), &b, sizeof b);
+    std::memcpy(codes + i * sizeof(bf16_t), &b, sizeof b);
   }
 }
 
@@ -97,21 +98,32 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
   packed.scale_format = spec.scale_format;
   const size_t w13_count = 2ull * I * H;
   const size_t w2_count = static_cast<size_t>(H) * I;
-  packed.w13.reserve(E * w13_count * packed.element_bytes());
-  packed.w2.reserve(E * w2_count * packed.element_bytes());
+  const bool fp8 = packed.precision == Precision::fp8_block;
+  packed.w13.resize(E * w13_count * packed.element_bytes());
+  packed.w2.resize(E * w2_count * packed.element_bytes());
+  const size_t w13_scale_count = fp8 ? w13_count / (ref::kQuantBlock * ref::kQuantBlock) : 0;
+  const size_t w2_scale_count = fp8 ? w2_count / (ref::kQuantBlock * ref::kQuantBlock) : 0;
+  packed.w13_scales.resize(E * w13_scale_count);
+  packed.w2_scales.resize(E * w2_scale_count);
 
-  std::vector<float> interleaved(w13_count);
-  for (int e = 0; e < E; ++e) {
+  std::mutex progress_mutex;
+  int done = 0;
+  ref::parallel_for(E, [&](int e) {
     const std::vector<float> w13 = load_matrix(weights.w13, weights.dtype, e * w13_count, w13_count);
+    std::vector<float> interleaved(w13_count);
     for (int row = 0; row < 2 * I; ++row) {
       std::memcpy(interleaved.data() + static_cast<size_t>(layout::packed_w13_row(row, I)) * H,
                   w13.data() + static_cast<size_t>(row) * H, H * sizeof(float));
     }
-    append_matrix(interleaved, 2 * I, H, packed, packed.w13, packed.w13_scales);
-    append_matrix(load_matrix(weights.w2, weights.dtype, e * w2_count, w2_count), H, I, packed, packed.w2,
-                  packed.w2_scales);
-    if (progress) progress(e + 1, E);
-  }
+    pack_matrix(interleaved, 2 * I, H, packed, packed.w13.data() + e * w13_count * packed.element_bytes(),
+                packed.w13_scales.data() + e * w13_scale_count);
+    pack_matrix(load_matrix(weights.w2, weights.dtype, e * w2_count, w2_count), H, I, packed,
+                packed.w2.data() + e * w2_count * packed.element_bytes(), packed.w2_scales.data() + e * w2_scale_count);
+    if (progress) {
+      std::lock_guard<std::mutex> lock(progress_mutex);
+      progress(++done, E);
+    }
+  });
   return packed;
 }
 

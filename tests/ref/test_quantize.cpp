@@ -84,9 +84,9 @@ TEST(QuantizeBlocks128x128, OneScalePerBlockRowMajor) {
   std::vector<float> values(rows * cols);
   for (float& v : values) v = rng.uniform(-1.0f, 1.0f);
   values[130 * cols + 300] = 9.0f;  // block (1, 2)
-  std::vector<uint8_t> codes;
-  std::vector<float> scales;
-  quantize_blocks_128x128(values.data(), rows, cols, ScaleFormat::fp32, codes, scales);
+  std::vector<uint8_t> codes(values.size());
+  std::vector<float> scales(6);
+  quantize_blocks_128x128(values.data(), rows, cols, ScaleFormat::fp32, codes.data(), scales.data());
   ASSERT_EQ(scales.size(), 6u);
   EXPECT_EQ(scales[1 * 3 + 2], 9.0f / 448.0f);
   EXPECT_EQ(codes[130 * cols + 300], 0x7E);

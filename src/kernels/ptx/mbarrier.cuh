@@ -46,17 +46,20 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* barrier, uint
 // About two seconds at 1.98 GHz: far beyond any legitimate wait inside one kernel.
 inline constexpr long long kWaitTimeoutCycles = 4'000'000'000LL;
 
+// Cold path, kept out of line so its printf buffer stays out of the callers' frames.
+__device__ __noinline__ void report_wait_timeout(const char* what, int index, uint32_t parity) {
+  printf("megamoe: timeout waiting on %s[%d] for parity %u (block %d, thread %d)\n", what, index, parity, blockIdx.x,
+         threadIdx.x);
+  __trap();
+}
+
 // Waits until the phase with `parity` of `barrier` completes. On timeout prints who waited, on
 // what, and traps, so a lost arrival becomes an error instead of a hang.
 __device__ __forceinline__ void wait_parity(uint64_t* barrier, uint32_t parity, const char* what, int index) {
   if (mbarrier_try_wait_parity(barrier, parity)) return;
   const long long start = clock64();
   while (!mbarrier_try_wait_parity(barrier, parity)) {
-    if (clock64() - start > kWaitTimeoutCycles) {
-      printf("megamoe: timeout waiting on %s[%d] for parity %u (block %d, thread %d)\n", what, index, parity,
-             blockIdx.x, threadIdx.x);
-      __trap();
-    }
+    if (clock64() - start > kWaitTimeoutCycles) report_wait_timeout(what, index, parity);
   }
 }
 

@@ -1,0 +1,48 @@
+// MoeLayer: the single-GPU MoE layer on a Hopper GPU (built when CUDA is enabled).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "megamoe/forward.hpp"
+#include "megamoe/spec.hpp"
+#include "megamoe/weights.hpp"
+
+namespace megamoe {
+
+enum class CombineMode {
+  deterministic,  // per-slot fp32 rows reduced in fixed slot order: bit-identical across runs
+  fast,           // FC2 epilogue adds weighted rows with fp32 atomics; order varies run to run
+};
+
+class MoeLayer {
+ public:
+  // Uploads the packed weights to the current device and allocates the workspace for up to
+  // `max_tokens` tokens per call. Throws megamoe::Error.
+  MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_tokens);
+  ~MoeLayer();
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+
+  // y = MoE(x) on `stream`. Validates the arguments first (nothing is launched on bad input);
+  // enqueues kernels only: no host synchronization, so it can be captured in a CUDA graph.
+  void forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs,
+               CombineMode mode = CombineMode::deterministic);
+
+  // Synchronizes `stream`, returns how many routed ids were invalid (>= E, or a duplicate within
+  // a token) since the last call, and resets the count. Invalid ids contribute nothing.
+  long take_invalid_routing_ids(cudaStream_t stream);
+
+  const MoeSpec& spec() const { return spec_; }
+  int max_tokens() const { return max_tokens_; }
+  size_t workspace_bytes() const;
+
+ private:
+  struct Impl;
+  MoeSpec spec_;
+  int max_tokens_;
+  Impl* impl_;
+};
+
+}  // namespace megamoe

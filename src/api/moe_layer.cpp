@@ -1,0 +1,153 @@
+// MoeLayer: owns the device copy of the packed weights and the workspace, validates each call and
+// enqueues the kernel sequence of kernels/impls/sm90_moe_forward.
+#include "megamoe/layer.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "kernels/cuda_check.hpp"
+#include "kernels/impls/sm90_moe_forward.hpp"
+#include "kernels/layout/gemm_smem.hpp"
+#include "kernels/routing/routing_limits.hpp"
+#include "megamoe/error.hpp"
+#include "plan/planner.hpp"
+
+namespace megamoe {
+namespace {
+
+template <class T>
+T* upload(const std::vector<T>& host) {
+  if (host.empty()) return nullptr;
+  void* device = nullptr;
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&device, host.size() * sizeof(T)));
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return static_cast<T*>(device);
+}
+
+}  // namespace
+
+struct MoeLayer::Impl {
+  uint8_t* w13 = nullptr;
+  float* w13_scales = nullptr;
+  uint8_t* w2 = nullptr;
+  float* w2_scales = nullptr;
+  float* bias = nullptr;
+  void* workspace = nullptr;
+  layout::MoeWorkspaceLayout workspace_layout;
+  int num_sms = 0;
+
+  ~Impl() {
+    for (void* p : {static_cast<void*>(w13), static_cast<void*>(w13_scales), static_cast<void*>(w2),
+                    static_cast<void*>(w2_scales), static_cast<void*>(bias), workspace}) {
+      cudaFree(p);
+    }
+  }
+};
+
+MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_tokens)
+    : spec_(spec), max_tokens_(max_tokens), impl_(nullptr) {
+  validate(spec);
+  if (weights.num_experts != spec.num_experts || weights.hidden != spec.hidden ||
+      weights.intermediate != spec.intermediate || weights.precision != spec.precision ||
+      (spec.precision == Precision::fp8_block && weights.scale_format != spec.scale_format)) {
+    throw Error(ErrorCode::invalid_argument, "packed weights were prepared for a different spec");
+  }
+  if (spec.num_experts > kernels::kMaxRoutingExperts) {
+    throw Error(ErrorCode::unsupported, "num_experts=" + std::to_string(spec.num_experts) + " exceeds the " +
+                                            std::to_string(kernels::kMaxRoutingExperts) + " the routing kernel holds");
+  }
+  if (const auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing); grouped && grouped->n_group > kernels::kMaxGroups) {
+    throw Error(ErrorCode::unsupported, "deepseek_grouped: n_group=" + std::to_string(grouped->n_group) +
+                                            " exceeds the " + std::to_string(kernels::kMaxGroups) + " the routing kernel holds");
+  }
+  if (spec.hidden % 8 != 0) throw Error(ErrorCode::unsupported, "hidden must be a multiple of 8");
+
+  int device = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  if (prop.major != 9) {
+    throw Error(ErrorCode::unsupported, std::string("MoeLayer needs a Hopper GPU (sm_90); device ") +
+                                            std::to_string(device) + " is " + prop.name);
+  }
+  if (max_tokens < 1) throw Error(ErrorCode::invalid_argument, "max_tokens must be >= 1");
+  if (static_cast<int>(prop.sharedMemPerBlockOptin) < layout::kSm90SmemPerBlockOptin) {
+    throw Error(ErrorCode::unsupported, "the GEMM kernels need 227 KiB of shared memory per block");
+  }
+
+  impl_ = new Impl();
+  try {
+    impl_->num_sms = prop.multiProcessorCount;
+    impl_->workspace_layout = layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden,
+                                                               spec.intermediate, max_tokens,
+                                                               layout::kGemmMaxTokenTile,
+                                                               spec.precision == Precision::fp8_block);
+    impl_->w13 = upload(weights.w13);
+    impl_->w13_scales = upload(weights.w13_scales);
+    impl_->w2 = upload(weights.w2);
+    impl_->w2_scales = upload(weights.w2_scales);
+    if (const auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing)) {
+      impl_->bias = upload(grouped->e_score_correction_bias);
+    }
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&impl_->workspace, impl_->workspace_layout.total_bytes));
+    MEGAMOE_CUDA_CHECK(cudaMemset(impl_->workspace, 0, impl_->workspace_layout.total_bytes));
+  } catch (...) {
+    delete impl_;
+    throw;
+  }
+}
+
+MoeLayer::~MoeLayer() { delete impl_; }
+
+size_t MoeLayer::workspace_bytes() const { return impl_->workspace_layout.total_bytes; }
+
+void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs, CombineMode mode) {
+  validate_forward_args(spec_, max_tokens_, inputs, outputs);
+  kernels::MoeForwardLaunch f{};
+  f.num_tokens = inputs.num_tokens;
+  f.num_experts = spec_.num_experts;
+  f.top_k = spec_.top_k;
+  f.hidden = spec_.hidden;
+  f.intermediate = spec_.intermediate;
+  f.fp8 = spec_.precision == Precision::fp8_block;
+  f.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
+  f.token_tile = plan::choose_token_tile(spec_, std::max(inputs.num_tokens, 1));
+  f.deterministic = mode == CombineMode::deterministic;
+  f.grid = impl_->num_sms;
+  if (const auto* softmax = std::get_if<SoftmaxTopK>(&spec_.routing)) {
+    f.routing_mode = 0;
+    f.renormalize = softmax->renormalize;
+  } else if (const auto* grouped = std::get_if<DeepseekGrouped>(&spec_.routing)) {
+    f.routing_mode = 1;
+    f.renormalize = grouped->renormalize;
+    f.n_group = grouped->n_group;
+    f.topk_group = grouped->topk_group;
+    f.routed_scaling_factor = grouped->routed_scaling_factor;
+    f.bias = impl_->bias;
+  } else {
+    f.routing_mode = 2;
+  }
+  f.x = inputs.x;
+  f.router_logits = inputs.router_logits;
+  f.topk_ids = inputs.topk_ids;
+  f.topk_weights = inputs.topk_weights;
+  f.y = outputs.y;
+  f.w13 = impl_->w13;
+  f.w13_scales = impl_->w13_scales;
+  f.w2 = impl_->w2;
+  f.w2_scales = impl_->w2_scales;
+  f.workspace = impl_->workspace;
+  f.workspace_layout = impl_->workspace_layout;
+  kernels::launch_moe_forward(f, stream);
+}
+
+long MoeLayer::take_invalid_routing_ids(cudaStream_t stream) {
+  int32_t* flags = impl_->workspace_layout.at<int32_t>(impl_->workspace, impl_->workspace_layout.error_flags);
+  int32_t count = 0;
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&count, flags, sizeof count, cudaMemcpyDeviceToHost, stream));
+  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(flags, 0, sizeof count, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return count;
+}
+
+}  // namespace megamoe

@@ -1,0 +1,360 @@
+// Persistent, warp-specialized grouped GEMM for the MoE expert layers (sm_90a), swapAB form:
+//   out^T[channels, tokens] = W_e[channels, K] * X_pool[tokens, K]^T   for each expert e
+// Expert channels sit on wgmma M (256 per tile: two math warpgroups, each 2 x m64), the expert's
+// tokens on N (16/32/64), so a handful of tokens per expert pads N instead of M=64.
+//
+// Roles (one CTA per SM, 384 threads):
+//   warpgroup 0, thread 0   producer: TMA loads of the weight tile, the token tile and (fp8) the
+//                           tokens' per-128 scales into a ring of stages (full/empty mbarriers)
+//   warpgroups 1-2          consumers: wgmma mainloop with per-K-block FP8 scale promotion, then
+//                           the epilogue in registers (FC1: SwiGLU + requant; FC2: slot store or
+//                           atomic combine)
+// Both roles walk the same GroupedTileScheduler sequence.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/bfloat16.h>
+#include <cutlass/float8.h>
+
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
+#include "kernels/layout/gemm_smem.hpp"
+#include "kernels/layout/weight_layout.hpp"
+#include "kernels/pipeline/pipeline_state.cuh"
+#include "kernels/ptx/mbarrier.cuh"
+#include "kernels/ptx/sync.cuh"
+#include "kernels/quant/fp8_block_scale.cuh"
+#include "kernels/scheduler/grouped_tile_scheduler.cuh"
+
+namespace megamoe::kernels {
+
+enum class GemmOp { fc1_swiglu, fc2_slot_store, fc2_atomic_combine };
+
+enum class NamedBarrier : uint32_t {
+  kEpilogueExchange = 1,  // 0 is __syncthreads
+};
+
+template <class Element_, int kTokenTile, GemmOp kOp>
+struct GroupedGemmConfig {
+  using Element = Element_;
+  static constexpr bool kFp8 = std::is_same_v<Element, cutlass::float_e4m3_t>;
+  static constexpr GemmOp kGemmOp = kOp;
+  static constexpr int kBlockM = layout::kGemmChannelTile;
+  static constexpr int kBlockN = kTokenTile;
+  static constexpr int kBlockK = layout::kGemmKBytes / static_cast<int>(sizeof(Element));
+  static constexpr int kStages = layout::gemm_stages(kTokenTile, kFp8, layout::kSm90SmemPerBlockOptin);
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kQuantBlock = 128;
+
+  static_assert(kTokenTile % 16 == 0 && kTokenTile <= layout::kGemmMaxTokenTile, "token tile 16, 32 or 64");
+  static_assert(kStages >= 3, "at least 3 stages to hide TMA latency");
+  static_assert(!(kFp8 && kBlockK != kQuantBlock), "fp8 promotion assumes one scale block per stage");
+
+  using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kBlockK>>;
+  using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
+  using SmemLayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                                   cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
+  using SmemLayoutScales = cute::Layout<cute::Shape<cute::Int<kBlockN>, cute::_1, cute::Int<kStages>>>;
+  using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
+                                                      cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kBlockK>>,
+                                                      cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  // Two math warpgroups side by side on M; each thread's fragment covers 2 x m64 rows.
+  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+
+  static constexpr uint32_t kStageTxBytes =
+      static_cast<uint32_t>((kBlockM + kBlockN) * kBlockK * sizeof(Element) + (kFp8 ? kBlockN * sizeof(float) : 0));
+
+  struct SharedStorage {
+    alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutA>> a;
+    alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutB>> b;
+    alignas(128) float token_scales[kStages * kBlockN];
+    float amax_exchange[layout::kGemmConsumerWarps][kBlockN];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + layout::kGemmSmemAlignmentSlack;
+  static_assert(kSmemBytes <= layout::kSm90SmemPerBlockOptin, "shared memory over the sm_90 limit");
+};
+
+// Everything one launch needs; TMA descriptors travel by value as __grid_constant__.
+template <class TmaA, class TmaB, class TmaScales>
+struct GroupedGemmParams {
+  TmaA tma_a;                    // weights [E][a_rows][K]
+  TmaB tma_b;                    // pool [pool_rows][K]
+  TmaScales tma_token_scales;    // fp8: [K/128][pool_rows]
+  const float* weight_scales;    // fp8: [E][a_rows/128][K/128]
+  int a_rows;                    // 2I (fc1) or H (fc2)
+  int k;                         // H (fc1) or I (fc2)
+  int num_experts;
+  int pool_rows;
+  GroupedTileScheduler scheduler;
+  // Epilogue.
+  int out_channels;              // I (fc1) or H (fc2)
+  void* out;                     // fc1: [pool_rows, I]; fc2 slot store: fp32 [T*k, H]
+  float* out_scales;             // fc1 fp8: [I/128, pool_rows]
+  bool ue8m0;
+  const int32_t* pool_slot;      // fc2
+  const float* routed_weights;   // fc2 atomic
+  float* y_accumulator;          // fc2 atomic: fp32 [T, H]
+  int top_k;
+};
+
+namespace gemm_detail {
+
+// FC1 epilogue: SwiGLU on the gate/up rows r and r+8 that the interleave-by-8 packing put in the
+// same thread, then bf16, or E4M3 with one scale per token per 128 channels (the CTA's 256 packed
+// rows are exactly 128 channels; the amax is reduced over both warpgroups through shared memory).
+template <class Config, class Params, class Accumulators>
+__device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
+                                                    const int (&base_row)[2], int base_col,
+                                                    typename Config::SharedStorage& smem, int consumer_thread) {
+  constexpr int kColGroups = Config::kBlockN / 8;
+  float h[2][2][kColGroups];  // [m][v0][v2]
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+      for (int v0 = 0; v0 < 2; ++v0) {
+        const float gate = acc(cute::make_coord(v0, 0, v2), m, 0);
+        const float up = acc(cute::make_coord(v0, 1, v2), m, 0);
+        h[m][v0][v2] = gate / (1.0f + expf(-gate)) * up;
+      }
+
+  auto channel_of = [&](int m) {
+    const int packed_row = tile.channel_block * Config::kBlockM + base_row[m];
+    return layout::original_w13_row(packed_row, p.out_channels);  // a gate row: the channel itself
+  };
+  auto column = [&](int v0, int v2) { return base_col + 8 * v2 + v0; };
+
+  if constexpr (!Config::kFp8) {
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int channel = channel_of(m);
+      if (channel >= p.out_channels) continue;
+#pragma unroll
+      for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+        for (int v0 = 0; v0 < 2; ++v0) {
+          const int col = column(v0, v2);
+          if (col < tile.valid_rows)
+            out[static_cast<size_t>(tile.pool_row + col) * p.out_channels + channel] = __float2bfloat16_rn(h[m][v0][v2]);
+        }
+    }
+  } else {
+    const int warp = consumer_thread / 32, lane = consumer_thread % 32;
+    float amax[2][kColGroups];
+#pragma unroll
+    for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+      for (int v0 = 0; v0 < 2; ++v0) {
+        float a = fmaxf(fabsf(h[0][v0][v2]), fabsf(h[1][v0][v2]));
+        // Lanes with equal lane % 4 hold the same columns (8 rows each).
+#pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+        amax[v0][v2] = a;
+        if (lane < 4) smem.amax_exchange[warp][column(v0, v2)] = a;
+      }
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
+    uint8_t* out = static_cast<uint8_t*>(p.out);
+#pragma unroll
+    for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+      for (int v0 = 0; v0 < 2; ++v0) {
+        const int col = column(v0, v2);
+        float a = amax[v0][v2];
+#pragma unroll
+        for (int w = 0; w < layout::kGemmConsumerWarps; ++w) a = fmaxf(a, smem.amax_exchange[w][col]);
+        const BlockScale s = block_scale(a, p.ue8m0);
+        if (col >= tile.valid_rows) continue;
+        const size_t row = static_cast<size_t>(tile.pool_row + col);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) out[row * p.out_channels + channel_of(m)] = encode_e4m3(h[m][v0][v2] * s.factor);
+        if (consumer_thread < 4) p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + row] = s.scale;
+      }
+    // The exchange buffer is rewritten by the next tile's epilogue.
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
+  }
+}
+
+// FC2 epilogue: each routed row's expert output goes to its slot row (deterministic combine) or is
+// weighted and added into the fp32 output accumulator (fast combine).
+template <class Config, class Params, class Accumulators>
+__device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
+                                             const int (&base_row)[2], int base_col) {
+  constexpr int kColGroups = Config::kBlockN / 8;
+#pragma unroll
+  for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+    for (int v0 = 0; v0 < 2; ++v0) {
+      const int col = base_col + 8 * v2 + v0;
+      if (col >= tile.valid_rows) continue;
+      const int slot = p.pool_slot[tile.pool_row + col];
+      float weight = 1.0f;
+      if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) weight = p.routed_weights[slot];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int v1 = 0; v1 < 2; ++v1) {
+          const int channel = tile.channel_block * Config::kBlockM + base_row[m] + 8 * v1;
+          if (channel >= p.out_channels) continue;
+          const float value = acc(cute::make_coord(v0, v1, v2), m, 0);
+          if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) {
+            atomicAdd(p.y_accumulator + static_cast<size_t>(slot / p.top_k) * p.out_channels + channel, weight * value);
+          } else {
+            static_cast<float*>(p.out)[static_cast<size_t>(slot) * p.out_channels + channel] = value;
+          }
+        }
+    }
+}
+
+}  // namespace gemm_detail
+
+template <class Config, class Params>
+__global__ void __launch_bounds__(Config::kThreads, 1)
+    sm90_grouped_gemm_swapab_kernel(CUTE_GRID_CONSTANT const Params p) {
+  using namespace cute;
+  using SharedStorage = typename Config::SharedStorage;
+  constexpr int kStages = Config::kStages;
+  extern __shared__ char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + layout::kGemmSmemAlignmentSlack - 1) &
+      ~uintptr_t(layout::kGemmSmemAlignmentSlack - 1));
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&smem.full[s], 1);
+      ptx::mbarrier_init(&smem.empty[s], layout::kGemmConsumerWarps);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (BM, BK, S)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Config::SmemLayoutB{});  // (BN, BK, S)
+  const int k_blocks = p.k / Config::kBlockK;
+  const int num_tiles = p.scheduler.num_tiles();
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    ptx::setmaxnreg_decrease<40>();
+    if (threadIdx.x != 0) return;
+    Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k, p.num_experts));
+    Tensor gA = local_tile(mA, typename Config::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,E)
+    auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+    Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.pool_rows, p.k));
+    Tensor gB = local_tile(mB, make_shape(Int<Config::kBlockN>{}, Int<Config::kBlockK>{}), make_coord(_, _));  // (BN,BK,n,k)
+    auto [tBgB, tBsB] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+
+    pipeline::PipelineState<kStages> state;
+    for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+      const GroupedTile tile = p.scheduler.tile(linear);
+      const int token_block = tile.pool_row / Config::kBlockN;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1, "gemm empty", state.stage);
+        ptx::mbarrier_arrive_expect_tx(&smem.full[state.stage], Config::kStageTxBytes);
+        copy(p.tma_a.with(smem.full[state.stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, state.stage));
+        copy(p.tma_b.with(smem.full[state.stage]), tBgB(_, token_block, kb), tBsB(_, state.stage));
+        if constexpr (Config::kFp8) {
+          Tensor sS = make_tensor(make_smem_ptr(smem.token_scales), typename Config::SmemLayoutScales{});  // (BN,1,S)
+          Tensor mS = p.tma_token_scales.get_tma_tensor(make_shape(p.pool_rows, k_blocks));
+          Tensor gS = local_tile(mS, make_shape(Int<Config::kBlockN>{}, _1{}), make_coord(_, _));  // (BN,1,n,kb)
+          auto [tSgS, tSsS] =
+              tma_partition(p.tma_token_scales, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sS), group_modes<0, 2>(gS));
+          copy(p.tma_token_scales.with(smem.full[state.stage]), tSgS(_, token_block, kb), tSsS(_, state.stage));
+        }
+        state.advance();
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  ptx::setmaxnreg_increase<232>();
+  const int consumer_thread = threadIdx.x - 128;
+  typename Config::TiledMma mma;
+  ThrMMA thr_mma = mma.get_thread_slice(consumer_thread);
+  Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, 2, MMA_K, S)
+  Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA, 1, MMA_K, S)
+  using TileMN = Shape<Int<Config::kBlockM>, Int<Config::kBlockN>>;
+  Tensor acc = partition_fragment_C(mma, TileMN{});                // (MMA=(2,2,N/8), 2, 1)
+  Tensor partial = partition_fragment_C(mma, TileMN{});
+  // Tile coordinates of this thread's fragment: element (v0, v1, v2) of m-block m sits at row
+  // base_row[m] + 8 v1 and column base_col + 8 v2 + v0 (the sm90 GMMA accumulator layout).
+  Tensor coords = thr_mma.partition_C(make_identity_tensor(TileMN{}));
+  const int base_row[2] = {get<0>(coords(make_coord(0, 0, 0), 0, 0)), get<0>(coords(make_coord(0, 0, 0), 1, 0))};
+  const int base_col = get<1>(coords(make_coord(0, 0, 0), 0, 0));
+  const int lane = consumer_thread % 32;
+
+  pipeline::PipelineState<kStages> state;
+  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+    const GroupedTile tile = p.scheduler.tile(linear);
+    clear(acc);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      ptx::wait_parity(&smem.full[state.stage], state.phase, "gemm full", state.stage);
+      if constexpr (Config::kFp8) {
+        // The 4 k32 steps of this 128-wide K block accumulate unscaled into `partial`; the block's
+        // weight scale times each token's scale then promotes them into `acc` in fp32.
+        warpgroup_fence_operand(partial);
+        warpgroup_arrive();
+        mma.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tCrA); ++k) {
+          gemm(mma, tCrA(_, _, k, state.stage), tCrB(_, _, k, state.stage), partial);
+          mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(partial);
+        float weight_scale[2];
+        CUTE_UNROLL
+        for (int m = 0; m < 2; ++m) {
+          const int row_block = (tile.channel_block * Config::kBlockM + base_row[m]) / Config::kQuantBlock;
+          weight_scale[m] = __ldg(p.weight_scales +
+                                  (static_cast<size_t>(tile.expert) * (p.a_rows / Config::kQuantBlock) + row_block) * k_blocks + kb);
+        }
+        const float* token_scale = smem.token_scales + state.stage * Config::kBlockN;
+        CUTE_UNROLL
+        for (int v2 = 0; v2 < Config::kBlockN / 8; ++v2)
+          CUTE_UNROLL
+          for (int v0 = 0; v0 < 2; ++v0) {
+            const float ts = token_scale[base_col + 8 * v2 + v0];
+            CUTE_UNROLL
+            for (int m = 0; m < 2; ++m)
+              CUTE_UNROLL
+              for (int v1 = 0; v1 < 2; ++v1)
+                acc(make_coord(v0, v1, v2), m, 0) += partial(make_coord(v0, v1, v2), m, 0) * (weight_scale[m] * ts);
+          }
+      } else {
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();
+        mma.accumulate_ = GMMA::ScaleOut::One;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tCrA); ++k) gemm(mma, tCrA(_, _, k, state.stage), tCrB(_, _, k, state.stage), acc);
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc);
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&smem.empty[state.stage]);
+      state.advance();
+    }
+
+    if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
+      gemm_detail::fc1_swiglu_epilogue<Config>(p, tile, acc, base_row, base_col, smem, consumer_thread);
+    } else {
+      gemm_detail::fc2_epilogue<Config>(p, tile, acc, base_row, base_col);
+    }
+  }
+}
+
+}  // namespace megamoe::kernels

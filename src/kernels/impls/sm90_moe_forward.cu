@@ -1,0 +1,196 @@
+#include "kernels/impls/sm90_moe_forward.hpp"
+
+#include "kernels/combine/combine_slots.cuh"
+#include "kernels/cuda_check.hpp"
+#include "kernels/impls/sm90_grouped_gemm_swapab.cuh"
+#include "kernels/permute/gather_quantize.cuh"
+#include "kernels/routing/route_and_count.cuh"
+#include "kernels/scheduler/grouped_tile_scheduler.cuh"
+
+namespace megamoe::kernels {
+namespace {
+
+using namespace cute;
+
+struct GemmArguments {
+  const void* weights;
+  const float* weight_scales;
+  int a_rows;
+  int k;
+  const void* pool;
+  const float* token_scales;
+  int out_channels;
+  void* out;
+  float* out_scales;
+};
+
+template <class Config>
+void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t stream) {
+  using Element = typename Config::Element;
+  const layout::MoeWorkspaceLayout& w = f.workspace_layout;
+  const int pool_rows = static_cast<int>(w.pool_rows);
+  Tensor weights = make_tensor(make_gmem_ptr(static_cast<const Element*>(g.weights)),
+                               make_shape(g.a_rows, g.k, f.num_experts),
+                               make_stride(static_cast<int64_t>(g.k), _1{}, static_cast<int64_t>(g.a_rows) * g.k));
+  Tensor pool = make_tensor(make_gmem_ptr(static_cast<const Element*>(g.pool)), make_shape(pool_rows, g.k),
+                            make_stride(static_cast<int64_t>(g.k), _1{}));
+  auto tma_a = make_tma_atom(SM90_TMA_LOAD{}, weights, typename Config::SmemLayoutA{}(_, _, 0),
+                             make_shape(Int<Config::kBlockM>{}, Int<Config::kBlockK>{}));
+  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, pool, typename Config::SmemLayoutB{}(_, _, 0),
+                             make_shape(Int<Config::kBlockN>{}, Int<Config::kBlockK>{}));
+  auto make_scales_tma = [&] {
+    if constexpr (Config::kFp8) {
+      Tensor scales = make_tensor(make_gmem_ptr(g.token_scales), make_shape(pool_rows, g.k / Config::kQuantBlock),
+                                  make_stride(_1{}, static_cast<int64_t>(pool_rows)));
+      return make_tma_atom(SM90_TMA_LOAD{}, scales, typename Config::SmemLayoutScales{}(_, _, 0),
+                           make_shape(Int<Config::kBlockN>{}, _1{}));
+    } else {
+      return 0;
+    }
+  };
+  auto tma_scales = make_scales_tma();
+  using Params = GroupedGemmParams<decltype(tma_a), decltype(tma_b), decltype(tma_scales)>;
+  Params p{};
+  p.tma_a = tma_a;
+  p.tma_b = tma_b;
+  p.tma_token_scales = tma_scales;
+  p.weight_scales = g.weight_scales;
+  p.a_rows = g.a_rows;
+  p.k = g.k;
+  p.num_experts = f.num_experts;
+  p.pool_rows = pool_rows;
+  p.scheduler = GroupedTileScheduler{w.at<int32_t>(f.workspace, w.token_tile_prefix),
+                                     w.at<int32_t>(f.workspace, w.expert_offsets),
+                                     w.at<int32_t>(f.workspace, w.expert_counts),
+                                     f.num_experts,
+                                     (g.a_rows + Config::kBlockM - 1) / Config::kBlockM,
+                                     Config::kBlockN};
+  p.out_channels = g.out_channels;
+  p.out = g.out;
+  p.out_scales = g.out_scales;
+  p.ue8m0 = f.ue8m0;
+  p.pool_slot = w.at<int32_t>(f.workspace, w.pool_slot);
+  p.routed_weights = w.at<float>(f.workspace, w.routed_weights);
+  p.y_accumulator = w.at<float>(f.workspace, w.y_accumulator);
+  p.top_k = f.top_k;
+
+  auto* kernel = &sm90_grouped_gemm_swapab_kernel<Config, Params>;
+  static bool smem_configured = false;  // one instantiation, one attribute call
+  if (!smem_configured) {
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
+    smem_configured = true;
+  }
+  kernel<<<f.grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  MEGAMOE_CHECK_LAUNCH("sm90_grouped_gemm_swapab_kernel");
+}
+
+template <class Element, GemmOp kOp>
+void dispatch_token_tile(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t stream) {
+  switch (f.token_tile) {
+    case 16: return launch_gemm<GroupedGemmConfig<Element, 16, kOp>>(f, g, stream);
+    case 32: return launch_gemm<GroupedGemmConfig<Element, 32, kOp>>(f, g, stream);
+    case 64: return launch_gemm<GroupedGemmConfig<Element, 64, kOp>>(f, g, stream);
+    default: throw Error(ErrorCode::unsupported, "token tile must be 16, 32 or 64");
+  }
+}
+
+template <GemmOp kOp>
+void dispatch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t stream) {
+  if (f.fp8) {
+    dispatch_token_tile<cutlass::float_e4m3_t, kOp>(f, g, stream);
+  } else {
+    dispatch_token_tile<cutlass::bfloat16_t, kOp>(f, g, stream);
+  }
+}
+
+int blocks_for(long threads, int block) { return static_cast<int>((threads + block - 1) / block); }
+
+}  // namespace
+
+void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
+  const layout::MoeWorkspaceLayout& w = f.workspace_layout;
+  const int T = f.num_tokens;
+  if (T == 0) return;
+  void* ws = f.workspace;
+  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(w.at<int32_t>(ws, w.expert_counts), 0, sizeof(int32_t) * f.num_experts, stream));
+  if (!f.deterministic) {
+    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(w.at<float>(ws, w.y_accumulator), 0, sizeof(float) * T * f.hidden, stream));
+  }
+
+  RoutingParams routing{};
+  routing.num_tokens = T;
+  routing.num_experts = f.num_experts;
+  routing.top_k = f.top_k;
+  routing.mode = static_cast<RoutingMode>(f.routing_mode);
+  routing.renormalize = f.renormalize;
+  routing.n_group = f.n_group;
+  routing.topk_group = f.topk_group;
+  routing.routed_scaling_factor = f.routed_scaling_factor;
+  routing.bias = f.bias;
+  routing.logits = f.router_logits;
+  routing.topk_ids = f.topk_ids;
+  routing.topk_weights = f.topk_weights;
+  routing.expert_counts = w.at<int32_t>(ws, w.expert_counts);
+  routing.routed_ids = w.at<int32_t>(ws, w.routed_ids);
+  routing.routed_weights = w.at<float>(ws, w.routed_weights);
+  routing.slot_rank = w.at<int32_t>(ws, w.slot_rank);
+  routing.error_flags = w.at<int32_t>(ws, w.error_flags);
+  route_and_count_kernel<<<blocks_for(32L * T, 256), 256, 0, stream>>>(routing);
+  MEGAMOE_CHECK_LAUNCH("route_and_count_kernel");
+
+  scan_expert_segments_kernel<1024><<<1, 1024, 0, stream>>>(routing.expert_counts, f.num_experts, f.token_tile,
+                                                            w.at<int32_t>(ws, w.expert_offsets),
+                                                            w.at<int32_t>(ws, w.token_tile_prefix));
+  MEGAMOE_CHECK_LAUNCH("scan_expert_segments_kernel");
+
+  GatherParams gather{};
+  gather.num_tokens = T;
+  gather.top_k = f.top_k;
+  gather.hidden = f.hidden;
+  gather.pool_rows = static_cast<int>(w.pool_rows);
+  gather.ue8m0 = f.ue8m0;
+  gather.x = static_cast<const __nv_bfloat16*>(f.x);
+  gather.routed_ids = routing.routed_ids;
+  gather.slot_rank = routing.slot_rank;
+  gather.expert_offsets = w.at<int32_t>(ws, w.expert_offsets);
+  gather.pool_slot = w.at<int32_t>(ws, w.pool_slot);
+  gather.activations = w.at<void>(ws, w.activations);
+  gather.activation_scales = w.at<float>(ws, w.activation_scales);
+  if (f.fp8) {
+    gather_quantize_kernel<true><<<blocks_for(32L * T, 256), 256, 0, stream>>>(gather);
+  } else {
+    gather_quantize_kernel<false><<<blocks_for(32L * T, 256), 256, 0, stream>>>(gather);
+  }
+  MEGAMOE_CHECK_LAUNCH("gather_quantize_kernel");
+
+  const GemmArguments fc1{f.w13, f.w13_scales, 2 * f.intermediate, f.hidden, gather.activations, gather.activation_scales,
+                          f.intermediate, w.at<void>(ws, w.fc1_output), w.at<float>(ws, w.fc1_scales)};
+  dispatch_gemm<GemmOp::fc1_swiglu>(f, fc1, stream);
+
+  const GemmArguments fc2{f.w2, f.w2_scales, f.hidden, f.intermediate, fc1.out, fc1.out_scales,
+                          f.hidden, w.at<void>(ws, w.slot_outputs), nullptr};
+  if (f.deterministic) {
+    dispatch_gemm<GemmOp::fc2_slot_store>(f, fc2, stream);
+  } else {
+    dispatch_gemm<GemmOp::fc2_atomic_combine>(f, fc2, stream);
+  }
+
+  CombineParams combine{};
+  combine.num_tokens = T;
+  combine.top_k = f.top_k;
+  combine.hidden = f.hidden;
+  combine.routed_ids = routing.routed_ids;
+  combine.routed_weights = routing.routed_weights;
+  combine.slot_outputs = w.at<float>(ws, w.slot_outputs);
+  combine.y_accumulator = w.at<float>(ws, w.y_accumulator);
+  combine.y = static_cast<__nv_bfloat16*>(f.y);
+  const int combine_blocks = blocks_for(static_cast<long>(T) * (f.hidden / 8), 256);
+  if (f.deterministic) {
+    combine_kernel<true><<<combine_blocks, 256, 0, stream>>>(combine);
+  } else {
+    combine_kernel<false><<<combine_blocks, 256, 0, stream>>>(combine);
+  }
+  MEGAMOE_CHECK_LAUNCH("combine_kernel");
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,32 @@
+// Shared-memory budget of the grouped GEMM, used by the planner (to report) and the kernel (to
+// size its pipeline), so the two cannot disagree.
+#pragma once
+
+#include "kernels/layout/weight_layout.hpp"
+
+namespace megamoe::layout {
+
+inline constexpr int kGemmChannelTile = 256;          // 2 math warpgroups x 2 x m64
+inline constexpr int kGemmKBytes = 128;               // one 128-byte swizzle row of K per stage
+inline constexpr int kGemmMaxTokenTile = 64;
+inline constexpr int kGemmMaxStages = 8;
+inline constexpr int kGemmConsumerWarps = 8;
+inline constexpr int kGemmExchangeBytes = kGemmConsumerWarps * kGemmMaxTokenTile * 4;  // FC1 amax partials
+inline constexpr int kGemmBarrierBytes = 1024;
+inline constexpr int kGemmSmemAlignmentSlack = 1024;  // dynamic smem is re-aligned to 1 KiB
+inline constexpr int kSm90SmemPerBlockOptin = 232448;  // 227 KiB
+
+MEGAMOE_HOST_DEVICE constexpr int gemm_stage_bytes(int token_tile, bool fp8) {
+  return (kGemmChannelTile + token_tile) * kGemmKBytes + (fp8 ? token_tile * 4 : 0);
+}
+
+MEGAMOE_HOST_DEVICE constexpr int gemm_fixed_bytes() {
+  return kGemmExchangeBytes + kGemmBarrierBytes + kGemmSmemAlignmentSlack;
+}
+
+MEGAMOE_HOST_DEVICE constexpr int gemm_stages(int token_tile, bool fp8, int smem_per_block) {
+  const int stages = (smem_per_block - gemm_fixed_bytes()) / gemm_stage_bytes(token_tile, fp8);
+  return stages < kGemmMaxStages ? stages : kGemmMaxStages;
+}
+
+}  // namespace megamoe::layout

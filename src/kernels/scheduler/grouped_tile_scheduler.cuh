@@ -1,0 +1,86 @@
+// The one scheduler of the grouped GEMMs: every role of a CTA walks the same tile sequence.
+//
+// Work is (expert, channel block, token tile). Tiles are numbered expert by expert; inside an
+// expert the channel block is the slow index and the token tile the fast one, so CTAs running at
+// the same time read the same weight tile and all but the first find it in L2.
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe::kernels {
+
+struct GroupedTile {
+  int expert;
+  int channel_block;
+  int token_tile;       // within the expert
+  int pool_row;         // first pool row of the tile
+  int valid_rows;       // rows of the tile that hold routed tokens (the rest is padding)
+};
+
+struct GroupedTileScheduler {
+  const int32_t* token_tile_prefix;  // [E+1]
+  const int32_t* expert_offsets;     // [E+1]
+  const int32_t* expert_counts;      // [E]
+  int num_experts;
+  int channel_blocks;
+  int token_tile_rows;
+
+  __device__ __forceinline__ int num_tiles() const { return token_tile_prefix[num_experts] * channel_blocks; }
+
+  __device__ __forceinline__ GroupedTile tile(int linear) const {
+    // Last expert whose first tile is <= linear (binary search over the prefix of tiles).
+    int lo = 0, hi = num_experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (token_tile_prefix[mid] * channel_blocks <= linear) lo = mid;
+      else hi = mid - 1;
+    }
+    const int expert = lo;
+    const int first = token_tile_prefix[expert] * channel_blocks;
+    const int tiles_of_expert = token_tile_prefix[expert + 1] - token_tile_prefix[expert];
+    const int local = linear - first;
+    GroupedTile t;
+    t.expert = expert;
+    t.channel_block = local / tiles_of_expert;
+    t.token_tile = local % tiles_of_expert;
+    t.pool_row = expert_offsets[expert] + t.token_tile * token_tile_rows;
+    const int remaining = expert_counts[expert] - t.token_tile * token_tile_rows;
+    t.valid_rows = remaining < token_tile_rows ? remaining : token_tile_rows;
+    return t;
+  }
+};
+
+// One block: padded segment offsets and token-tile prefix of every expert from the row counts.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) scan_expert_segments_kernel(const int32_t* expert_counts, int num_experts,
+                                                                        int token_tile_rows, int32_t* expert_offsets,
+                                                                        int32_t* token_tile_prefix) {
+  __shared__ int32_t tiles[kThreads];
+  int carry = 0;
+  for (int base = 0; base < num_experts; base += kThreads) {
+    const int e = base + threadIdx.x;
+    const int my_tiles = e < num_experts ? (expert_counts[e] + token_tile_rows - 1) / token_tile_rows : 0;
+    tiles[threadIdx.x] = my_tiles;
+    __syncthreads();
+    // Hillis-Steele inclusive scan; E is at most a few hundred, so simplicity wins.
+    for (int offset = 1; offset < kThreads; offset *= 2) {
+      const int add = threadIdx.x >= offset ? tiles[threadIdx.x - offset] : 0;
+      __syncthreads();
+      tiles[threadIdx.x] += add;
+      __syncthreads();
+    }
+    const int exclusive = carry + tiles[threadIdx.x] - my_tiles;
+    if (e < num_experts) {
+      token_tile_prefix[e] = exclusive;
+      expert_offsets[e] = exclusive * token_tile_rows;
+    }
+    carry += tiles[kThreads - 1];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    token_tile_prefix[num_experts] = carry;
+    expert_offsets[num_experts] = carry * token_tile_rows;
+  }
+}
+
+}  // namespace megamoe::kernels

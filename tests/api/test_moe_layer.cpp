@@ -1,0 +1,331 @@
+// MoeLayer on a Hopper GPU against the CPU reference: fp8_block tightly against the
+// quantization-emulating fp64 reference and loosely against unquantized math, bf16 against fp64.
+// Outputs are poisoned (NaN) before every run; inputs are fresh random data.
+#include "megamoe/layer.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+
+#include "common/gpu_test.hpp"
+#include "common/test_random.hpp"
+#include "megamoe/error.hpp"
+#include "plan/workloads.hpp"
+#include "ref/moe_reference.hpp"
+#include "ref/parallel.hpp"
+
+namespace megamoe {
+namespace {
+
+enum class RoutingKind { workload, softmax, grouped, precomputed };
+enum class Skew { uniform, skewed };
+
+struct Case {
+  std::string workload;  // a named workload, or "small"
+  Precision precision;
+  int tokens;
+  RoutingKind routing;
+  Skew skew;
+  CombineMode combine;
+};
+
+std::string name_of(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  std::string name = c.workload + "_" + to_string(c.precision) + "_T" + std::to_string(c.tokens);
+  const char* routing[] = {"", "_softmax", "_grouped", "_precomputed"};
+  name += routing[static_cast<int>(c.routing)];
+  if (c.skew == Skew::skewed) name += "_skewed";
+  if (c.combine == CombineMode::fast) name += "_fast";
+  for (char& ch : name)
+    if (ch == '-') ch = '_';
+  return name;
+}
+
+// Fast uniform generator; each expert gets its own stream so generation runs in parallel.
+struct Xorshift {
+  uint64_t s;
+  float next(float half_width) {
+    s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
+    return half_width * (static_cast<float>((s * 0x2545F4914F6CDD1Dull) >> 40) * 0x1p-23f - 1.0f);
+  }
+};
+
+// Weights, packed copy and layer for one (workload, precision); rebuilt when the key changes so
+// that only one large workload lives in memory at a time.
+struct LayerFixture {
+  MoeSpec spec;
+  std::vector<bf16_t> w13, w2;
+  PackedWeights packed;
+  std::unique_ptr<MoeLayer> layer;
+};
+
+constexpr int kMaxTokens = 1024;
+
+MoeSpec spec_for(const Case& c, uint64_t seed) {
+  MoeSpec spec;
+  if (c.workload == "small") {
+    spec.num_experts = 16;
+    spec.top_k = 4;
+    spec.hidden = 256;
+    spec.intermediate = 256;
+  } else {
+    spec = plan::find_workload(c.workload).spec;
+  }
+  spec.precision = c.precision;
+  switch (c.routing) {
+    case RoutingKind::workload: break;
+    case RoutingKind::softmax: spec.routing = SoftmaxTopK{.renormalize = false}; break;
+    case RoutingKind::grouped: spec.routing = DeepseekGrouped{.n_group = 4, .topk_group = 2, .routed_scaling_factor = 2.5f}; break;
+    case RoutingKind::precomputed: spec.routing = Precomputed{}; break;
+  }
+  if (auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing)) {
+    Xorshift rng{seed | 1};
+    grouped->e_score_correction_bias.resize(spec.num_experts);
+    for (float& b : grouped->e_score_correction_bias) b = rng.next(0.05f);
+  }
+  return spec;
+}
+
+LayerFixture& fixture_for(const Case& c, uint64_t seed) {
+  static std::unique_ptr<LayerFixture> cached;
+  static std::string cached_key;
+  const MoeSpec spec = spec_for(c, seed);
+  std::ostringstream key;
+  key << spec;
+  if (!cached || cached_key != key.str()) {
+    cached.reset();
+    auto f = std::make_unique<LayerFixture>();
+    f->spec = spec;
+    const int E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
+    const size_t w13_count = 2ull * I * H, w2_count = static_cast<size_t>(H) * I;
+    f->w13.resize(E * w13_count);
+    f->w2.resize(E * w2_count);
+    ref::parallel_for(E, [&](int e) {
+      Xorshift rng{seed * 1315423911ull + e + 1};
+      const float w13_width = std::sqrt(3.0f / H), w2_width = std::sqrt(3.0f / I);
+      for (size_t i = 0; i < w13_count; ++i) f->w13[e * w13_count + i] = bf16_t::from_float(rng.next(w13_width));
+      for (size_t i = 0; i < w2_count; ++i) f->w2[e * w2_count + i] = bf16_t::from_float(rng.next(w2_width));
+    });
+    f->packed = prepare_weights(spec, WeightsView{f->w13.data(), f->w2.data(), DType::bf16});
+    f->layer = std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens);
+    cached = std::move(f);
+    cached_key = key.str();
+  }
+  return *cached;
+}
+
+struct Inputs {
+  std::vector<bf16_t> x;
+  std::vector<float> logits;
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  MoeInputs view(int tokens) const { return MoeInputs{tokens, x.data(), logits.data(), ids.data(), weights.data()}; }
+};
+
+Inputs make_inputs(test::SeededRng& rng, const MoeSpec& spec, int tokens, Skew skew) {
+  Inputs in;
+  const int E = spec.num_experts, k = spec.top_k;
+  in.x = rng.bf16_normals(static_cast<size_t>(tokens) * spec.hidden);
+  in.logits = rng.normals(static_cast<size_t>(tokens) * E);
+  if (skew == Skew::skewed) {
+    // Expert 0 wins every token; the rest of each top-k comes from 2k experts, so most get none.
+    for (int t = 0; t < tokens; ++t) {
+      in.logits[static_cast<size_t>(t) * E] += 12.0f;
+      for (int e = 1; e <= 2 * k && e < E; ++e) in.logits[static_cast<size_t>(t) * E + e] += 6.0f;
+    }
+  }
+  for (int t = 0; t < tokens; ++t) {
+    std::vector<int32_t> perm(E);
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    for (int j = 0; j < k; ++j) {
+      const int pick = skew == Skew::skewed ? (j == 0 ? 0 : rng.integer(1, std::min(E - 1, 2 * k))) : rng.integer(j, E - 1);
+      std::swap(perm[j], perm[std::find(perm.begin(), perm.end(), pick) - perm.begin()]);
+      in.ids.push_back(perm[j]);
+      in.weights.push_back(rng.uniform(0.05f, 1.0f));
+    }
+  }
+  return in;
+}
+
+struct Comparison {
+  double rel_l2;
+  double max_normalized;  // max |d - r| / (|r| + rms(r))
+  long non_finite;
+};
+
+Comparison compare(const std::vector<bf16_t>& device, const std::vector<double>& reference) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < reference.size(); ++i) norm += reference[i] * reference[i];
+  const double rms = std::sqrt(norm / reference.size());
+  Comparison c{0, 0, 0};
+  for (size_t i = 0; i < reference.size(); ++i) {
+    const double d = device[i].to_float();
+    if (!std::isfinite(d)) {
+      ++c.non_finite;
+      continue;
+    }
+    diff += (d - reference[i]) * (d - reference[i]);
+    c.max_normalized = std::max(c.max_normalized, std::fabs(d - reference[i]) / (std::fabs(reference[i]) + rms));
+  }
+  c.rel_l2 = std::sqrt(diff / std::max(norm, 1e-300));
+  return c;
+}
+
+std::vector<bf16_t> run_device(MoeLayer& layer, const MoeSpec& spec, const Inputs& in, int tokens, CombineMode mode) {
+  const int H = spec.hidden, E = spec.num_experts, k = spec.top_k;
+  test::DeviceBuffer<bf16_t> x(in.x.size()), y(static_cast<size_t>(tokens) * H);
+  test::DeviceBuffer<float> logits(in.logits.size()), weights(in.weights.size());
+  test::DeviceBuffer<int32_t> ids(in.ids.size());
+  x.upload(in.x);
+  logits.upload(in.logits);
+  ids.upload(in.ids);
+  weights.upload(in.weights);
+  y.poison();
+  (void)E, (void)k;
+  layer.forward(nullptr, MoeInputs{tokens, x.get(), logits.get(), ids.get(), weights.get()}, MoeOutputs{y.get()}, mode);
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  return y.download();
+}
+
+class MoeLayerVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeLayerVsReference, MatchesCpuReference) {
+  MEGAMOE_REQUIRE_HOPPER();
+  const Case c = GetParam();
+  test::SeededRng rng;
+  LayerFixture& f = fixture_for(c, rng.seed());
+  const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  const std::vector<bf16_t> y = run_device(*f.layer, f.spec, in, c.tokens, c.combine);
+
+  std::vector<bf16_t> y_ref(y.size()), y_exact(y.size());
+  const ref::ReferenceReport ref = ref::reference_forward(f.spec, f.packed, in.view(c.tokens), MoeOutputs{y_ref.data()});
+  const ref::ReferenceReport exact = ref::reference_forward_unquantized(
+      f.spec, WeightsView{f.w13.data(), f.w2.data(), DType::bf16}, in.view(c.tokens), MoeOutputs{y_exact.data()});
+  EXPECT_EQ(f.layer->take_invalid_routing_ids(nullptr), ref.invalid_ids);
+
+  const Comparison tight = compare(y, ref.y);
+  const Comparison loose = compare(y, exact.y);
+  EXPECT_EQ(tight.non_finite, 0) << "unwritten or non-finite outputs";
+  // Tight: the device rounds y to bf16 (2^-9 relative) and accumulates in fp32; rare one-step
+  // E4M3 flips of the requantized FC1 output stay far below that.
+  EXPECT_LT(tight.rel_l2, 4e-3);
+  EXPECT_LT(tight.max_normalized, 2e-2);
+  // Loose: quantization must not change what the layer computes.
+  EXPECT_LT(loose.rel_l2, c.precision == Precision::fp8_block ? 0.1 : 1e-2);
+  RecordProperty("rel_l2_vs_reference", std::to_string(tight.rel_l2));
+  RecordProperty("rel_l2_vs_unquantized", std::to_string(loose.rel_l2));
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (Precision p : {Precision::bf16, Precision::fp8_block}) {
+    for (RoutingKind r : {RoutingKind::softmax, RoutingKind::grouped, RoutingKind::precomputed}) {
+      for (int t : {1, 7, 128, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::deterministic});
+      out.push_back({"small", p, 333, r, Skew::skewed, CombineMode::deterministic});
+      out.push_back({"small", p, 128, r, Skew::uniform, CombineMode::fast});
+    }
+  }
+  for (const char* w : {"qwen35-a3b", "qwen3-30b-a3b", "dsv3"}) {
+    for (Precision p : {Precision::fp8_block, Precision::bf16}) {
+      for (int t : {1, 7, 128}) out.push_back({w, p, t, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
+      out.push_back({w, p, 128, RoutingKind::workload, Skew::skewed, CombineMode::deterministic});
+      out.push_back({w, p, 128, RoutingKind::workload, Skew::uniform, CombineMode::fast});
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerVsReference, ::testing::ValuesIn(cases()), name_of);
+
+TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case c{"qwen35-a3b", Precision::fp8_block, 128, RoutingKind::workload, Skew::uniform, CombineMode::deterministic};
+  LayerFixture& f = fixture_for(c, rng.seed());
+  const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  const std::vector<bf16_t> first = run_device(*f.layer, f.spec, in, c.tokens, CombineMode::deterministic);
+  for (int run = 0; run < 10; ++run) {
+    const std::vector<bf16_t> again = run_device(*f.layer, f.spec, in, c.tokens, CombineMode::deterministic);
+    ASSERT_EQ(std::memcmp(first.data(), again.data(), first.size() * sizeof(bf16_t)), 0) << "run " << run;
+  }
+
+  // The same forward captured in a CUDA graph and replayed gives the same bits.
+  test::DeviceBuffer<bf16_t> x(in.x.size()), y(first.size());
+  test::DeviceBuffer<float> logits(in.logits.size());
+  x.upload(in.x);
+  logits.upload(in.logits);
+  y.poison();
+  cudaStream_t stream;
+  MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  f.layer->forward(stream, MoeInputs{c.tokens, x.get(), logits.get(), nullptr, nullptr}, MoeOutputs{y.get()});
+  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<bf16_t> replayed = y.download();
+  EXPECT_EQ(std::memcmp(first.data(), replayed.data(), first.size() * sizeof(bf16_t)), 0);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case c{"small", Precision::fp8_block, 64, RoutingKind::precomputed, Skew::uniform, CombineMode::deterministic};
+  LayerFixture& f = fixture_for(c, rng.seed());
+  Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  const int k = f.spec.top_k;
+  in.ids[0 * k + 1] = -1;                   // not routed here
+  in.ids[1 * k + 2] = f.spec.num_experts;   // out of range
+  in.ids[2 * k + 3] = 1 << 30;              // far out of range
+  in.ids[3 * k + 1] = in.ids[3 * k + 0];    // duplicate
+  in.ids[4 * k + 0] = -5;                   // negative, invalid
+  const std::vector<bf16_t> y = run_device(*f.layer, f.spec, in, c.tokens, CombineMode::deterministic);
+  std::vector<bf16_t> y_ref(y.size());
+  const ref::ReferenceReport ref = ref::reference_forward(f.spec, f.packed, in.view(c.tokens), MoeOutputs{y_ref.data()});
+  EXPECT_EQ(ref.invalid_ids, 4);
+  EXPECT_EQ(f.layer->take_invalid_routing_ids(nullptr), 4);
+  EXPECT_EQ(f.layer->take_invalid_routing_ids(nullptr), 0) << "the count resets when taken";
+  const Comparison tight = compare(y, ref.y);
+  EXPECT_EQ(tight.non_finite, 0);
+  EXPECT_LT(tight.rel_l2, 4e-3);
+
+  const Case softmax{"small", Precision::fp8_block, 8, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
+  LayerFixture& g = fixture_for(softmax, rng.seed());
+  Inputs nan_in = make_inputs(rng, g.spec, softmax.tokens, Skew::uniform);
+  for (int e = 0; e < g.spec.num_experts; ++e) nan_in.logits[e] = NAN;  // token 0: all NaN
+  nan_in.logits[g.spec.num_experts + 3] = INFINITY;                    // token 1: one +inf
+  nan_in.logits[2 * g.spec.num_experts + 5] = NAN;                     // token 2: one NaN
+  const std::vector<bf16_t> y2 = run_device(*g.layer, g.spec, nan_in, softmax.tokens, CombineMode::deterministic);
+  std::vector<bf16_t> y2_ref(y2.size());
+  const ref::ReferenceReport ref2 = ref::reference_forward(g.spec, g.packed, nan_in.view(softmax.tokens), MoeOutputs{y2_ref.data()});
+  EXPECT_EQ(g.layer->take_invalid_routing_ids(nullptr), 0);
+  const Comparison c2 = compare(y2, ref2.y);
+  EXPECT_EQ(c2.non_finite, 0);
+  EXPECT_LT(c2.rel_l2, 4e-3);
+}
+
+TEST(MoeLayer, RejectsBadCallsBeforeLaunching) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case c{"small", Precision::bf16, 4, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
+  LayerFixture& f = fixture_for(c, rng.seed());
+  test::DeviceBuffer<bf16_t> x(static_cast<size_t>(kMaxTokens + 1) * f.spec.hidden), y(x.bytes() / 2);
+  test::DeviceBuffer<float> logits(static_cast<size_t>(kMaxTokens + 1) * f.spec.num_experts);
+  y.poison();
+  EXPECT_THROW(f.layer->forward(nullptr, MoeInputs{kMaxTokens + 1, x.get(), logits.get()}, MoeOutputs{y.get()}), Error);
+  EXPECT_THROW(f.layer->forward(nullptr, MoeInputs{4, x.get(), nullptr}, MoeOutputs{y.get()}), Error);
+  EXPECT_THROW(f.layer->forward(nullptr, MoeInputs{4, x.get(), logits.get()}, MoeOutputs{x.get()}), Error);
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  for (const bf16_t& v : y.download()) ASSERT_EQ(v.bits, 0xFFFF) << "a rejected call wrote the output";
+}
+
+}  // namespace
+}  // namespace megamoe
