@@ -138,12 +138,24 @@ Inputs make_inputs(test::SeededRng& rng, const MoeSpec& spec, int tokens, Skew s
     }
   }
   for (int t = 0; t < tokens; ++t) {
-    std::vector<int32_t> perm(E);
-    for (int e = 0; e < E; ++e) perm[e] = e;
+    // Distinct ids: a partial Fisher-Yates shuffle of the candidates. Skewed: expert 0 first,
+    // the rest from experts 1..2k.
+    std::vector<int32_t> candidates;
+    if (skew == Skew::skewed) {
+      for (int e = 1; e <= std::min(E - 1, 2 * k); ++e) candidates.push_back(e);
+    } else {
+      for (int e = 0; e < E; ++e) candidates.push_back(e);
+    }
     for (int j = 0; j < k; ++j) {
-      const int pick = skew == Skew::skewed ? (j == 0 ? 0 : rng.integer(1, std::min(E - 1, 2 * k))) : rng.integer(j, E - 1);
-      std::swap(perm[j], perm[std::find(perm.begin(), perm.end(), pick) - perm.begin()]);
-      in.ids.push_back(perm[j]);
+      int32_t id;
+      if (skew == Skew::skewed && j == 0) {
+        id = 0;
+      } else {
+        const int offset = skew == Skew::skewed ? j - 1 : j;
+        std::swap(candidates[offset], candidates[rng.integer(offset, static_cast<int>(candidates.size()) - 1)]);
+        id = candidates[offset];
+      }
+      in.ids.push_back(id);
       in.weights.push_back(rng.uniform(0.05f, 1.0f));
     }
   }

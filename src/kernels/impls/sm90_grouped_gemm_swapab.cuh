@@ -61,7 +61,10 @@ struct GroupedGemmConfig {
                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
   using SmemLayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
                                                    cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
-  using SmemLayoutScales = cute::Layout<cute::Shape<cute::Int<kBlockN>, cute::_1, cute::Int<kStages>>>;
+  // TMA destinations must be 128-byte aligned: each stage's token scales start on a 128-byte line.
+  static constexpr int kScaleStageStride = layout::gemm_token_scale_stride(kTokenTile);
+  using SmemLayoutScales = cute::Layout<cute::Shape<cute::Int<kBlockN>, cute::_1, cute::Int<kStages>>,
+                                        cute::Stride<cute::_1, cute::_0, cute::Int<kScaleStageStride>>>;
   using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
                                                       cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kBlockK>>,
                                                       cute::GMMA::Major::K, cute::GMMA::Major::K>());
@@ -74,7 +77,7 @@ struct GroupedGemmConfig {
   struct SharedStorage {
     alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutA>> a;
     alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutB>> b;
-    alignas(128) float token_scales[kStages * kBlockN];
+    alignas(128) float token_scales[kStages * kScaleStageStride];
     float amax_exchange[layout::kGemmConsumerWarps][kBlockN];
     uint64_t full[kStages];
     uint64_t empty[kStages];
@@ -322,7 +325,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           weight_scale[m] = __ldg(p.weight_scales +
                                   (static_cast<size_t>(tile.expert) * (p.a_rows / Config::kQuantBlock) + row_block) * k_blocks + kb);
         }
-        const float* token_scale = smem.token_scales + state.stage * Config::kBlockN;
+        const float* token_scale = smem.token_scales + state.stage * Config::kScaleStageStride;
         CUTE_UNROLL
         for (int v2 = 0; v2 < Config::kBlockN / 8; ++v2)
           CUTE_UNROLL

@@ -16,8 +16,11 @@ inline constexpr int kGemmBarrierBytes = 1024;
 inline constexpr int kGemmSmemAlignmentSlack = 1024;  // dynamic smem is re-aligned to 1 KiB
 inline constexpr int kSm90SmemPerBlockOptin = 232448;  // 227 KiB
 
+// Floats between the token scales of consecutive stages: TMA writes start on 128-byte lines.
+MEGAMOE_HOST_DEVICE constexpr int gemm_token_scale_stride(int token_tile) { return token_tile < 32 ? 32 : token_tile; }
+
 MEGAMOE_HOST_DEVICE constexpr int gemm_stage_bytes(int token_tile, bool fp8) {
-  return (kGemmChannelTile + token_tile) * kGemmKBytes + (fp8 ? token_tile * 4 : 0);
+  return (kGemmChannelTile + token_tile) * kGemmKBytes + (fp8 ? gemm_token_scale_stride(token_tile) * 4 : 0);
 }
 
 MEGAMOE_HOST_DEVICE constexpr int gemm_fixed_bytes() {
