@@ -202,6 +202,18 @@ std::vector<bf16_t> run_device(MoeLayer& layer, const MoeSpec& spec, const Input
   return y.download();
 }
 
+// Tight bounds against the quantization-emulating reference. bf16: the device accumulates in fp32
+// and rounds y to bf16 (2^-9 relative). fp8_block adds requantization noise: the FC1 output the
+// device computes in fp32 differs from the fp64 one by ~1e-6 relative, which moves a few values
+// (and block amaxes) across E4M3 rounding boundaries, each a 2^-4 relative step; seen on H200:
+// rel. L2 up to 5e-3, max normalized error up to 0.08, against 6e-2 rel. L2 for the unquantized
+// comparison. A wrong scale or a lost K block costs O(1).
+void expect_tight(Precision precision, const Comparison& c) {
+  const bool fp8 = precision == Precision::fp8_block;
+  EXPECT_LT(c.rel_l2, fp8 ? 1e-2 : 4e-3);
+  EXPECT_LT(c.max_normalized, fp8 ? 0.15 : 2e-2);
+}
+
 class MoeLayerVsReference : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeLayerVsReference, MatchesCpuReference) {
@@ -221,10 +233,7 @@ TEST_P(MoeLayerVsReference, MatchesCpuReference) {
   const Comparison tight = compare(y, ref.y);
   const Comparison loose = compare(y, exact.y);
   EXPECT_EQ(tight.non_finite, 0) << "unwritten or non-finite outputs";
-  // Tight: the device rounds y to bf16 (2^-9 relative) and accumulates in fp32; rare one-step
-  // E4M3 flips of the requantized FC1 output stay far below that.
-  EXPECT_LT(tight.rel_l2, 4e-3);
-  EXPECT_LT(tight.max_normalized, 2e-2);
+  expect_tight(c.precision, tight);
   // Loose: quantization must not change what the layer computes.
   EXPECT_LT(loose.rel_l2, c.precision == Precision::fp8_block ? 0.1 : 1e-2);
   RecordProperty("rel_l2_vs_reference", std::to_string(tight.rel_l2));
@@ -307,7 +316,7 @@ TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {
   EXPECT_EQ(f.layer->take_invalid_routing_ids(nullptr), 0) << "the count resets when taken";
   const Comparison tight = compare(y, ref.y);
   EXPECT_EQ(tight.non_finite, 0);
-  EXPECT_LT(tight.rel_l2, 4e-3);
+  expect_tight(f.spec.precision, tight);
 
   const Case softmax{"small", Precision::fp8_block, 8, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
   LayerFixture& g = fixture_for(softmax, rng.seed());
@@ -321,7 +330,7 @@ TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {
   EXPECT_EQ(g.layer->take_invalid_routing_ids(nullptr), 0);
   const Comparison c2 = compare(y2, ref2.y);
   EXPECT_EQ(c2.non_finite, 0);
-  EXPECT_LT(c2.rel_l2, 4e-3);
+  expect_tight(g.spec.precision, c2);
 }
 
 TEST(MoeLayer, RejectsBadCallsBeforeLaunching) {

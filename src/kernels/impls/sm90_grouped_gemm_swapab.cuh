@@ -109,6 +109,11 @@ struct GroupedGemmParams {
   int top_k;
 };
 
+// Register budget per thread: the producer needs addresses and pipeline state only.
+inline constexpr uint32_t kProducerRegisters = 56;
+inline constexpr uint32_t kConsumerRegisters = 224;
+static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 64 * 1024 - 1024, "register file budget");
+
 namespace gemm_detail {
 
 // FC1 epilogue: SwiGLU on the gate/up rows r and r+8 that the interleave-by-8 packing put in the
@@ -249,7 +254,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
-    ptx::setmaxnreg_decrease<40>();
+    ptx::setmaxnreg_decrease<kProducerRegisters>();
     if (threadIdx.x != 0) return;
     Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k, p.num_experts));
     Tensor gA = local_tile(mA, typename Config::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,E)
@@ -263,7 +268,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       const GroupedTile tile = p.scheduler.tile(linear);
       const int token_block = tile.pool_row / Config::kBlockN;
       for (int kb = 0; kb < k_blocks; ++kb) {
-        ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1, "gemm empty", state.stage);
+        ptx::wait_parity<false>(&smem.empty[state.stage], state.phase ^ 1, "gemm empty", state.stage);
         ptx::mbarrier_arrive_expect_tx(&smem.full[state.stage], Config::kStageTxBytes);
         copy(p.tma_a.with(smem.full[state.stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, state.stage));
         copy(p.tma_b.with(smem.full[state.stage]), tBgB(_, token_block, kb), tBsB(_, state.stage));
@@ -282,7 +287,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   }
 
   // ------------------------------------------------------------------ consumers
-  ptx::setmaxnreg_increase<232>();
+  ptx::setmaxnreg_increase<kConsumerRegisters>();
   const int consumer_thread = threadIdx.x - 128;
   typename Config::TiledMma mma;
   ThrMMA thr_mma = mma.get_thread_slice(consumer_thread);
@@ -303,7 +308,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const GroupedTile tile = p.scheduler.tile(linear);
     clear(acc);
     for (int kb = 0; kb < k_blocks; ++kb) {
-      ptx::wait_parity(&smem.full[state.stage], state.phase, "gemm full", state.stage);
+      ptx::wait_parity<false>(&smem.full[state.stage], state.phase, "gemm full", state.stage);
       if constexpr (Config::kFp8) {
         // The 4 k32 steps of this 128-wide K block accumulate unscaled into `partial`; the block's
         // weight scale times each token's scale then promotes them into `acc` in fp32.

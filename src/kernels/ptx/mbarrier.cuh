@@ -43,8 +43,9 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* barrier, uint
   return done != 0;
 }
 
-// About two seconds at 1.98 GHz: far beyond any legitimate wait inside one kernel.
-inline constexpr long long kWaitTimeoutCycles = 4'000'000'000LL;
+// About 17 s at 1.98 GHz: far beyond any legitimate wait inside one kernel, and long enough for
+// runs under compute-sanitizer, which slow kernels down a hundredfold.
+inline constexpr long long kWaitTimeoutCycles = 1LL << 35;
 
 // Cold path, kept out of line so its printf buffer stays out of the callers' frames.
 __device__ __noinline__ void report_wait_timeout(const char* what, int index, uint32_t parity) {
@@ -53,13 +54,21 @@ __device__ __noinline__ void report_wait_timeout(const char* what, int index, ui
   __trap();
 }
 
-// Waits until the phase with `parity` of `barrier` completes. On timeout prints who waited, on
-// what, and traps, so a lost arrival becomes an error instead of a hang.
+// Waits until the phase with `parity` of `barrier` completes; on timeout traps instead of hanging.
+// kReport prints who waited and on what first. Kernels that issue wgmma pass false: any call
+// (printf) in the kernel makes ptxas serialize every wgmma of it (C7510).
+template <bool kReport = true>
 __device__ __forceinline__ void wait_parity(uint64_t* barrier, uint32_t parity, const char* what, int index) {
   if (mbarrier_try_wait_parity(barrier, parity)) return;
   const long long start = clock64();
   while (!mbarrier_try_wait_parity(barrier, parity)) {
-    if (clock64() - start > kWaitTimeoutCycles) report_wait_timeout(what, index, parity);
+    if (clock64() - start > kWaitTimeoutCycles) {
+      if constexpr (kReport) {
+        report_wait_timeout(what, index, parity);
+      } else {
+        __trap();
+      }
+    }
   }
 }
 
