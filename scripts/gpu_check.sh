@@ -14,11 +14,11 @@ summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
 [ -f "$root/.deps/cutlass/include/cute/tensor.hpp" ] || { echo "missing .deps/cutlass: run scripts/deps.sh here and carry .deps"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
-nvcc --version | tail -2 | tee -a "$out/gpu.txt"
-cmake --version | head -1 | tee -a "$out/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/build.log"
+nvcc --version | tail -2 | tee -a "$out/build.log"
+cmake --version | head -1 | tee -a "$out/build.log"
 
-if cmake -S "$root" -B "$build" -G Ninja -DMEGAMOE_REQUIRE_CUDA=ON >"$out/build.log" 2>&1 &&
+if cmake -S "$root" -B "$build" -G Ninja -DMEGAMOE_REQUIRE_CUDA=ON >>"$out/build.log" 2>&1 &&
    cmake --build "$build" --parallel "$(nproc)" >>"$out/build.log" 2>&1; then
   note "build: ok ($(grep -c 'warning' "$out/build.log") warnings, spills: $(grep -ci 'spill' "$out/build.log"))"
 else
@@ -28,9 +28,9 @@ else
   exit 1
 fi
 
-ctest --test-dir "$build" -L cpu --output-on-failure --parallel 8 >"$out/ctest.log" 2>&1
+ctest --test-dir "$build" -L cpu --output-on-failure --parallel 8 >>"$out/build.log" 2>&1
 status=$?
-note "ctest (cpu suites): $(grep -E 'tests passed' "$out/ctest.log") (exit $status)"
+note "ctest (cpu suites): $(grep -E 'tests passed' "$out/build.log") (exit $status)"
 
 # GPU suites run as one process each (their fixtures cache large weights across cases).
 # MEGAMOE_GPU_FILTER narrows the layer suite; MEGAMOE_SANITIZE_FILTER picks the cases the
@@ -44,11 +44,12 @@ for exe in "$build"/tests/test_kernels_* "$build"/tests/test_api_moe_layer; do
   [ "$name" = test_api_moe_layer ] && filter=$layer_filter
   start=$(date +%s)
   "$exe" --gtest_brief=1 --gtest_filter="$filter" >"$out/$name.log" 2>&1 || status=1
-  note "$name: $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$out/$name.log" | tr '\n' ' ') ($(( $(date +%s) - start )) s)"
-  grep -E "Failure|error|Expected|Which is|evaluates to|MEGAMOE_TEST_SEED|FAILED" "$out/$name.log" | head -30
+  note "$name: $(grep -cE '^\[       OK|PASSED' "$out/$name.log") ok lines, $(grep -c '^\[  FAILED  \]' "$out/$name.log") failed lines ($(( $(date +%s) - start )) s)"
+  grep -E "Failure|error|Expected|Which is|evaluates to|actual|MEGAMOE_TEST_SEED" "$out/$name.log" | head -30
+  cat "$out/$name.log" >>"$out/tests.log" && rm "$out/$name.log"
   [ "${MEGAMOE_SKIP_SANITIZERS:-0}" = 1 ] && continue
   for tool in memcheck racecheck synccheck; do
-    log="$out/sanitize.$name.log"
+    log="$out/sanitize.log"
     echo "==== $tool" >>"$log"
     compute-sanitizer --tool "$tool" --error-exitcode 3 "$exe" --gtest_brief=1 --gtest_filter="$sanitize_filter" \
       >>"$log" 2>&1

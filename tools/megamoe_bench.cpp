@@ -1,9 +1,10 @@
 // megamoe-bench: measures one MoE layer configuration and prints what it measured.
 //
-// This build has no GPU forward yet (it arrives with the single-GPU layer), so the bench runs the
-// CPU fp64 reference on a reduced problem (fewer experts and tokens than the workload, said so in
-// the output), checks the quantization-emulating reference against unquantized math, and prints
-// the planner's configuration and the H200 floors of the full workload.
+// On a Hopper GPU (builds with CUDA) it times MoeLayer::forward per token count (gpu_bench.cu).
+// Elsewhere it runs the CPU fp64 reference on a reduced problem (fewer experts and tokens than the
+// workload, said so in the output), checks the quantization-emulating reference against
+// unquantized math, and prints the planner's configuration and the H200 floors of the full
+// workload.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <iostream>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -20,32 +22,23 @@
 #include "megamoe/weights.hpp"
 #include "plan/planner.hpp"
 #include "plan/workloads.hpp"
+#include "bench_options.hpp"
+#if MEGAMOE_BENCH_HAS_CUDA
+#include "gpu_bench.hpp"
+#endif
 #include "progress.hpp"
 #include "ref/moe_reference.hpp"
+#include "ref/random_problem.hpp"
 
 namespace megamoe::bench {
 namespace {
-
-constexpr int kCpuDefaultTokens = 4;
-constexpr int kCpuDefaultExperts = 16;
-
-struct Options {
-  std::string workload = "qwen35-a3b";
-  std::optional<int> tokens;
-  std::optional<int> experts;
-  Precision precision = Precision::fp8_block;
-  ScaleFormat scale_format = ScaleFormat::fp32;
-  std::string routing = "auto";
-  uint64_t seed = 0x5eed;
-  std::string json_path;
-};
 
 void print_usage() {
   std::printf(
       "usage: megamoe-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3] [--tokens N]\n"
       "                     [--precision bf16|fp8_block] [--scales fp32|ue8m0]\n"
       "                     [--routing auto|softmax|grouped|precomputed] [--experts N]\n"
-      "                     [--seed S] [--json PATH]\n"
+      "                     [--seed S] [--json PATH] [--cpu]\n"
       "  --workload   named workload (default qwen35-a3b)\n"
       "  --tokens     tokens in the call (CPU reference default %d)\n"
       "  --precision  bf16 or fp8_block (default fp8_block)\n"
@@ -53,7 +46,10 @@ void print_usage() {
       "  --routing    auto = the workload's own routing (default)\n"
       "  --experts    experts materialized for the CPU reference (default min(E, %d))\n"
       "  --seed       random seed of the generated weights and inputs\n"
-      "  --json PATH  also write the measured figures as JSON\n",
+      "  --json PATH  also write the measured figures as JSON\n"
+      "  --cpu        run the CPU reference even when a Hopper GPU is present\n"
+      "On a Hopper GPU the forward is timed for each token count (--tokens, default the buckets\n"
+      "1..8192); elsewhere the CPU reference runs on a reduced problem.\n",
       kCpuDefaultTokens, kCpuDefaultExperts);
 }
 
@@ -78,6 +74,10 @@ Options parse(int argc, char** argv) {
     if (flag == "--help" || flag == "-h") {
       print_usage();
       std::exit(0);
+    }
+    if (flag == "--cpu") {
+      o.force_cpu = true;
+      continue;
     }
     if (i + 1 >= argc) usage_error("missing value after " + flag);
     const std::string value = argv[++i];
@@ -111,23 +111,9 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// Fast deterministic uniform generator (xorshift64*); weights need not be Gaussian.
-class Random {
- public:
-  explicit Random(uint64_t seed) : state_(seed * 0x9E3779B97F4A7C15ull + 1) {}
-  uint64_t next() {
-    state_ ^= state_ >> 12;
-    state_ ^= state_ << 25;
-    state_ ^= state_ >> 27;
-    return state_ * 0x2545F4914F6CDD1Dull;
-  }
-  float uniform(float lo, float hi) { return lo + (hi - lo) * static_cast<float>(next() >> 40) * 0x1p-24f; }
+}  // namespace
 
- private:
-  uint64_t state_;
-};
-
-Routing routing_for(const Options& o, const MoeSpec& workload_spec, int experts, Random& random) {
+Routing routing_for(const Options& o, const MoeSpec& workload_spec, int experts, uint64_t seed) {
   std::string mode = o.routing;
   if (mode == "auto") mode = std::holds_alternative<DeepseekGrouped>(workload_spec.routing) ? "grouped" : "softmax";
   if (mode == "softmax") return SoftmaxTopK{.renormalize = true};
@@ -135,20 +121,11 @@ Routing routing_for(const Options& o, const MoeSpec& workload_spec, int experts,
   DeepseekGrouped grouped = std::holds_alternative<DeepseekGrouped>(workload_spec.routing)
                                 ? std::get<DeepseekGrouped>(workload_spec.routing)
                                 : DeepseekGrouped{.n_group = 8, .topk_group = 4, .routed_scaling_factor = 2.5f};
+  std::mt19937_64 engine(seed);
+  std::uniform_real_distribution<float> bias(-0.05f, 0.05f);
   grouped.e_score_correction_bias.resize(experts);
-  for (float& b : grouped.e_score_correction_bias) b = random.uniform(-0.05f, 0.05f);
+  for (float& b : grouped.e_score_correction_bias) b = bias(engine);
   return grouped;
-}
-
-// Uniform values with the standard deviation of N(0, 1/fan_in): realistic magnitudes.
-std::vector<bf16_t> random_bf16(size_t count, float stddev, Random& random, Progress* progress) {
-  const float half_width = stddev * std::sqrt(3.0f);
-  std::vector<bf16_t> out(count);
-  for (size_t i = 0; i < count; ++i) {
-    out[i] = bf16_t::from_float(random.uniform(-half_width, half_width));
-    if (progress && i % (1 << 22) == 0) progress->update(static_cast<long>(i >> 20), static_cast<long>(count >> 20));
-  }
-  return out;
 }
 
 double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
@@ -160,51 +137,50 @@ double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
   return std::sqrt(diff / std::max(norm, 1e-300));
 }
 
-int run(const Options& o) {
+namespace {
+
+int run_cpu(const Options& o) {
   const plan::Workload& workload = plan::find_workload(o.workload);
   MoeSpec full = workload.spec;
   full.precision = o.precision;
   full.scale_format = o.scale_format;
-  Random random(o.seed);
 
   // The reduced problem the CPU reference can afford.
   MoeSpec spec = full;
   spec.num_experts = o.experts.value_or(std::min(full.num_experts, kCpuDefaultExperts));
   const int tokens = o.tokens.value_or(kCpuDefaultTokens);
-  spec.routing = routing_for(o, full, spec.num_experts, random);
+  spec.routing = routing_for(o, full, spec.num_experts, o.seed);
   full.routing = spec.routing;
   if (auto* grouped = std::get_if<DeepseekGrouped>(&full.routing)) grouped->e_score_correction_bias.clear();
   validate(spec);
 
-  std::printf("megamoe-bench: no GPU forward in this build yet (it arrives with the single-GPU layer);\n"
+  std::printf("megamoe-bench: no Hopper GPU in use (none found, a CPU-only build, or --cpu);\n"
               "running the CPU fp64 reference on a reduced problem: %d of %d experts, %d tokens.\n\n",
               spec.num_experts, full.num_experts, tokens);
   std::cout << "workload " << workload.name << " (" << workload.description << ")\n  full:    " << full
             << "\n  reduced: " << spec << "\n\n";
 
   const int E = spec.num_experts, H = spec.hidden, I = spec.intermediate, k = spec.top_k;
-  std::vector<bf16_t> w13, w2;
-  {
-    Progress progress("generate weights, MiB");
-    w13 = random_bf16(static_cast<size_t>(E) * 2 * I * H, 1.0f / std::sqrt(float(H)), random, &progress);
-    w2 = random_bf16(static_cast<size_t>(E) * H * I, 1.0f / std::sqrt(float(I)), random, &progress);
-  }
-  const std::vector<bf16_t> x = random_bf16(static_cast<size_t>(tokens) * H, 1.0f, random, nullptr);
+  const ref::RandomWeights random_weights = ref::make_random_weights(spec, o.seed);
+  std::mt19937_64 engine(o.seed + 1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<bf16_t> x(static_cast<size_t>(tokens) * H);
+  for (bf16_t& v : x) v = bf16_t::from_float(normal(engine));
   std::vector<float> logits(static_cast<size_t>(tokens) * E);
-  for (float& l : logits) l = random.uniform(-3.0f, 3.0f);
+  for (float& l : logits) l = normal(engine);
   std::vector<int32_t> ids(static_cast<size_t>(tokens) * k);
   std::vector<float> weights(ids.size());
   for (int t = 0; t < tokens; ++t) {
     std::vector<int32_t> experts(E);
     for (int e = 0; e < E; ++e) experts[e] = e;
     for (int j = 0; j < k; ++j) {
-      std::swap(experts[j], experts[j + random.next() % (E - j)]);
+      std::swap(experts[j], experts[j + engine() % (E - j)]);
       ids[static_cast<size_t>(t) * k + j] = experts[j];
-      weights[static_cast<size_t>(t) * k + j] = random.uniform(0.05f, 1.0f);
+      weights[static_cast<size_t>(t) * k + j] = 0.05f + 0.95f * static_cast<float>(engine() >> 11) * 0x1p-53f;
     }
   }
 
-  const WeightsView view{w13.data(), w2.data(), DType::bf16};
+  const WeightsView view = random_weights.view();
   Progress pack_progress("prepare_weights, experts");
   const PackedWeights packed = prepare_weights(spec, view, [&](int done, int total) { pack_progress.update(done, total); });
   const double pack_s = pack_progress.seconds();
@@ -291,7 +267,11 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   const megamoe::bench::Options options = megamoe::bench::parse(argc, argv);
   try {
-    return megamoe::bench::run(options);
+#if MEGAMOE_BENCH_HAS_CUDA
+    std::string gpu;
+    if (!options.force_cpu && megamoe::bench::hopper_gpu_available(&gpu)) return megamoe::bench::run_gpu(options, gpu);
+#endif
+    return megamoe::bench::run_cpu(options);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "megamoe-bench: %s\n", e.what());
     return 1;

@@ -15,7 +15,7 @@
 #include "megamoe/error.hpp"
 #include "plan/workloads.hpp"
 #include "ref/moe_reference.hpp"
-#include "ref/parallel.hpp"
+#include "ref/random_problem.hpp"
 
 namespace megamoe {
 namespace {
@@ -44,20 +44,11 @@ std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   return name;
 }
 
-// Fast uniform generator; each expert gets its own stream so generation runs in parallel.
-struct Xorshift {
-  uint64_t s;
-  float next(float half_width) {
-    s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
-    return half_width * (static_cast<float>((s * 0x2545F4914F6CDD1Dull) >> 40) * 0x1p-23f - 1.0f);
-  }
-};
-
 // Weights, packed copy and layer for one (workload, precision); rebuilt when the key changes so
 // that only one large workload lives in memory at a time.
 struct LayerFixture {
   MoeSpec spec;
-  std::vector<bf16_t> w13, w2;
+  ref::RandomWeights weights;
   PackedWeights packed;
   std::unique_ptr<MoeLayer> layer;
 };
@@ -82,9 +73,10 @@ MoeSpec spec_for(const Case& c, uint64_t seed) {
     case RoutingKind::precomputed: spec.routing = Precomputed{}; break;
   }
   if (auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing)) {
-    Xorshift rng{seed | 1};
+    std::mt19937_64 engine(seed);
+    std::uniform_real_distribution<float> bias(-0.05f, 0.05f);
     grouped->e_score_correction_bias.resize(spec.num_experts);
-    for (float& b : grouped->e_score_correction_bias) b = rng.next(0.05f);
+    for (float& b : grouped->e_score_correction_bias) b = bias(engine);
   }
   return spec;
 }
@@ -99,17 +91,8 @@ LayerFixture& fixture_for(const Case& c, uint64_t seed) {
     cached.reset();
     auto f = std::make_unique<LayerFixture>();
     f->spec = spec;
-    const int E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
-    const size_t w13_count = 2ull * I * H, w2_count = static_cast<size_t>(H) * I;
-    f->w13.resize(E * w13_count);
-    f->w2.resize(E * w2_count);
-    ref::parallel_for(E, [&](int e) {
-      Xorshift rng{seed * 1315423911ull + e + 1};
-      const float w13_width = std::sqrt(3.0f / H), w2_width = std::sqrt(3.0f / I);
-      for (size_t i = 0; i < w13_count; ++i) f->w13[e * w13_count + i] = bf16_t::from_float(rng.next(w13_width));
-      for (size_t i = 0; i < w2_count; ++i) f->w2[e * w2_count + i] = bf16_t::from_float(rng.next(w2_width));
-    });
-    f->packed = prepare_weights(spec, WeightsView{f->w13.data(), f->w2.data(), DType::bf16});
+    f->weights = ref::make_random_weights(spec, seed);
+    f->packed = prepare_weights(spec, f->weights.view());
     f->layer = std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens);
     cached = std::move(f);
     cached_key = key.str();
@@ -227,7 +210,7 @@ TEST_P(MoeLayerVsReference, MatchesCpuReference) {
   std::vector<bf16_t> y_ref(y.size()), y_exact(y.size());
   const ref::ReferenceReport ref = ref::reference_forward(f.spec, f.packed, in.view(c.tokens), MoeOutputs{y_ref.data()});
   const ref::ReferenceReport exact = ref::reference_forward_unquantized(
-      f.spec, WeightsView{f.w13.data(), f.w2.data(), DType::bf16}, in.view(c.tokens), MoeOutputs{y_exact.data()});
+      f.spec, f.weights.view(), in.view(c.tokens), MoeOutputs{y_exact.data()});
   EXPECT_EQ(f.layer->take_invalid_routing_ids(nullptr), ref.invalid_ids);
 
   const Comparison tight = compare(y, ref.y);

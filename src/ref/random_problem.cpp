@@ -1,0 +1,37 @@
+#include "ref/random_problem.hpp"
+
+#include <cmath>
+
+#include "ref/parallel.hpp"
+
+namespace megamoe::ref {
+namespace {
+
+// xorshift64*: fast, and good enough for weights.
+struct Xorshift {
+  uint64_t state;
+  float uniform(float half_width) {
+    state ^= state >> 12, state ^= state << 25, state ^= state >> 27;
+    return half_width * (static_cast<float>((state * 0x2545F4914F6CDD1Dull) >> 40) * 0x1p-23f - 1.0f);
+  }
+};
+
+}  // namespace
+
+RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed) {
+  const int E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
+  const size_t w13_count = 2ull * I * H, w2_count = static_cast<size_t>(H) * I;
+  RandomWeights w;
+  w.w13.resize(E * w13_count);
+  w.w2.resize(E * w2_count);
+  // Uniform on [-a, a] has standard deviation a / sqrt(3).
+  const float w13_width = std::sqrt(3.0f / H), w2_width = std::sqrt(3.0f / I);
+  parallel_for(E, [&](int e) {
+    Xorshift rng{(seed + 1) * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(e) * 0xBF58476D1CE4E5B9ull + 1};
+    for (size_t i = 0; i < w13_count; ++i) w.w13[e * w13_count + i] = bf16_t::from_float(rng.uniform(w13_width));
+    for (size_t i = 0; i < w2_count; ++i) w.w2[e * w2_count + i] = bf16_t::from_float(rng.uniform(w2_width));
+  });
+  return w;
+}
+
+}  // namespace megamoe::ref

@@ -1,0 +1,23 @@
+// Random expert weights for tests and benchmarks: bf16 values uniform with the standard
+// deviation of N(0, 1/fan_in), so activations keep realistic magnitudes through both GEMMs.
+// Generated in parallel, one independent stream per expert: the same seed gives the same weights.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "megamoe/dtypes.hpp"
+#include "megamoe/spec.hpp"
+#include "megamoe/weights.hpp"
+
+namespace megamoe::ref {
+
+struct RandomWeights {
+  std::vector<bf16_t> w13;  // [E, 2I, H], vLLM layout
+  std::vector<bf16_t> w2;   // [E, H, I]
+  WeightsView view() const { return WeightsView{w13.data(), w2.data(), DType::bf16}; }
+};
+
+RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed);
+
+}  // namespace megamoe::ref
