@@ -188,12 +188,13 @@ std::vector<bf16_t> run_device(MoeLayer& layer, const MoeSpec& spec, const Input
 // Tight bounds against the quantization-emulating reference. bf16: the device accumulates in fp32
 // and rounds y to bf16 (2^-9 relative). fp8_block adds requantization noise: the FC1 output the
 // device computes in fp32 differs from the fp64 one by ~1e-6 relative, which moves a few values
-// (and block amaxes) across E4M3 rounding boundaries, each a 2^-4 relative step; seen on H200:
-// rel. L2 up to 5e-3, max normalized error up to 0.08, against 6e-2 rel. L2 for the unquantized
-// comparison. A wrong scale or a lost K block costs O(1).
+// (and block amaxes) across E4M3 rounding boundaries, each a 2^-4 relative step; max normalized
+// error seen up to 0.08, against 6e-2 rel. L2 for the unquantized comparison. Seen on H200: rel. L2 2e-3 to 5e-3 on the named workloads, up to 1.4e-2 on the
+// small shape (I = 256: two quantization blocks per token, so one moved amax weighs more).
+// A wrong scale or a lost K block costs O(1).
 void expect_tight(Precision precision, const Comparison& c) {
   const bool fp8 = precision == Precision::fp8_block;
-  EXPECT_LT(c.rel_l2, fp8 ? 1e-2 : 4e-3);
+  EXPECT_LT(c.rel_l2, fp8 ? 2e-2 : 4e-3);
   EXPECT_LT(c.max_normalized, fp8 ? 0.15 : 2e-2);
 }
 
