@@ -29,6 +29,4 @@ struct Options {
 // routing gets a random per-expert correction bias, as real checkpoints have.
 Routing routing_for(const Options& o, const MoeSpec& workload_spec, int experts, uint64_t seed);
 
-double relative_l2(const std::vector<double>& a, const std::vector<double>& b);
-
 }  // namespace megamoe::bench

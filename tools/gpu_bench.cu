@@ -193,7 +193,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
         spec, packed, MoeInputs{checked, x.data(), logits.data(), ids.data(), weights.data()}, MoeOutputs{y_ref.data()});
     std::vector<double> y_device(ref.y.size());
     for (size_t i = 0; i < y_device.size(); ++i) y_device[i] = y[i].to_float();
-    const double rel_err = relative_l2(y_device, ref.y);
+    const double rel_err = ref::relative_l2(y_device, ref.y);
 
     const plan::Floors floors = plan::routed_floors(spec, ids.data(), tokens, facts);
     const double us = ms * 1e3;

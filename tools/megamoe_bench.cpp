@@ -128,15 +128,6 @@ Routing routing_for(const Options& o, const MoeSpec& workload_spec, int experts,
   return grouped;
 }
 
-double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
-  double diff = 0.0, norm = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff += (a[i] - b[i]) * (a[i] - b[i]);
-    norm += b[i] * b[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
-
 namespace {
 
 int run_cpu(const Options& o) {
@@ -196,7 +187,7 @@ int run_cpu(const Options& o) {
   const ref::ReferenceReport exact =
       ref::reference_forward_unquantized(spec, view, inputs, MoeOutputs{y_exact.data()},
                                          [&](int done, int total) { exact_progress.update(done, total); });
-  const double rel_err = relative_l2(report.y, exact.y);
+  const double rel_err = ref::relative_l2(report.y, exact.y);
   const plan::Floors reduced_floors = plan::routed_floors(spec, report.routing.ids.data(), tokens, plan::DeviceFacts::h200_measured());
   const double reference_gflops = reduced_floors.useful_flops / reference_s / 1e9;
 

@@ -142,6 +142,15 @@ void check_packed_matches(const MoeSpec& spec, const PackedWeights& weights) {
 
 double swiglu(double gate, double up) { return gate / (1.0 + std::exp(-gate)) * up; }
 
+double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff += (a[i] - b[i]) * (a[i] - b[i]);
+    norm += b[i] * b[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
 ReferenceReport reference_forward(const MoeSpec& spec, const PackedWeights& weights, const MoeInputs& inputs,
                                   const MoeOutputs& outputs, const ReferenceProgress& progress) {
   validate(spec);

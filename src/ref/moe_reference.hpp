@@ -37,4 +37,7 @@ ReferenceReport reference_forward_unquantized(const MoeSpec& spec, const Weights
 // SiLU(g) * u in fp64.
 double swiglu(double gate, double up);
 
+// ||a - b|| / ||b|| over all elements: how far an output is from a reference.
+double relative_l2(const std::vector<double>& a, const std::vector<double>& b);
+
 }  // namespace megamoe::ref

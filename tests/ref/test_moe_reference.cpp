@@ -119,15 +119,6 @@ std::vector<double> naive_forward(const Problem& p, const PackedWeights& packed,
   return y;
 }
 
-double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff += (a[i] - b[i]) * (a[i] - b[i]);
-    norm += b[i] * b[i];
-  }
-  return std::sqrt(diff / norm);
-}
-
 struct Case {
   Precision precision;
   ScaleFormat scales;
