@@ -15,6 +15,7 @@ enum class ErrorCode {
   capacity_exceeded,   // more tokens than the layer was planned for
   unsupported,         // valid request that this build cannot serve yet
   cuda_error,          // a CUDA runtime call or kernel launch failed
+  timeout,             // a peer (another rank) did not arrive in time
 };
 
 const char* to_string(ErrorCode code);

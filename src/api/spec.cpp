@@ -51,6 +51,7 @@ const char* to_string(ErrorCode code) {
     case ErrorCode::capacity_exceeded: return "capacity exceeded";
     case ErrorCode::unsupported: return "unsupported";
     case ErrorCode::cuda_error: return "CUDA error";
+    case ErrorCode::timeout: return "timeout";
   }
   return "unknown error";
 }
