@@ -19,6 +19,7 @@
 #include "ref/moe_reference.hpp"
 #include "ref/random_problem.hpp"
 #include "ref/routing.hpp"
+#include "unfused_baseline.hpp"
 
 namespace megamoe::bench {
 namespace {
@@ -128,17 +129,19 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
   std::printf("  HBM read bandwidth measured now: %.2f TB/s; dense %s rate %.0f TFLOP/s (MACHINE_NOTES, not re-measured)\n",
               facts.hbm_read_bytes_per_s / 1e12, to_string(spec.precision), facts.dense_flops_per_s(spec.precision) / 1e12);
 
+  const ref::RandomWeights weights = ref::make_random_weights(spec, o.seed);
   PackedWeights packed;
   {
-    Progress progress("weights: generate + prepare_weights, experts");
-    const ref::RandomWeights weights = ref::make_random_weights(spec, o.seed);
+    Progress progress("prepare_weights, experts");
     packed = prepare_weights(spec, weights.view(), [&](int done, int total) { progress.update(done, total); });
   }
   MoeLayer layer(spec, packed, max_tokens);
-  std::printf("  workspace %.1f MiB for up to %d tokens\n\n", layer.workspace_bytes() / 1048576.0, max_tokens);
+  UnfusedBaseline baseline(spec, weights.view(), max_tokens);
+  std::printf("  workspace %.1f MiB for up to %d tokens\n", layer.workspace_bytes() / 1048576.0, max_tokens);
+  std::printf("  baseline: routing given, host-built permutation, cuBLAS bf16 GEMM per expert, plain kernels\n\n");
 
-  std::printf("  %6s | %9s | %9s | %9s | %9s | %8s | %9s\n", "tokens", "median us", "floor us", "x floor",
-              "TFLOP/s", "weight TB/s", "rel err");
+  std::printf("  %6s | %9s | %9s | %9s | %9s | %11s | %9s | %11s | %10s | %9s\n", "tokens", "median us", "floor us",
+              "x floor", "TFLOP/s", "weight TB/s", "rel err", "baseline us", "x baseline", "base err");
   Json records = Json::array();
   std::mt19937_64 engine(o.seed + 7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -149,7 +152,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     std::vector<float> logits(static_cast<size_t>(tokens) * E);
     for (float& l : logits) l = normal(engine);
     std::vector<int32_t> ids;
-    std::vector<float> weights;
+    std::vector<float> weights_host;
     if (std::holds_alternative<Precomputed>(spec.routing)) {
       for (int t = 0; t < tokens; ++t) {
         std::vector<int32_t> experts(E);
@@ -157,20 +160,20 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
         for (int j = 0; j < k; ++j) {
           std::swap(experts[j], experts[j + engine() % (E - j)]);
           ids.push_back(experts[j]);
-          weights.push_back(1.0f / k);
+          weights_host.push_back(1.0f / k);
         }
       }
     } else {
       const ref::RoutingResult routing = ref::route(spec, logits.data(), tokens);
       ids = routing.ids;
-      weights = routing.weights;
+      weights_host = routing.weights;
     }
     DeviceBuffer x_dev(x.size() * 2), logits_dev(logits.size() * 4), ids_dev(ids.size() * 4),
-        weights_dev(weights.size() * 4), y_dev(x.size() * 2);
+        weights_dev(weights_host.size() * 4), y_dev(x.size() * 2);
     x_dev.upload(x);
     logits_dev.upload(logits);
     ids_dev.upload(ids);
-    weights_dev.upload(weights);
+    weights_dev.upload(weights_host);
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(y_dev.as<void>(), 0xFF, x.size() * 2, stream));
     const MoeInputs inputs{tokens, x_dev.as<void>(), logits_dev.as<float>(), ids_dev.as<int32_t>(), weights_dev.as<float>()};
 
@@ -190,16 +193,30 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     const int checked = std::min(tokens, kCheckedTokens);
     std::vector<bf16_t> y_ref(static_cast<size_t>(checked) * H);
     const ref::ReferenceReport ref = ref::reference_forward(
-        spec, packed, MoeInputs{checked, x.data(), logits.data(), ids.data(), weights.data()}, MoeOutputs{y_ref.data()});
+        spec, packed, MoeInputs{checked, x.data(), logits.data(), ids.data(), weights_host.data()},
+        MoeOutputs{y_ref.data()});
     std::vector<double> y_device(ref.y.size());
     for (size_t i = 0; i < y_device.size(); ++i) y_device[i] = y[i].to_float();
     const double rel_err = ref::relative_l2(y_device, ref.y);
 
+    // The baseline on the same inputs, checked against unquantized math (it computes in bf16).
+    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(y_dev.as<void>(), 0xFF, x.size() * 2, stream));
+    const double baseline_us = 1e3 * median_ms(stream, [&] {
+      baseline.forward(stream, tokens, x_dev.as<void>(), ids_dev.as<int32_t>(), weights_dev.as<float>(), y_dev.as<void>());
+    });
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(y.data(), y_dev.as<void>(), y.size() * 2, cudaMemcpyDeviceToHost));
+    std::vector<bf16_t> y_exact(static_cast<size_t>(checked) * H);
+    const ref::ReferenceReport exact = ref::reference_forward_unquantized(
+        spec, weights.view(), MoeInputs{checked, x.data(), logits.data(), ids.data(), weights_host.data()},
+        MoeOutputs{y_exact.data()});
+    for (size_t i = 0; i < y_device.size(); ++i) y_device[i] = y[i].to_float();
+    const double baseline_rel_err = ref::relative_l2(y_device, exact.y);
+
     const plan::Floors floors = plan::routed_floors(spec, ids.data(), tokens, facts);
     const double us = ms * 1e3;
-    std::printf("  %6d | %9.1f | %9.1f | %9.2f | %9.1f | %11.2f | %9.2e\n", tokens, us, floors.floor_us,
-                us / floors.floor_us, floors.useful_flops / (us * 1e-6) / 1e12, floors.weight_bytes / (us * 1e-6) / 1e12,
-                rel_err);
+    std::printf("  %6d | %9.1f | %9.1f | %9.2f | %9.1f | %11.2f | %9.2e | %11.1f | %10.2f | %9.2e\n", tokens, us,
+                floors.floor_us, us / floors.floor_us, floors.useful_flops / (us * 1e-6) / 1e12,
+                floors.weight_bytes / (us * 1e-6) / 1e12, rel_err, baseline_us, us / baseline_us, baseline_rel_err);
     std::fflush(stdout);
     records.push(Json::object()
                      .set("workload", workload.name)
@@ -213,7 +230,9 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
                      .set("weight_bytes", floors.weight_bytes)
                      .set("useful_flops", floors.useful_flops)
                      .set("hbm_read_bytes_per_s", facts.hbm_read_bytes_per_s)
-                     .set("baseline_us", "not measured yet")
+                     .set("baseline_us", baseline_us)
+                     .set("baseline", "cuBLAS bf16 per-expert GEMMs + plain kernels, routing given")
+                     .set("baseline_rel_err_vs_unquantized", baseline_rel_err)
                      .set("rel_err", rel_err)
                      .set("rel_err_rows_checked", checked)
                      .set("combine", "deterministic"));
