@@ -16,25 +16,24 @@ TEST(EpBufferLayout, WorstCaseCountsEveryRowARankCanReceive) {
 }
 
 TEST(EpBufferLayout, RegionsAreAlignedDisjointAndSized) {
-  for (bool fp8 : {false, true}) {
-    const EpBufferLayout l = EpBufferLayout::make(2, 256, 8, 7168, 4096, fp8);
-    EXPECT_EQ(l.experts_per_rank, 128);
-    const size_t rows = l.max_recv_rows;
-    const std::vector<std::pair<size_t, size_t>> regions = {
-        {l.recv_counts, 4 * 2 * 128},
-        {l.recv_sources, 12 * rows},
-        {l.recv_tokens, rows * 7168 * (fp8 ? 1 : 2)},
-        {l.recv_scales, fp8 ? rows * 56 * 4 : 0},
-        {l.combine_rows, 4096ull * 8 * 7168 * 2},
-        {l.signals, 8 * EpBufferLayout::kSignalSlots}};
-    size_t end = 0;
-    for (const auto& [offset, bytes] : regions) {
-      EXPECT_EQ(offset % kRegionAlignment, 0u);
-      EXPECT_GE(offset, end) << "regions overlap";
-      end = offset + bytes;
-    }
-    EXPECT_GE(l.total_bytes, end);
+  const EpBufferLayout l = EpBufferLayout::make(2, 256, 8, 7168, 4096);
+  EXPECT_EQ(l.experts_per_rank, 128);
+  const size_t rows = l.max_recv_rows;
+  const std::vector<std::pair<size_t, size_t>> regions = {
+      {l.send_tokens, 4096ull * 7168 * 2},
+      {l.recv_counts, 4 * 2 * 128},
+      {l.recv_sources, 12 * rows},
+      {l.recv_tokens, rows * 7168 * 2},
+      {l.combine_rows, 4096ull * 8 * 7168 * 2},
+      {l.arrivals, 4 * 128},
+      {l.signals, 8 * EpBufferLayout::kSignalSlots}};
+  size_t end = 0;
+  for (const auto& [offset, bytes] : regions) {
+    EXPECT_EQ(offset % kRegionAlignment, 0u);
+    EXPECT_GE(offset, end) << "regions overlap";
+    end = offset + bytes;
   }
+  EXPECT_GE(l.total_bytes, end);
 }
 
 }  // namespace

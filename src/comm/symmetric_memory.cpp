@@ -1,0 +1,64 @@
+#include "comm/symmetric_memory.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+
+#include "kernels/cuda_check.hpp"
+#include "megamoe/error.hpp"
+
+namespace megamoe::comm {
+
+SymmetricMemory::SymmetricMemory(const FileRendezvous& rendezvous, const std::string& name, size_t bytes,
+                                 std::chrono::milliseconds timeout)
+    : rendezvous_(rendezvous), name_(name), bytes_(bytes), rank_(rendezvous.rank()),
+      peers_(rendezvous.world_size(), nullptr), timeout_(timeout) {
+  int device = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&peers_[rank_], bytes));
+  MEGAMOE_CUDA_CHECK(cudaMemset(peers_[rank_], 0, bytes));
+  cudaIpcMemHandle_t handle;
+  MEGAMOE_CUDA_CHECK(cudaIpcGetMemHandle(&handle, peers_[rank_]));
+  std::vector<uint8_t> mine(sizeof handle + sizeof device);
+  std::memcpy(mine.data(), &handle, sizeof handle);
+  std::memcpy(mine.data() + sizeof handle, &device, sizeof device);
+  rendezvous_.publish("symm-" + name_ + "-rank" + std::to_string(rank_), mine);
+  for (int r = 0; r < world_size(); ++r) {
+    if (r == rank_) continue;
+    const std::vector<uint8_t> theirs = rendezvous_.wait("symm-" + name_ + "-rank" + std::to_string(r), timeout_);
+    if (theirs.size() != mine.size()) {
+      throw Error(ErrorCode::invalid_argument, "symmetric memory '" + name_ + "': rank " + std::to_string(r) +
+                                                   " published a malformed handle");
+    }
+    int peer_device = 0;
+    std::memcpy(&handle, theirs.data(), sizeof handle);
+    std::memcpy(&peer_device, theirs.data() + sizeof handle, sizeof peer_device);
+    int can_access = 0;
+    MEGAMOE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can_access, device, peer_device));
+    if (!can_access) {
+      throw Error(ErrorCode::unsupported, "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device) +
+                                              ") cannot access GPU " + std::to_string(peer_device) + " of rank " +
+                                              std::to_string(r) + " peer to peer; expert parallelism needs NVLink P2P");
+    }
+    MEGAMOE_CUDA_CHECK(cudaIpcOpenMemHandle(&peers_[r], handle, cudaIpcMemLazyEnablePeerAccess));
+  }
+  MEGAMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&device_table_), sizeof(void*) * world_size()));
+  MEGAMOE_CUDA_CHECK(
+      cudaMemcpy(device_table_, peers_.data(), sizeof(void*) * world_size(), cudaMemcpyHostToDevice));
+  rendezvous_.barrier("symm-" + name_ + "-mapped", timeout_);
+}
+
+SymmetricMemory::~SymmetricMemory() {
+  cudaDeviceSynchronize();
+  for (int r = 0; r < world_size(); ++r)
+    if (r != rank_ && peers_[r]) cudaIpcCloseMemHandle(peers_[r]);
+  try {
+    rendezvous_.barrier("symm-" + name_ + "-closed", timeout_);
+  } catch (const Error&) {
+    // A peer that died cannot unmap; freeing our copy is still right.
+  }
+  cudaFree(device_table_);
+  cudaFree(peers_[rank_]);
+}
+
+}  // namespace megamoe::comm
