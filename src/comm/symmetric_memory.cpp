@@ -49,13 +49,16 @@ SymmetricMemory::SymmetricMemory(const FileRendezvous& rendezvous, const std::st
 }
 
 SymmetricMemory::~SymmetricMemory() {
-  cudaDeviceSynchronize();
+  const bool healthy = cudaDeviceSynchronize() == cudaSuccess;
   for (int r = 0; r < world_size(); ++r)
     if (r != rank_ && peers_[r]) cudaIpcCloseMemHandle(peers_[r]);
-  try {
-    rendezvous_.barrier("symm-" + name_ + "-closed", timeout_);
-  } catch (const Error&) {
-    // A peer that died cannot unmap; freeing our copy is still right.
+  // After a device fault (a barrier timeout traps) the peers are not coming: leave at once.
+  if (healthy) {
+    try {
+      rendezvous_.barrier("symm-" + name_ + "-closed", timeout_);
+    } catch (const Error&) {
+      // A peer that died cannot unmap; freeing our copy is still right.
+    }
   }
   cudaFree(device_table_);
   cudaFree(peers_[rank_]);
