@@ -75,11 +75,15 @@ void EpLayer::barrier(cudaStream_t stream) {
 
 void EpLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
   validate_forward_args(spec_, layout_.max_tokens_per_rank, inputs, outputs);
-  const int rank = rendezvous_.rank();
+  compute(stream, dispatch(stream, inputs));
+  combine(stream, inputs, outputs);
+}
+
+int EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
   kernels::EpDispatchParams d{};
   d.peer_bases = buffer_->device_peer_table();
   d.layout = layout_;
-  d.rank = rank;
+  d.rank = rendezvous_.rank();
   d.num_tokens = inputs.num_tokens;
   d.num_experts = spec_.num_experts;
   d.topk_ids = inputs.topk_ids;
@@ -107,15 +111,21 @@ void EpLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   int received = 0;
   for (int32_t c : counts) received += c;
-  if (received > 0) {
-    const MoeInputs local{received, static_cast<char*>(buffer_->local()) + layout_.recv_tokens, nullptr,
-                          recv_local_expert_, ones_};
-    local_experts_->forward(stream, local, MoeOutputs{expert_rows_});
-  }
+  return received;
+}
+
+void EpLayer::compute(cudaStream_t stream, int received) {
+  if (received == 0) return;
+  const MoeInputs local{received, static_cast<char*>(buffer_->local()) + layout_.recv_tokens, nullptr,
+                        recv_local_expert_, ones_};
+  local_experts_->forward(stream, local, MoeOutputs{expert_rows_});
+}
+
+void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
   kernels::EpCombineParams c{};
   c.peer_bases = buffer_->device_peer_table();
   c.layout = layout_;
-  c.rank = rank;
+  c.rank = rendezvous_.rank();
   c.num_tokens = inputs.num_tokens;
   c.expert_rows = static_cast<const uint4*>(expert_rows_);
   c.slot_rank = slot_rank_;

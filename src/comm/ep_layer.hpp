@@ -30,7 +30,15 @@ class EpLayer {
 
   // Collective. inputs: x [T, H] bf16, topk_ids / topk_weights [T, k] with global expert ids
   // (-1 = not routed). Synchronizes `stream` once, to size the local expert pass.
+  // forward = dispatch, then compute, then combine; the phases are public so they can be timed.
   void forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs);
+
+  // Pulls every row routed to this rank's experts; returns how many arrived (synchronizes).
+  int dispatch(cudaStream_t stream, const MoeInputs& inputs);
+  // The local experts on the `received` rows dispatch delivered.
+  void compute(cudaStream_t stream, int received);
+  // Pushes the expert rows back and reduces this rank's outputs; ends with every rank done.
+  void combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs);
 
   // Synchronizes; ids >= E or duplicates seen on this rank since the last call.
   long take_invalid_routing_ids(cudaStream_t stream);

@@ -1,0 +1,303 @@
+// megamoe-ep-bench: expert parallelism across the GPUs of one node, one process per GPU:
+//   megamoe-run -n 2 -- megamoe-ep-bench [--workload dsv3] [--tokens 128,4096]
+//                                        [--precision fp8_block|bf16] [--json PATH]
+// Measures, per token count per rank: dispatch and combine time and their NVLink GB/s (rows that
+// cross to another rank, H x 2 bytes each), the whole staged EP forward, and the staged NCCL
+// baseline (all-gather tokens -> local experts over all tokens -> reduce-scatter), each the
+// slowest rank's median; and, in the same run, the one-way peer copy bandwidth. The EP output is
+// checked against the baseline's.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_json.hpp"
+#include "comm/ep_layer.hpp"
+#include "kernels/cuda_check.hpp"
+#include "megamoe/error.hpp"
+#include "plan/workloads.hpp"
+#include "ref/moe_reference.hpp"
+#include "ref/random_problem.hpp"
+
+namespace {
+
+using namespace megamoe;
+using namespace std::chrono_literals;
+
+constexpr int kWarmup = 3;
+constexpr int kTimed = 20;
+constexpr size_t kPeerCopyBytes = size_t{1} << 30;
+
+void nccl_check(ncclResult_t result, const char* what) {
+  if (result != ncclSuccess) {
+    throw Error(ErrorCode::cuda_error, std::string(what) + " failed: " + ncclGetErrorString(result));
+  }
+}
+
+__global__ void to_local_ids_kernel(const int32_t* global_ids, long count, int first_expert, int local_experts,
+                                    int32_t* local_ids) {
+  for (long i = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<long>(gridDim.x) * blockDim.x) {
+    const int local = global_ids[i] - first_expert;
+    local_ids[i] = (global_ids[i] >= 0 && local >= 0 && local < local_experts) ? local : -1;
+  }
+}
+
+double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Events {
+  std::vector<cudaEvent_t> e;
+  explicit Events(int n) : e(n) {
+    for (cudaEvent_t& x : e) MEGAMOE_CUDA_CHECK(cudaEventCreate(&x));
+  }
+  ~Events() {
+    for (cudaEvent_t& x : e) cudaEventDestroy(x);
+  }
+  float ms(int a, int b) const {
+    float t = 0;
+    MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&t, e[a], e[b]));
+    return t;
+  }
+};
+
+// The largest of every rank's value (the slowest rank decides).
+double max_over_ranks(const comm::FileRendezvous& rendezvous, const std::string& key, double value) {
+  std::ostringstream text;
+  text.precision(17);
+  text << value;
+  const std::string mine = text.str();
+  rendezvous.publish(key + "-rank" + std::to_string(rendezvous.rank()), std::vector<uint8_t>(mine.begin(), mine.end()));
+  double worst = value;
+  for (int r = 0; r < rendezvous.world_size(); ++r) {
+    const std::vector<uint8_t> theirs = rendezvous.wait(key + "-rank" + std::to_string(r), 60000ms);
+    worst = std::max(worst, std::stod(std::string(theirs.begin(), theirs.end())));
+  }
+  return worst;
+}
+
+template <class T>
+T* device_alloc(size_t count) {
+  void* p = nullptr;
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+int run(int argc, char** argv) {
+  std::string workload_name = "dsv3", json_path;
+  std::vector<int> token_counts = {128, 4096};
+  Precision precision = Precision::fp8_block;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--workload" && i + 1 < argc) {
+      workload_name = argv[++i];
+    } else if (arg == "--tokens" && i + 1 < argc) {
+      token_counts.clear();
+      std::stringstream list(argv[++i]);
+      for (std::string item; std::getline(list, item, ',');) token_counts.push_back(std::stoi(item));
+    } else if (arg == "--precision" && i + 1 < argc) {
+      precision = std::string(argv[++i]) == "bf16" ? Precision::bf16 : Precision::fp8_block;
+    } else if (arg == "--json" && i + 1 < argc) {
+      json_path = argv[++i];
+    } else {
+      throw Error(ErrorCode::invalid_argument, "unknown argument " + arg);
+    }
+  }
+  const auto rendezvous = comm::FileRendezvous::from_environment();
+  const int rank = rendezvous.rank(), world = rendezvous.world_size();
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(local_rank ? std::atoi(local_rank) : rank));
+  cudaStream_t stream;
+  MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
+
+  MoeSpec spec = plan::find_workload(workload_name).spec;
+  spec.precision = precision;
+  spec.routing = Precomputed{};
+  const int max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
+  MoeSpec local = spec;
+  local.num_experts = spec.num_experts / world;
+  const PackedWeights weights = prepare_weights(local, ref::make_random_weights(local, 100 + rank).view());
+  comm::EpLayer ep(spec, weights, max_tokens, rendezvous);
+  MoeLayer baseline_experts(local, weights, world * max_tokens);
+
+  ncclUniqueId id;
+  if (rank == 0) {
+    nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    rendezvous.publish("nccl-id", std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id),
+                                                       reinterpret_cast<uint8_t*>(&id) + sizeof id));
+  }
+  const std::vector<uint8_t> id_bytes = rendezvous.wait("nccl-id", 60000ms);
+  std::memcpy(&id, id_bytes.data(), sizeof id);
+  ncclComm_t nccl;
+  nccl_check(ncclCommInitRank(&nccl, world, id, rank), "ncclCommInitRank");
+
+  // One-way peer copy bandwidth, every rank writing to the next at the same time.
+  double peer_gbps = 0;
+  {
+    comm::SymmetricMemory copy_buffer(rendezvous, "peercopy", kPeerCopyBytes, 60000ms);
+    void* source = device_alloc<char>(kPeerCopyBytes);
+    Events ev(2);
+    std::vector<float> times;
+    for (int i = 0; i < kWarmup + kTimed; ++i) {
+      rendezvous.barrier("peercopy-" + std::to_string(i), 60000ms);
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
+      MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(copy_buffer.peer((rank + 1) % world), source, kPeerCopyBytes,
+                                         cudaMemcpyDeviceToDevice, stream));
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
+      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (i >= kWarmup) times.push_back(ev.ms(0, 1));
+    }
+    cudaFree(source);
+    const double ms = max_over_ranks(rendezvous, "peercopy-ms", median(times));
+    peer_gbps = kPeerCopyBytes / (ms * 1e-3) / 1e9;
+  }
+  if (rank == 0) {
+    std::printf("megamoe-ep-bench: %s %s on %d ranks; peer copy %.0f GB/s one way (measured now)\n",
+                workload_name.c_str(), to_string(precision), world, peer_gbps);
+    std::printf("  %6s | %11s | %10s | %11s | %10s | %9s | %11s | %11s | %10s | %9s\n", "tokens", "dispatch us",
+                "disp GB/s", "combine us", "comb GB/s", "% of peer", "EP total us", "baseline us", "EP/base",
+                "EP vs base");
+  }
+
+  bench::Json records = bench::Json::array();
+  const int H = spec.hidden, k = spec.top_k, E = spec.num_experts;
+  for (int tokens : token_counts) {
+    std::mt19937_64 engine(977 * tokens + rank);
+    std::normal_distribution<float> normal;
+    std::vector<bf16_t> x(static_cast<size_t>(tokens) * H);
+    for (bf16_t& v : x) v = bf16_t::from_float(normal(engine));
+    std::vector<int32_t> ids;
+    std::vector<float> topk_weights;
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<int32_t> experts(E);
+      for (int e = 0; e < E; ++e) experts[e] = e;
+      for (int j = 0; j < k; ++j) {
+        std::swap(experts[j], experts[j + engine() % (E - j)]);
+        ids.push_back(experts[j]);
+        topk_weights.push_back(1.0f / k);
+      }
+    }
+    bf16_t* x_dev = device_alloc<bf16_t>(x.size());
+    int32_t* ids_dev = device_alloc<int32_t>(ids.size());
+    float* w_dev = device_alloc<float>(topk_weights.size());
+    bf16_t* y_ep = device_alloc<bf16_t>(x.size());
+    bf16_t* y_base = device_alloc<bf16_t>(x.size());
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(x_dev, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(ids_dev, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(w_dev, topk_weights.data(), topk_weights.size() * 4, cudaMemcpyHostToDevice));
+    const MoeInputs inputs{tokens, x_dev, nullptr, ids_dev, w_dev};
+
+    // EP, phase by phase.
+    Events ev(4);
+    std::vector<float> dispatch_ms, combine_ms, total_ms;
+    for (int i = 0; i < kWarmup + kTimed; ++i) {
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
+      const int received = ep.dispatch(stream, inputs);
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
+      ep.compute(stream, received);
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[2], stream));
+      ep.combine(stream, inputs, MoeOutputs{y_ep});
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[3], stream));
+      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (i < kWarmup) continue;
+      dispatch_ms.push_back(ev.ms(0, 1));
+      combine_ms.push_back(ev.ms(2, 3));
+      total_ms.push_back(ev.ms(0, 3));
+    }
+    // Bytes that crossed NVLink: rows this rank pulled from others, pushed back the same size.
+    const comm::EpLayer::Delivered delivered = ep.last_delivered(stream);
+    long remote_rows = 0;
+    for (size_t r = 0; r < delivered.sources.size(); r += 3) remote_rows += delivered.sources[r] != rank;
+    const double remote_bytes = static_cast<double>(remote_rows) * H * 2;
+
+    // Baseline: all-gather -> local experts over every rank's tokens -> reduce-scatter.
+    bf16_t* x_all = device_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
+    int32_t* ids_all = device_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
+    int32_t* local_ids = device_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
+    float* w_all = device_alloc<float>(static_cast<size_t>(world) * tokens * k);
+    bf16_t* y_partial = device_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
+    std::vector<float> baseline_ms;
+    for (int i = 0; i < kWarmup + kTimed; ++i) {
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
+      nccl_check(ncclAllGather(x_dev, x_all, static_cast<size_t>(tokens) * H, ncclBfloat16, nccl, stream), "all-gather x");
+      nccl_check(ncclAllGather(ids_dev, ids_all, static_cast<size_t>(tokens) * k, ncclInt32, nccl, stream), "all-gather ids");
+      nccl_check(ncclAllGather(w_dev, w_all, static_cast<size_t>(tokens) * k, ncclFloat32, nccl, stream), "all-gather w");
+      to_local_ids_kernel<<<256, 256, 0, stream>>>(ids_all, static_cast<long>(world) * tokens * k, rank * local.num_experts,
+                                                   local.num_experts, local_ids);
+      MEGAMOE_CHECK_LAUNCH("to_local_ids_kernel");
+      baseline_experts.forward(stream, MoeInputs{world * tokens, x_all, nullptr, local_ids, w_all}, MoeOutputs{y_partial});
+      nccl_check(ncclReduceScatter(y_partial, y_base, static_cast<size_t>(tokens) * H, ncclBfloat16, ncclSum, nccl, stream),
+                 "reduce-scatter y");
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
+      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (i >= kWarmup) baseline_ms.push_back(ev.ms(0, 1));
+    }
+    std::vector<bf16_t> a(x.size()), b(x.size());
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(a.data(), y_ep, a.size() * 2, cudaMemcpyDeviceToHost));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), y_base, b.size() * 2, cudaMemcpyDeviceToHost));
+    std::vector<double> da(a.size()), db(b.size());
+    for (size_t i = 0; i < a.size(); ++i) da[i] = a[i].to_float(), db[i] = b[i].to_float();
+    const std::string key = "T" + std::to_string(tokens);
+    const double agreement = max_over_ranks(rendezvous, key + "-agree", ref::relative_l2(da, db));
+    const double d_us = 1e3 * max_over_ranks(rendezvous, key + "-dispatch", median(dispatch_ms));
+    const double c_us = 1e3 * max_over_ranks(rendezvous, key + "-combine", median(combine_ms));
+    const double t_us = 1e3 * max_over_ranks(rendezvous, key + "-total", median(total_ms));
+    const double b_us = 1e3 * max_over_ranks(rendezvous, key + "-baseline", median(baseline_ms));
+    const double bytes = max_over_ranks(rendezvous, key + "-bytes", remote_bytes);
+    const double d_gbps = bytes / (d_us * 1e-6) / 1e9, c_gbps = bytes / (c_us * 1e-6) / 1e9;
+    if (rank == 0) {
+      std::printf("  %6d | %11.1f | %10.1f | %11.1f | %10.1f | %8.0f%% | %11.1f | %11.1f | %10.2f | %9.2e\n", tokens, d_us,
+                  d_gbps, c_us, c_gbps, 100.0 * 2 * bytes / ((d_us + c_us) * 1e-6) / 1e9 / peer_gbps, t_us, b_us,
+                  t_us / b_us, agreement);
+      records.push(bench::Json::object()
+                       .set("workload", workload_name)
+                       .set("precision", to_string(precision))
+                       .set("ranks", world)
+                       .set("tokens_per_rank", tokens)
+                       .set("dispatch_us", d_us)
+                       .set("combine_us", c_us)
+                       .set("ep_forward_us", t_us)
+                       .set("nvlink_bytes_each_way", bytes)
+                       .set("dispatch_gbps", d_gbps)
+                       .set("combine_gbps", c_gbps)
+                       .set("peer_copy_gbps", peer_gbps)
+                       .set("baseline_us", b_us)
+                       .set("baseline", "NCCL all-gather -> local experts (MoeLayer) -> reduce-scatter")
+                       .set("rel_diff_ep_vs_baseline", agreement));
+    }
+    for (void* p : {static_cast<void*>(x_dev), static_cast<void*>(ids_dev), static_cast<void*>(w_dev),
+                    static_cast<void*>(y_ep), static_cast<void*>(y_base), static_cast<void*>(x_all),
+                    static_cast<void*>(ids_all), static_cast<void*>(local_ids), static_cast<void*>(w_all),
+                    static_cast<void*>(y_partial)}) {
+      cudaFree(p);
+    }
+  }
+  ncclCommDestroy(nccl);
+  if (rank == 0 && !json_path.empty()) {
+    bench::write_json_file(json_path, records);
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "megamoe-ep-bench: %s\n", e.what());
+    return 1;
+  }
+}
