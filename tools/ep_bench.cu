@@ -87,13 +87,6 @@ double max_over_ranks(const comm::FileRendezvous& rendezvous, const std::string&
   return worst;
 }
 
-template <class T>
-T* device_alloc(size_t count) {
-  void* p = nullptr;
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
-  return static_cast<T*>(p);
-}
-
 int run(int argc, char** argv) {
   std::string workload_name = "dsv3", json_path;
   std::vector<int> token_counts = {128, 4096};
@@ -146,7 +139,7 @@ int run(int argc, char** argv) {
   double peer_gbps = 0;
   {
     comm::SymmetricMemory copy_buffer(rendezvous, "peercopy", kPeerCopyBytes, 60000ms);
-    void* source = device_alloc<char>(kPeerCopyBytes);
+    void* source = cuda_alloc<char>(kPeerCopyBytes);
     Events ev(2);
     std::vector<float> times;
     for (int i = 0; i < kWarmup + kTimed; ++i) {
@@ -177,22 +170,14 @@ int run(int argc, char** argv) {
     std::normal_distribution<float> normal;
     std::vector<bf16_t> x(static_cast<size_t>(tokens) * H);
     for (bf16_t& v : x) v = bf16_t::from_float(normal(engine));
-    std::vector<int32_t> ids;
-    std::vector<float> topk_weights;
-    for (int t = 0; t < tokens; ++t) {
-      std::vector<int32_t> experts(E);
-      for (int e = 0; e < E; ++e) experts[e] = e;
-      for (int j = 0; j < k; ++j) {
-        std::swap(experts[j], experts[j + engine() % (E - j)]);
-        ids.push_back(experts[j]);
-        topk_weights.push_back(1.0f / k);
-      }
-    }
-    bf16_t* x_dev = device_alloc<bf16_t>(x.size());
-    int32_t* ids_dev = device_alloc<int32_t>(ids.size());
-    float* w_dev = device_alloc<float>(topk_weights.size());
-    bf16_t* y_ep = device_alloc<bf16_t>(x.size());
-    bf16_t* y_base = device_alloc<bf16_t>(x.size());
+    const ref::RandomRouting routing = ref::make_random_routing(tokens, k, E, 977 * tokens + rank);
+    const std::vector<int32_t>& ids = routing.ids;
+    const std::vector<float>& topk_weights = routing.weights;
+    bf16_t* x_dev = cuda_alloc<bf16_t>(x.size());
+    int32_t* ids_dev = cuda_alloc<int32_t>(ids.size());
+    float* w_dev = cuda_alloc<float>(topk_weights.size());
+    bf16_t* y_ep = cuda_alloc<bf16_t>(x.size());
+    bf16_t* y_base = cuda_alloc<bf16_t>(x.size());
     MEGAMOE_CUDA_CHECK(cudaMemcpy(x_dev, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
     MEGAMOE_CUDA_CHECK(cudaMemcpy(ids_dev, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
     MEGAMOE_CUDA_CHECK(cudaMemcpy(w_dev, topk_weights.data(), topk_weights.size() * 4, cudaMemcpyHostToDevice));
@@ -222,11 +207,11 @@ int run(int argc, char** argv) {
     const double remote_bytes = static_cast<double>(remote_rows) * H * 2;
 
     // Baseline: all-gather -> local experts over every rank's tokens -> reduce-scatter.
-    bf16_t* x_all = device_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
-    int32_t* ids_all = device_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
-    int32_t* local_ids = device_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
-    float* w_all = device_alloc<float>(static_cast<size_t>(world) * tokens * k);
-    bf16_t* y_partial = device_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
+    bf16_t* x_all = cuda_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
+    int32_t* ids_all = cuda_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
+    int32_t* local_ids = cuda_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
+    float* w_all = cuda_alloc<float>(static_cast<size_t>(world) * tokens * k);
+    bf16_t* y_partial = cuda_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
     std::vector<float> baseline_ms;
     for (int i = 0; i < kWarmup + kTimed; ++i) {
       MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));

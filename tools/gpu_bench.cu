@@ -154,15 +154,9 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     std::vector<int32_t> ids;
     std::vector<float> weights_host;
     if (std::holds_alternative<Precomputed>(spec.routing)) {
-      for (int t = 0; t < tokens; ++t) {
-        std::vector<int32_t> experts(E);
-        for (int e = 0; e < E; ++e) experts[e] = e;
-        for (int j = 0; j < k; ++j) {
-          std::swap(experts[j], experts[j + engine() % (E - j)]);
-          ids.push_back(experts[j]);
-          weights_host.push_back(1.0f / k);
-        }
-      }
+      ref::RandomRouting routing = ref::make_random_routing(tokens, k, E, o.seed + tokens);
+      ids = std::move(routing.ids);
+      weights_host = std::move(routing.weights);
     } else {
       const ref::RoutingResult routing = ref::route(spec, logits.data(), tokens);
       ids = routing.ids;

@@ -159,24 +159,14 @@ int run_cpu(const Options& o) {
   for (bf16_t& v : x) v = bf16_t::from_float(normal(engine));
   std::vector<float> logits(static_cast<size_t>(tokens) * E);
   for (float& l : logits) l = normal(engine);
-  std::vector<int32_t> ids(static_cast<size_t>(tokens) * k);
-  std::vector<float> weights(ids.size());
-  for (int t = 0; t < tokens; ++t) {
-    std::vector<int32_t> experts(E);
-    for (int e = 0; e < E; ++e) experts[e] = e;
-    for (int j = 0; j < k; ++j) {
-      std::swap(experts[j], experts[j + engine() % (E - j)]);
-      ids[static_cast<size_t>(t) * k + j] = experts[j];
-      weights[static_cast<size_t>(t) * k + j] = 0.05f + 0.95f * static_cast<float>(engine() >> 11) * 0x1p-53f;
-    }
-  }
+  const ref::RandomRouting precomputed = ref::make_random_routing(tokens, k, E, o.seed + 2);
 
   const WeightsView view = random_weights.view();
   Progress pack_progress("prepare_weights, experts");
   const PackedWeights packed = prepare_weights(spec, view, [&](int done, int total) { pack_progress.update(done, total); });
   const double pack_s = pack_progress.seconds();
 
-  const MoeInputs inputs{tokens, x.data(), logits.data(), ids.data(), weights.data()};
+  const MoeInputs inputs{tokens, x.data(), logits.data(), precomputed.ids.data(), precomputed.weights.data()};
   std::vector<bf16_t> y(static_cast<size_t>(tokens) * H), y_exact(y.size());
   Progress ref_progress("reference forward, experts");
   const ref::ReferenceReport report =

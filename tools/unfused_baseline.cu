@@ -59,13 +59,6 @@ __global__ void to_bf16_kernel(const float* in, long count, __nv_bfloat16* out) 
 
 constexpr int kBlocks = 1024, kThreads = 256;
 
-template <class T>
-T* device_alloc(size_t count) {
-  void* p = nullptr;
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&p, count * sizeof(T)));
-  return static_cast<T*>(p);
-}
-
 }  // namespace
 
 UnfusedBaseline::UnfusedBaseline(const MoeSpec& spec, const WeightsView& weights, int max_tokens)
@@ -73,17 +66,17 @@ UnfusedBaseline::UnfusedBaseline(const MoeSpec& spec, const WeightsView& weights
   if (weights.dtype != DType::bf16) throw Error(ErrorCode::invalid_argument, "the baseline takes bf16 weights");
   const size_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
   const size_t rows = static_cast<size_t>(max_tokens) * spec.top_k;
-  w13_ = device_alloc<__nv_bfloat16>(E * 2 * I * H);
-  w2_ = device_alloc<__nv_bfloat16>(E * H * I);
+  w13_ = cuda_alloc<__nv_bfloat16>(E * 2 * I * H);
+  w2_ = cuda_alloc<__nv_bfloat16>(E * H * I);
   MEGAMOE_CUDA_CHECK(cudaMemcpy(w13_, weights.w13, E * 2 * I * H * 2, cudaMemcpyHostToDevice));
   MEGAMOE_CUDA_CHECK(cudaMemcpy(w2_, weights.w2, E * H * I * 2, cudaMemcpyHostToDevice));
-  pool_ = device_alloc<__nv_bfloat16>(rows * H);
-  gate_up_ = device_alloc<__nv_bfloat16>(rows * 2 * I);
-  hidden_ = device_alloc<__nv_bfloat16>(rows * I);
-  expert_out_ = device_alloc<float>(rows * H);
-  y_accumulator_ = device_alloc<float>(static_cast<size_t>(max_tokens) * H);
-  row_token_ = device_alloc<int32_t>(rows);
-  row_weight_ = device_alloc<float>(rows);
+  pool_ = cuda_alloc<__nv_bfloat16>(rows * H);
+  gate_up_ = cuda_alloc<__nv_bfloat16>(rows * 2 * I);
+  hidden_ = cuda_alloc<__nv_bfloat16>(rows * I);
+  expert_out_ = cuda_alloc<float>(rows * H);
+  y_accumulator_ = cuda_alloc<float>(static_cast<size_t>(max_tokens) * H);
+  row_token_ = cuda_alloc<int32_t>(rows);
+  row_weight_ = cuda_alloc<float>(rows);
   cublas_check(cublasCreate(&cublas_), "cublasCreate");
 }
 

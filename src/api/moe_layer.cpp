@@ -18,10 +18,9 @@ namespace {
 template <class T>
 T* upload(const std::vector<T>& host) {
   if (host.empty()) return nullptr;
-  void* device = nullptr;
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&device, host.size() * sizeof(T)));
+  T* device = cuda_alloc<T>(host.size());
   MEGAMOE_CUDA_CHECK(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return static_cast<T*>(device);
+  return device;
 }
 
 }  // namespace

@@ -14,13 +14,6 @@ namespace {
 constexpr auto kBootstrapTimeout = std::chrono::seconds(60);
 constexpr long long kBarrierTimeoutCycles = 20'000'000'000LL;  // ~10 s at 1.98 GHz
 
-template <class T>
-T* device_alloc(size_t count) {
-  void* p = nullptr;
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&p, count * sizeof(T)));
-  return static_cast<T*>(p);
-}
-
 }  // namespace
 
 EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int max_tokens_per_rank,
@@ -49,12 +42,12 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
   MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_sms_ = prop.multiProcessorCount;
   buffer_ = std::make_unique<SymmetricMemory>(rendezvous, "ep", layout_.total_bytes, kBootstrapTimeout);
-  slot_rank_ = device_alloc<int32_t>(static_cast<size_t>(max_tokens_per_rank) * spec.top_k);
-  recv_local_expert_ = device_alloc<int32_t>(layout_.max_recv_rows);
-  expert_rows_ = device_alloc<uint16_t>(layout_.max_recv_rows * spec.hidden);
-  error_flags_ = device_alloc<int32_t>(4);
+  slot_rank_ = cuda_alloc<int32_t>(static_cast<size_t>(max_tokens_per_rank) * spec.top_k);
+  recv_local_expert_ = cuda_alloc<int32_t>(layout_.max_recv_rows);
+  expert_rows_ = cuda_alloc<uint16_t>(layout_.max_recv_rows * spec.hidden);
+  error_flags_ = cuda_alloc<int32_t>(4);
   MEGAMOE_CUDA_CHECK(cudaMemset(error_flags_, 0, 4 * sizeof(int32_t)));
-  ones_ = device_alloc<float>(layout_.max_recv_rows);
+  ones_ = cuda_alloc<float>(layout_.max_recv_rows);
   const std::vector<float> ones(layout_.max_recv_rows, 1.0f);
   MEGAMOE_CUDA_CHECK(cudaMemcpy(ones_, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
 }

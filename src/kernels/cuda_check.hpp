@@ -16,6 +16,15 @@ inline void cuda_check(cudaError_t status, const char* what, const char* file, i
   }
 }
 
+// Device memory for `count` elements of T (at least one, so empty requests still get a valid
+// pointer); throws megamoe::Error on failure.
+template <class T>
+T* cuda_alloc(size_t count) {
+  void* p = nullptr;
+  cuda_check(cudaMalloc(&p, (count > 0 ? count : 1) * sizeof(T)), "cudaMalloc", __FILE__, __LINE__);
+  return static_cast<T*>(p);
+}
+
 }  // namespace megamoe
 
 #define MEGAMOE_CUDA_CHECK(expr) ::megamoe::cuda_check((expr), #expr, __FILE__, __LINE__)

@@ -1,6 +1,7 @@
 #include "ref/random_problem.hpp"
 
 #include <cmath>
+#include <random>
 
 #include "ref/parallel.hpp"
 
@@ -32,6 +33,21 @@ RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed) {
     for (size_t i = 0; i < w2_count; ++i) w.w2[e * w2_count + i] = bf16_t::from_float(rng.uniform(w2_width));
   });
   return w;
+}
+
+RandomRouting make_random_routing(int tokens, int top_k, int num_experts, uint64_t seed) {
+  std::mt19937_64 engine(seed);
+  RandomRouting r;
+  std::vector<int32_t> experts(num_experts);
+  for (int t = 0; t < tokens; ++t) {
+    for (int e = 0; e < num_experts; ++e) experts[e] = e;
+    for (int j = 0; j < top_k; ++j) {  // partial Fisher-Yates: the first k are distinct
+      std::swap(experts[j], experts[j + engine() % (num_experts - j)]);
+      r.ids.push_back(experts[j]);
+      r.weights.push_back(0.05f + 0.95f * static_cast<float>(engine() >> 11) * 0x1p-53f);
+    }
+  }
+  return r;
 }
 
 }  // namespace megamoe::ref

@@ -20,4 +20,12 @@ struct RandomWeights {
 
 RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed);
 
+// Precomputed routing drawn uniformly: top_k distinct experts per token, weights uniform in
+// [0.05, 1).
+struct RandomRouting {
+  std::vector<int32_t> ids;     // [T, k]
+  std::vector<float> weights;   // [T, k]
+};
+RandomRouting make_random_routing(int tokens, int top_k, int num_experts, uint64_t seed);
+
 }  // namespace megamoe::ref

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "common/layout_checks.hpp"
+
 #include <utility>
 #include <vector>
 
@@ -27,13 +29,7 @@ TEST(EpBufferLayout, RegionsAreAlignedDisjointAndSized) {
       {l.combine_rows, 4096ull * 8 * 7168 * 2},
       {l.arrivals, 4 * 128},
       {l.signals, 8 * EpBufferLayout::kSignalSlots}};
-  size_t end = 0;
-  for (const auto& [offset, bytes] : regions) {
-    EXPECT_EQ(offset % kRegionAlignment, 0u);
-    EXPECT_GE(offset, end) << "regions overlap";
-    end = offset + bytes;
-  }
-  EXPECT_GE(l.total_bytes, end);
+  test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "common/layout_checks.hpp"
+
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -42,13 +44,7 @@ TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
         {l.slot_outputs, slots * 7168 * 4},
         {l.y_accumulator, 4096ull * 7168 * 4},
         {l.error_flags, 16}};
-    size_t end = 0;
-    for (const auto& [offset, bytes] : regions) {
-      EXPECT_EQ(offset % kRegionAlignment, 0u);
-      EXPECT_GE(offset, end) << "regions overlap";
-      end = offset + bytes;
-    }
-    EXPECT_GE(l.total_bytes, end);
+    test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
     EXPECT_EQ(l.pool_rows % 128, 0u);
   }
 }
