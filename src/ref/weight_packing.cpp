@@ -45,32 +45,28 @@ void pack_matrix(const std::vector<float>& values, int rows, int cols, const Pac
 namespace ref {
 namespace {
 
-// Exact decoded values of one packed matrix of one expert: e4m3 * fp32 scale fits a double.
-std::vector<double> decode_matrix(const PackedWeights& packed, const std::vector<uint8_t>& codes,
-                                  const std::vector<float>& scales, size_t expert, int rows, int cols) {
-  const size_t count = static_cast<size_t>(rows) * cols;
-  std::vector<double> out(count);
+}  // namespace
+
+void decode_packed_row(const PackedWeights& packed, PackedMatrix matrix, int expert, int row, double* out) {
+  const bool w13 = matrix == PackedMatrix::w13;
+  const int rows = w13 ? 2 * packed.intermediate : packed.hidden;
+  const int cols = w13 ? packed.hidden : packed.intermediate;
+  const std::vector<uint8_t>& codes = w13 ? packed.w13 : packed.w2;
+  const size_t first = (static_cast<size_t>(expert) * rows + row) * cols;
   if (packed.precision == Precision::bf16) {
-    const uint8_t* src = codes.data() + expert * count * sizeof(bf16_t);
-    for (size_t i = 0; i < count; ++i) {
+    for (int c = 0; c < cols; ++c) {
       bf16_t b;
-      std::memcpy(&b, src + i * sizeof(bf16_t), sizeof b);
-      out[i] = b.to_float();
+      std::memcpy(&b, codes.data() + (first + c) * sizeof(bf16_t), sizeof b);
+      out[c] = b.to_float();
     }
-    return out;
+    return;
   }
   const int block_cols = cols / kQuantBlock;
-  const float* expert_scales = scales.data() + expert * (rows / kQuantBlock) * block_cols;
-  const uint8_t* src = codes.data() + expert * count;
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < cols; ++c) {
-      const double scale = expert_scales[(r / kQuantBlock) * block_cols + c / kQuantBlock];
-      out[static_cast<size_t>(r) * cols + c] = e4m3_decode(src[static_cast<size_t>(r) * cols + c]) * scale;
-    }
-  return out;
+  const float* row_scales = (w13 ? packed.w13_scales : packed.w2_scales).data() +
+                            (static_cast<size_t>(expert) * (rows / kQuantBlock) + row / kQuantBlock) * block_cols;
+  for (int c = 0; c < cols; ++c) out[c] = e4m3_decode(codes[first + c]) * static_cast<double>(row_scales[c / kQuantBlock]);
 }
 
-}  // namespace
 }  // namespace ref
 
 size_t PackedWeights::bytes_per_expert() const {
@@ -131,14 +127,16 @@ namespace ref {
 
 ExpertMatrices decode_expert(const PackedWeights& packed, int expert) {
   const int H = packed.hidden, I = packed.intermediate;
-  const std::vector<double> w13 = decode_matrix(packed, packed.w13, packed.w13_scales, expert, 2 * I, H);
   ExpertMatrices out;
-  out.w13.resize(w13.size());
+  out.w13.resize(2ull * I * H);
+  out.w2.resize(static_cast<size_t>(H) * I);
   for (int row = 0; row < 2 * I; ++row) {
-    std::copy_n(w13.data() + static_cast<size_t>(layout::packed_w13_row(row, I)) * H, H,
-                out.w13.data() + static_cast<size_t>(row) * H);
+    decode_packed_row(packed, PackedMatrix::w13, expert, layout::packed_w13_row(row, I),
+                      out.w13.data() + static_cast<size_t>(row) * H);
   }
-  out.w2 = decode_matrix(packed, packed.w2, packed.w2_scales, expert, H, I);
+  for (int row = 0; row < H; ++row) {
+    decode_packed_row(packed, PackedMatrix::w2, expert, row, out.w2.data() + static_cast<size_t>(row) * I);
+  }
   return out;
 }
 

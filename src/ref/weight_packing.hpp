@@ -15,4 +15,9 @@ struct ExpertMatrices {
 };
 ExpertMatrices decode_expert(const PackedWeights& packed, int expert);
 
+// One row of one packed matrix of `expert` (w13 rows in packed, interleaved order), decoded
+// exactly: out[H] for w13, out[I] for w2.
+enum class PackedMatrix { w13, w2 };
+void decode_packed_row(const PackedWeights& packed, PackedMatrix matrix, int expert, int row, double* out);
+
 }  // namespace megamoe::ref
