@@ -35,28 +35,27 @@ const std::array<float, 256> kDecodeTable = make_decode_table();
 }  // namespace
 
 uint8_t e4m3_encode(float value) {
-  if (std::isnan(value)) return kE4M3NaN;
-  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
-  const float magnitude = std::fabs(value);
-  if (magnitude >= kE4M3Max) return sign | kMaxFiniteCode;
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+  if (magnitude > 0x7F800000u) return kE4M3NaN;
+  if (magnitude >= 0x43E00000u) return sign | kMaxFiniteCode;  // >= 448 (and inf) saturates
 
   // Below the smallest normal (2^-6) the grid is uniform with step 2^-9; scaling by 2^9 is exact,
   // and nearbyint rounds half to even. A result of 8 is the smallest normal, code 0x08.
-  constexpr float kMinNormal = 0.015625f;
-  if (magnitude < kMinNormal) {
-    return sign | static_cast<uint8_t>(std::nearbyint(magnitude * 512.0f));
+  if (magnitude < 0x3C800000u) {
+    float absolute;
+    std::memcpy(&absolute, &magnitude, sizeof absolute);
+    return sign | static_cast<uint8_t>(std::nearbyint(absolute * 512.0f));
   }
-  int exponent;
-  const float fraction = std::frexp(magnitude, &exponent);  // magnitude = fraction * 2^exponent
-  // fraction in [0.5, 1): mantissa steps of 1/16 there. Exact scaling, then round half to even.
-  int steps = static_cast<int>(std::nearbyint((fraction - 0.5f) * 16.0f));
-  int biased = exponent - 1 + kExponentBias;
-  if (steps == 8) {
-    steps = 0;
-    ++biased;
-  }
-  const uint8_t code = static_cast<uint8_t>((biased << kMantissaBits) | steps);
-  return sign | std::min(code, kMaxFiniteCode);
+  // Normal: keep 3 of the 23 mantissa bits, rounding half to even on the 20 dropped bits; a carry
+  // moves into the exponent by itself. Rebias the exponent from 127 to 7.
+  constexpr int kDropped = 23 - kMantissaBits;
+  const uint32_t rounded = magnitude + ((1u << (kDropped - 1)) - 1) + ((magnitude >> kDropped) & 1u);
+  const int exponent = static_cast<int>(rounded >> 23) - 127 + kExponentBias;
+  const uint32_t code = (static_cast<uint32_t>(exponent) << kMantissaBits) | ((rounded >> kDropped) & 0x7u);
+  return sign | static_cast<uint8_t>(std::min<uint32_t>(code, kMaxFiniteCode));
 }
 
 float e4m3_decode(uint8_t code) { return kDecodeTable[code]; }

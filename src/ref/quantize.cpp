@@ -1,5 +1,6 @@
 #include "ref/quantize.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "ref/fp8_codec.hpp"
@@ -33,19 +34,24 @@ QuantizedRows quantize_rows_per_128(const float* values, int rows, int cols, Sca
 void quantize_blocks_128x128(const float* values, int rows, int cols, ScaleFormat format, uint8_t* codes,
                              float* scales) {
   const int block_cols = cols / kQuantBlock;
-  std::vector<float> block(static_cast<size_t>(kQuantBlock) * kQuantBlock);
-  std::vector<uint8_t> block_codes(block.size());
+  std::vector<float> amax(block_cols), factor(block_cols);
+  // One strip of 128 rows at a time, row by row (the order memory is in): the amax of each block
+  // first, then the codes. The max does not depend on the order, so this equals quantize_block.
   for (int rb = 0; rb < rows / kQuantBlock; ++rb) {
+    std::fill(amax.begin(), amax.end(), 0.0f);
+    for (int r = rb * kQuantBlock; r < (rb + 1) * kQuantBlock; ++r) {
+      const float* row = values + static_cast<size_t>(r) * cols;
+      for (int c = 0; c < cols; ++c) amax[c / kQuantBlock] = std::fmax(amax[c / kQuantBlock], std::fabs(row[c]));
+    }
     for (int cb = 0; cb < block_cols; ++cb) {
-      const size_t corner = static_cast<size_t>(rb) * kQuantBlock * cols + static_cast<size_t>(cb) * kQuantBlock;
-      for (int r = 0; r < kQuantBlock; ++r)
-        for (int c = 0; c < kQuantBlock; ++c)
-          block[static_cast<size_t>(r) * kQuantBlock + c] = values[corner + static_cast<size_t>(r) * cols + c];
-      scales[static_cast<size_t>(rb) * block_cols + cb] =
-          quantize_block(block.data(), static_cast<int>(block.size()), 1, format, block_codes.data());
-      for (int r = 0; r < kQuantBlock; ++r)
-        for (int c = 0; c < kQuantBlock; ++c)
-          codes[corner + static_cast<size_t>(r) * cols + c] = block_codes[static_cast<size_t>(r) * kQuantBlock + c];
+      const BlockScale block = block_scale(amax[cb], format);
+      scales[static_cast<size_t>(rb) * block_cols + cb] = block.scale;
+      factor[cb] = block.factor;
+    }
+    for (int r = rb * kQuantBlock; r < (rb + 1) * kQuantBlock; ++r) {
+      const float* row = values + static_cast<size_t>(r) * cols;
+      uint8_t* out = codes + static_cast<size_t>(r) * cols;
+      for (int c = 0; c < cols; ++c) out[c] = e4m3_encode(row[c] * factor[c / kQuantBlock]);
     }
   }
 }

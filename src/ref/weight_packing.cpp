@@ -16,15 +16,22 @@ namespace megamoe {
 namespace {
 
 // One expert's matrix as fp32, whatever the caller's dtype.
-std::vector<float> load_matrix(const void* base, DType dtype, size_t offset, size_t count) {
-  std::vector<float> out(count);
-  if (dtype == DType::fp32) {
-    std::memcpy(out.data(), static_cast<const float*>(base) + offset, count * sizeof(float));
-  } else {
-    const bf16_t* src = static_cast<const bf16_t*>(base) + offset;
-    for (size_t i = 0; i < count; ++i) out[i] = src[i].to_float();
+// One expert's matrix as fp32 in `out`, whatever the caller's dtype; `rows` of `cols` values,
+// row r landing at out row row_map(r).
+template <class RowMap>
+void load_matrix(const void* base, DType dtype, size_t offset, int rows, int cols, RowMap row_map,
+                 std::vector<float>& out) {
+  out.resize(static_cast<size_t>(rows) * cols);
+  for (int r = 0; r < rows; ++r) {
+    float* dst = out.data() + static_cast<size_t>(row_map(r)) * cols;
+    const size_t first = offset + static_cast<size_t>(r) * cols;
+    if (dtype == DType::fp32) {
+      std::memcpy(dst, static_cast<const float*>(base) + first, cols * sizeof(float));
+    } else {
+      const bf16_t* src = static_cast<const bf16_t*>(base) + first;
+      for (int c = 0; c < cols; ++c) dst[c] = src[c].to_float();
+    }
   }
-  return out;
 }
 
 // Packs one row-major matrix into `codes` (bf16 bits or E4M3 bytes) and, for fp8, `scales`.
@@ -105,16 +112,15 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
   std::mutex progress_mutex;
   int done = 0;
   ref::parallel_for(E, [&](int e) {
-    const std::vector<float> w13 = load_matrix(weights.w13, weights.dtype, e * w13_count, w13_count);
-    std::vector<float> interleaved(w13_count);
-    for (int row = 0; row < 2 * I; ++row) {
-      std::memcpy(interleaved.data() + static_cast<size_t>(layout::packed_w13_row(row, I)) * H,
-                  w13.data() + static_cast<size_t>(row) * H, H * sizeof(float));
-    }
-    pack_matrix(interleaved, 2 * I, H, packed, packed.w13.data() + e * w13_count * packed.element_bytes(),
+    // Reused across the experts a thread packs: fresh buffers would fault in new pages each time.
+    thread_local std::vector<float> scratch;
+    load_matrix(weights.w13, weights.dtype, e * w13_count, 2 * I, H,
+                [I](int row) { return layout::packed_w13_row(row, I); }, scratch);
+    pack_matrix(scratch, 2 * I, H, packed, packed.w13.data() + e * w13_count * packed.element_bytes(),
                 packed.w13_scales.data() + e * w13_scale_count);
-    pack_matrix(load_matrix(weights.w2, weights.dtype, e * w2_count, w2_count), H, I, packed,
-                packed.w2.data() + e * w2_count * packed.element_bytes(), packed.w2_scales.data() + e * w2_scale_count);
+    load_matrix(weights.w2, weights.dtype, e * w2_count, H, I, [](int row) { return row; }, scratch);
+    pack_matrix(scratch, H, I, packed, packed.w2.data() + e * w2_count * packed.element_bytes(),
+                packed.w2_scales.data() + e * w2_scale_count);
     if (progress) {
       std::lock_guard<std::mutex> lock(progress_mutex);
       progress(++done, E);
