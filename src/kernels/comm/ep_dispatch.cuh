@@ -42,6 +42,7 @@ __device__ __forceinline__ T* region(void* base, size_t offset) {
 __global__ void __launch_bounds__(1024) ep_count_kernel(EpDispatchParams p) {
   const int k = p.layout.top_k;
   const int slots = p.num_tokens * k;
+  // Unused slots stay -1; ep_rank_slots_of_expert fills the used ones.
   for (int s = threadIdx.x; s < slots; s += blockDim.x) {
     p.slot_rank[s] = -1;
     const int id = p.topk_ids[s];
@@ -49,17 +50,9 @@ __global__ void __launch_bounds__(1024) ep_count_kernel(EpDispatchParams p) {
   }
   __syncthreads();
   for (int expert = threadIdx.x; expert < p.num_experts; expert += blockDim.x) {
-    int count = 0, last_token = -1;
-    for (int s = 0; s < slots; ++s) {
-      if (p.topk_ids[s] != expert) continue;
-      const int token = s / k;
-      if (token == last_token) {  // a second slot of one token on the same expert
-        atomicAdd(&p.error_flags[0], 1);
-        continue;
-      }
-      last_token = token;
-      p.slot_rank[s] = count++;
-    }
+    int duplicates = 0;
+    const int count = layout::ep_rank_slots_of_expert(p.topk_ids, p.num_tokens, k, expert, p.slot_rank, &duplicates);
+    if (duplicates > 0) atomicAdd(&p.error_flags[0], duplicates);
     const int owner = expert / p.layout.experts_per_rank, local = expert % p.layout.experts_per_rank;
     ep_detail::region<int32_t>(p.peer_bases[owner], p.layout.recv_counts)[p.rank * p.layout.experts_per_rank + local] =
         count;
@@ -74,11 +67,7 @@ __global__ void __launch_bounds__(1024) ep_publish_kernel(EpDispatchParams p) {
   for (int expert = threadIdx.x; expert < p.num_experts; expert += blockDim.x) {
     const int owner = expert / epr, local = expert % epr;
     const int32_t* counts = ep_detail::region<const int32_t>(p.peer_bases[owner], p.layout.recv_counts);
-    int base = 0;
-    for (int l = 0; l < local; ++l)
-      for (int src = 0; src < world; ++src) base += counts[src * epr + l];
-    for (int src = 0; src < p.rank; ++src) base += counts[src * epr + local];
-    expert_base[expert] = base;
+    expert_base[expert] = static_cast<int32_t>(layout::ep_row_position(counts, epr, world, p.rank, local, 0));
   }
   __syncthreads();
   const int k = p.layout.top_k;
@@ -118,12 +107,7 @@ __global__ void __launch_bounds__(256) ep_pull_kernel(EpDispatchParams p) {
     for (int v = lane; v < vectors_per_row; v += 32) received[row * vectors_per_row + v] = from[v];
     __syncwarp();
     if (lane == 0) {
-      // The local expert owning this row: the segment of the canonical order it falls in.
-      int local = 0, end = 0;
-      for (; local < epr; ++local) {
-        for (int s = 0; s < world; ++s) end += counts[s * epr + local];
-        if (row < end) break;
-      }
+      const int local = layout::ep_local_expert_of_row(counts, epr, world, row);
       p.recv_local_expert[row] = local;
       __threadfence();
       ptx::red_add_release_gpu(&arrivals[local], 1);

@@ -72,4 +72,46 @@ struct EpBufferLayout {
   }
 };
 
+// Canonical order of the rows an owner receives: by local expert, then source rank, then the
+// slot's rank inside its expert at that source (token order). counts: [world][experts_per_rank].
+MEGAMOE_HOST_DEVICE inline long ep_row_position(const int32_t* counts, int experts_per_rank, int world_size,
+                                                int source_rank, int local_expert, int rank_in_expert) {
+  long position = rank_in_expert;
+  for (int l = 0; l < local_expert; ++l)
+    for (int s = 0; s < world_size; ++s) position += counts[s * experts_per_rank + l];
+  for (int s = 0; s < source_rank; ++s) position += counts[s * experts_per_rank + local_expert];
+  return position;
+}
+
+// The local expert whose segment holds received row `row` (inverse of ep_row_position).
+MEGAMOE_HOST_DEVICE inline int ep_local_expert_of_row(const int32_t* counts, int experts_per_rank, int world_size,
+                                                      long row) {
+  long end = 0;
+  for (int l = 0; l < experts_per_rank; ++l) {
+    for (int s = 0; s < world_size; ++s) end += counts[s * experts_per_rank + l];
+    if (row < end) return l;
+  }
+  return experts_per_rank;  // past the last row
+}
+
+// Rank of every slot inside its expert, in token order, for one source rank's routing
+// [num_tokens, top_k]: slot_rank[s] = rank, or -1 when the slot is unused (-1, out of range, or
+// a second slot of one token on the same expert). Returns the rows sent to `expert`. One call per
+// expert; the count kernel runs one thread per expert.
+MEGAMOE_HOST_DEVICE inline int ep_rank_slots_of_expert(const int32_t* topk_ids, int num_tokens, int top_k, int expert,
+                                                       int32_t* slot_rank, int* duplicates) {
+  int count = 0, last_token = -1;
+  for (int s = 0; s < num_tokens * top_k; ++s) {
+    if (topk_ids[s] != expert) continue;
+    const int token = s / top_k;
+    if (token == last_token) {
+      ++*duplicates;
+      continue;
+    }
+    last_token = token;
+    slot_rank[s] = count++;
+  }
+  return count;
+}
+
 }  // namespace megamoe::layout

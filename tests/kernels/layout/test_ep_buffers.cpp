@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include "common/layout_checks.hpp"
+#include "common/test_random.hpp"
+#include "ref/ep_dispatch.hpp"
 
 #include <utility>
 #include <vector>
@@ -30,6 +32,70 @@ TEST(EpBufferLayout, RegionsAreAlignedDisjointAndSized) {
       {l.arrivals, 4 * 128},
       {l.signals, 8 * EpBufferLayout::kSignalSlots}};
   test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
+}
+
+// The dispatch kernels' index arithmetic, run on the CPU, against the CPU model of dispatch: the
+// counts, each slot's position in its owner's buffer, and the expert of each received row.
+TEST(EpDispatchIndexing, KernelArithmeticReproducesPlanDispatch) {
+  test::SeededRng rng;
+  for (int world : {1, 2, 4}) {
+    const int E = 16, k = 4, epr = E / world;
+    std::vector<std::vector<int32_t>> ids(world);
+    std::vector<ref::RankRouting> routing(world);
+    for (int r = 0; r < world; ++r) {
+      const int tokens = rng.integer(0, 40);
+      for (int i = 0; i < tokens * k; ++i) {
+        const int pick = rng.integer(0, 24);
+        ids[r].push_back(pick < E ? pick : (pick < 22 ? -1 : E + pick));  // some -1 and out-of-range ids
+      }
+      routing[r] = {tokens, ids[r].data()};
+    }
+    const ref::DispatchPlan plan = ref::plan_dispatch(ref::EpTopology{world, E}, k, routing);
+
+    // Count phase on every source rank.
+    std::vector<std::vector<int32_t>> slot_rank(world), counts(world, std::vector<int32_t>(world * epr, 0));
+    long invalid = 0;
+    for (int src = 0; src < world; ++src) {
+      slot_rank[src].assign(ids[src].size(), -1);
+      for (int32_t id : ids[src]) invalid += id < -1 || id >= E;
+      int duplicates = 0;
+      for (int e = 0; e < E; ++e) {
+        counts[e / epr][src * epr + e % epr] = ep_rank_slots_of_expert(ids[src].data(), routing[src].num_tokens, k, e,
+                                                                       slot_rank[src].data(), &duplicates);
+      }
+      invalid += duplicates;
+    }
+    EXPECT_EQ(invalid, plan.invalid_ids);
+    // Publish phase: every used slot lands at its canonical position.
+    std::vector<std::vector<ref::DispatchSource>> received(world);
+    for (int owner = 0; owner < world; ++owner) {
+      long total = 0;
+      for (int32_t c : counts[owner]) total += c;
+      received[owner].assign(total, {-1, -1, -1});
+    }
+    for (int src = 0; src < world; ++src) {
+      for (size_t s = 0; s < ids[src].size(); ++s) {
+        if (slot_rank[src][s] < 0) continue;
+        const int e = ids[src][s], owner = e / epr;
+        const long position = ep_row_position(counts[owner].data(), epr, world, src, e % epr, slot_rank[src][s]);
+        received[owner][position] = {src, static_cast<int32_t>(s / k), static_cast<int32_t>(s % k)};
+      }
+    }
+    for (int owner = 0; owner < world; ++owner) {
+      std::vector<ref::DispatchSource> expected;
+      std::vector<int> expected_expert;
+      for (int l = 0; l < epr; ++l) {
+        for (const ref::DispatchSource& d : plan.received[owner][l]) {
+          expected.push_back(d);
+          expected_expert.push_back(l);
+        }
+      }
+      ASSERT_EQ(received[owner], expected) << "world " << world << " owner " << owner;
+      for (size_t row = 0; row < expected_expert.size(); ++row) {
+        EXPECT_EQ(ep_local_expert_of_row(counts[owner].data(), epr, world, static_cast<long>(row)), expected_expert[row]);
+      }
+    }
+  }
 }
 
 }  // namespace
