@@ -3,6 +3,9 @@
 #include "megamoe/layer.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <iostream>
+#include <set>
 #include <string>
 
 #include "kernels/cuda_check.hpp"
@@ -23,6 +26,14 @@ T* upload(const std::vector<T>& host) {
   return device;
 }
 
+bool print_configs() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("MEGAMOE_PRINT_CONFIGS");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  return enabled;
+}
+
 }  // namespace
 
 struct MoeLayer::Impl {
@@ -34,6 +45,8 @@ struct MoeLayer::Impl {
   void* workspace = nullptr;
   layout::MoeWorkspaceLayout workspace_layout;
   int num_sms = 0;
+  plan::DeviceFacts facts;
+  std::set<int> printed_token_tiles;  // MEGAMOE_PRINT_CONFIGS=1: each configuration printed once
 
   ~Impl() {
     for (void* p : {static_cast<void*>(w13), static_cast<void*>(w13_scales), static_cast<void*>(w2),
@@ -77,6 +90,10 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_to
   impl_ = new Impl();
   try {
     impl_->num_sms = prop.multiProcessorCount;
+    impl_->facts = plan::DeviceFacts::h200_measured();
+    impl_->facts.name = prop.name;
+    impl_->facts.num_sms = prop.multiProcessorCount;
+    impl_->facts.smem_per_block_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
     impl_->workspace_layout = layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden,
                                                                spec.intermediate, max_tokens,
                                                                layout::kGemmMaxTokenTile,
@@ -111,6 +128,10 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   f.fp8 = spec_.precision == Precision::fp8_block;
   f.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
   f.token_tile = plan::choose_token_tile(spec_, std::max(inputs.num_tokens, 1));
+  if (inputs.num_tokens > 0 && print_configs() && impl_->printed_token_tiles.insert(f.token_tile).second) {
+    std::cerr << "megamoe: " << spec_ << "\n" << plan::plan_moe(spec_, inputs.num_tokens, max_tokens_, impl_->facts)
+              << "\n";
+  }
   f.deterministic = mode == CombineMode::deterministic;
   f.grid = impl_->num_sms;
   if (const auto* softmax = std::get_if<SoftmaxTopK>(&spec_.routing)) {
