@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       const GroupedTile tile = p.scheduler.tile(linear);
       const int token_block = tile.pool_row / Config::kBlockN;
       for (int kb = 0; kb < k_blocks; ++kb) {
-        ptx::wait_parity<false>(&smem.empty[state.stage], state.phase ^ 1, "gemm empty", state.stage);
+        ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
         ptx::mbarrier_arrive_expect_tx(&smem.full[state.stage], Config::kStageTxBytes);
         copy(p.tma_a.with(smem.full[state.stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, state.stage));
         copy(p.tma_b.with(smem.full[state.stage]), tBgB(_, token_block, kb), tBsB(_, state.stage));
@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const GroupedTile tile = p.scheduler.tile(linear);
     clear(acc);
     for (int kb = 0; kb < k_blocks; ++kb) {
-      ptx::wait_parity<false>(&smem.full[state.stage], state.phase, "gemm full", state.stage);
+      ptx::wait_parity(&smem.full[state.stage], state.phase);
       if constexpr (Config::kFp8) {
         // The 4 k32 steps of this 128-wide K block accumulate unscaled into `partial`; the block's
         // weight scale times each token's scale then promotes them into `acc` in fp32.

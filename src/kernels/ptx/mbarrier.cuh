@@ -1,9 +1,8 @@
-// mbarrier wrappers (PTX ISA "mbarrier") and a wait that can end: every wait in megamoe goes
-// through wait_parity(), which traps with a diagnostic instead of hanging forever.
+// mbarrier wrappers (PTX ISA "mbarrier") and a wait that can end: every mbarrier wait in megamoe
+// goes through wait_parity(), which traps instead of hanging forever.
 #pragma once
 
 #include <cstdint>
-#include <cstdio>
 
 namespace megamoe::ptx {
 
@@ -47,28 +46,15 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* barrier, uint
 // runs under compute-sanitizer, which slow kernels down a hundredfold.
 inline constexpr long long kWaitTimeoutCycles = 1LL << 35;
 
-// Cold path, kept out of line so its printf buffer stays out of the callers' frames.
-__device__ __noinline__ void report_wait_timeout(const char* what, int index, uint32_t parity) {
-  printf("megamoe: timeout waiting on %s[%d] for parity %u (block %d, thread %d)\n", what, index, parity, blockIdx.x,
-         threadIdx.x);
-  __trap();
-}
-
-// Waits until the phase with `parity` of `barrier` completes; on timeout traps instead of hanging.
-// kReport prints who waited and on what first. Kernels that issue wgmma pass false: any call
-// (printf) in the kernel makes ptxas serialize every wgmma of it (C7510).
-template <bool kReport = true>
-__device__ __forceinline__ void wait_parity(uint64_t* barrier, uint32_t parity, const char* what, int index) {
+// Waits until the phase with `parity` of `barrier` completes; a wait past kWaitTimeoutCycles
+// traps, so a lost arrival surfaces as a launch failure at the next synchronization instead of a
+// hang. It cannot print who waited: any call (printf) in a kernel that issues wgmma makes ptxas
+// serialize every wgmma of it (C7510). The cross-rank waits, which issue no wgmma, do print.
+__device__ __forceinline__ void wait_parity(uint64_t* barrier, uint32_t parity) {
   if (mbarrier_try_wait_parity(barrier, parity)) return;
   const long long start = clock64();
   while (!mbarrier_try_wait_parity(barrier, parity)) {
-    if (clock64() - start > kWaitTimeoutCycles) {
-      if constexpr (kReport) {
-        report_wait_timeout(what, index, parity);
-      } else {
-        __trap();
-      }
-    }
+    if (clock64() - start > kWaitTimeoutCycles) __trap();
   }
 }
 
