@@ -44,6 +44,10 @@ struct PackedWeights {
 // Called after each expert is packed (done experts, total); long packs report progress with it.
 using PackProgress = std::function<void(int done, int total)>;
 
+// Throws megamoe::Error(invalid_argument) unless `packed` was prepared for `spec` (same shapes,
+// precision and, for fp8_block, scale format).
+void validate_packed(const MoeSpec& spec, const PackedWeights& packed);
+
 // Validates the spec and the view, then packs. Throws megamoe::Error on bad input.
 PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights,
                               const PackProgress& progress = {});

@@ -59,11 +59,7 @@ struct MoeLayer::Impl {
 MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_tokens)
     : spec_(spec), max_tokens_(max_tokens), impl_(nullptr) {
   validate(spec);
-  if (weights.num_experts != spec.num_experts || weights.hidden != spec.hidden ||
-      weights.intermediate != spec.intermediate || weights.precision != spec.precision ||
-      (spec.precision == Precision::fp8_block && weights.scale_format != spec.scale_format)) {
-    throw Error(ErrorCode::invalid_argument, "packed weights were prepared for a different spec");
-  }
+  validate_packed(spec, weights);
   if (spec.num_experts > kernels::kMaxRoutingExperts) {
     throw Error(ErrorCode::unsupported, "num_experts=" + std::to_string(spec.num_experts) + " exceeds the " +
                                             std::to_string(kernels::kMaxRoutingExperts) + " the routing kernel holds");

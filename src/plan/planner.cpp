@@ -139,10 +139,7 @@ MoePlan plan_moe(const MoeSpec& spec, int tokens, int max_tokens, const DeviceFa
   plan.fc2 = choose_gemm("fc2", spec, plan.expected_rows_per_expert, touched, spec.hidden, facts);
 
   // The pool is sized for the largest token tile any token count up to max_tokens may choose.
-  const double touched_at_max = expected_touched_experts(spec, max_tokens);
-  const int rows_at_max = expected_rows_per_expert(spec, max_tokens);
-  const GemmConfig widest = choose_gemm("fc1", spec, rows_at_max, touched_at_max, 2 * spec.intermediate, facts);
-  const int row_padding = std::max({plan.fc1.token_tile, plan.fc2.token_tile, widest.token_tile});
+  const int row_padding = std::max({plan.fc1.token_tile, plan.fc2.token_tile, choose_token_tile(spec, max_tokens)});
   plan.workspace = layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden, spec.intermediate,
                                                     max_tokens, row_padding, spec.precision == Precision::fp8_block);
   return plan;

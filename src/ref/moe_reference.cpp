@@ -155,15 +155,6 @@ ReferenceReport run_reference(const MoeSpec& spec, ActivationPath path, const Ex
   return report;
 }
 
-void check_packed_matches(const MoeSpec& spec, const PackedWeights& weights) {
-  if (weights.num_experts != spec.num_experts || weights.hidden != spec.hidden ||
-      weights.intermediate != spec.intermediate || weights.precision != spec.precision ||
-      (spec.precision == Precision::fp8_block && weights.scale_format != spec.scale_format)) {
-    throw Error(ErrorCode::invalid_argument,
-                "packed weights were prepared for a different spec; call prepare_weights with this spec");
-  }
-}
-
 }  // namespace
 
 double swiglu(double gate, double up) { return gate / (1.0 + std::exp(-gate)) * up; }
@@ -180,7 +171,7 @@ double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
 ReferenceReport reference_forward(const MoeSpec& spec, const PackedWeights& weights, const MoeInputs& inputs,
                                   const MoeOutputs& outputs, const ReferenceProgress& progress) {
   validate(spec);
-  check_packed_matches(spec, weights);
+  validate_packed(spec, weights);
   const ActivationPath path = spec.precision == Precision::fp8_block ? ActivationPath::fp8_block : ActivationPath::bf16;
   const int I = spec.intermediate;
   auto rows_of = [&](int e) {

@@ -76,6 +76,15 @@ void decode_packed_row(const PackedWeights& packed, PackedMatrix matrix, int exp
 
 }  // namespace ref
 
+void validate_packed(const MoeSpec& spec, const PackedWeights& packed) {
+  if (packed.num_experts != spec.num_experts || packed.hidden != spec.hidden ||
+      packed.intermediate != spec.intermediate || packed.precision != spec.precision ||
+      (spec.precision == Precision::fp8_block && packed.scale_format != spec.scale_format)) {
+    throw Error(ErrorCode::invalid_argument,
+                "packed weights were prepared for a different spec; call prepare_weights with this spec");
+  }
+}
+
 size_t PackedWeights::bytes_per_expert() const {
   const size_t elements = 3ull * hidden * intermediate;
   const size_t scale_count = precision == Precision::fp8_block
