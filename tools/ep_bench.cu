@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bench_json.hpp"
+#include "bench_stats.hpp"
 #include "comm/ep_layer.hpp"
 #include "kernels/cuda_check.hpp"
 #include "megamoe/error.hpp"
@@ -32,6 +33,7 @@ namespace {
 
 using namespace megamoe;
 using namespace std::chrono_literals;
+using bench::median;
 
 constexpr int kWarmup = 3;
 constexpr int kTimed = 20;
@@ -50,11 +52,6 @@ __global__ void to_local_ids_kernel(const int32_t* global_ids, long count, int f
     const int local = global_ids[i] - first_expert;
     local_ids[i] = (global_ids[i] >= 0 && local >= 0 && local < local_experts) ? local : -1;
   }
-}
-
-double median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 struct Events {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bench_json.hpp"
+#include "bench_stats.hpp"
 #include "kernels/cuda_check.hpp"
 #include "megamoe/layer.hpp"
 #include "plan/planner.hpp"
@@ -56,11 +57,6 @@ class DeviceBuffer {
   void* ptr_ = nullptr;
   size_t bytes_;
 };
-
-double median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Median time of `launch` over kTimedReplays, each between its own pair of events.
 template <class Launch>
