@@ -3,11 +3,15 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <cxxabi.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bench_json.hpp"
@@ -48,6 +52,7 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   template <class T>
   T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
   template <class T>
   void upload(const std::vector<T>& host) {
     MEGAMOE_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
@@ -58,13 +63,15 @@ class DeviceBuffer {
   size_t bytes_;
 };
 
-// Median time of `launch` over kTimedReplays, each between its own pair of events.
-template <class Launch>
-double median_ms(cudaStream_t stream, Launch&& launch) {
+// Median time of `launch` over kTimedReplays, each between its own pair of events; `before_each`
+// runs outside the events.
+template <class Launch, class Before>
+double median_ms(cudaStream_t stream, Launch&& launch, Before&& before_each) {
   for (int i = 0; i < kWarmupReplays; ++i) launch();
   std::vector<cudaEvent_t> events(2 * kTimedReplays);
   for (cudaEvent_t& e : events) MEGAMOE_CUDA_CHECK(cudaEventCreate(&e));
   for (int i = 0; i < kTimedReplays; ++i) {
+    before_each();
     MEGAMOE_CUDA_CHECK(cudaEventRecord(events[2 * i], stream));
     launch();
     MEGAMOE_CUDA_CHECK(cudaEventRecord(events[2 * i + 1], stream));
@@ -74,6 +81,97 @@ double median_ms(cudaStream_t stream, Launch&& launch) {
   for (int i = 0; i < kTimedReplays; ++i) MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms[i], events[2 * i], events[2 * i + 1]));
   for (cudaEvent_t& e : events) cudaEventDestroy(e);
   return median(ms);
+}
+
+template <class Launch>
+double median_ms(cudaStream_t stream, Launch&& launch) {
+  return median_ms(stream, std::forward<Launch>(launch), [] {});
+}
+
+// A layer's weights are not in L2 when a model runs it (the other layers' weights passed through
+// since), but a replayed graph finds them there when they fit (qwen35 at 1 token touches 25 MB
+// of a 60 MB L2). Reading twice the L2 size before each timed replay evicts them and leaves only
+// clean lines behind (a write would leave dirty lines whose write-back the replay would pay).
+class L2Scrubber {
+ public:
+  L2Scrubber(cudaStream_t stream, int l2_bytes, int num_sms)
+      : stream_(stream), num_sms_(num_sms), buffer_(2 * static_cast<size_t>(l2_bytes)), sink_(sizeof(uint32_t)) {
+    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(buffer_.as<void>(), 0x5A, buffer_.bytes(), stream));
+  }
+  void operator()() {
+    hbm_read_kernel<<<num_sms_ * 8, 512, 0, stream_>>>(buffer_.as<uint4>(), buffer_.bytes() / sizeof(uint4),
+                                                       sink_.as<uint32_t>());
+    MEGAMOE_CHECK_LAUNCH("hbm_read_kernel (L2 scrub)");
+  }
+
+ private:
+  cudaStream_t stream_;
+  int num_sms_;
+  DeviceBuffer buffer_, sink_;
+};
+
+// The nodes of a captured forward in launch order (one captured stream makes a chain).
+std::vector<cudaGraphNode_t> graph_chain(cudaGraph_t graph) {
+  size_t count = 0;
+  MEGAMOE_CUDA_CHECK(cudaGraphGetRootNodes(graph, nullptr, &count));
+  if (count != 1) throw Error(ErrorCode::unsupported, "--breakdown expects a chain graph, found " + std::to_string(count) + " roots");
+  std::vector<cudaGraphNode_t> chain(1);
+  MEGAMOE_CUDA_CHECK(cudaGraphGetRootNodes(graph, chain.data(), &count));
+  for (;;) {
+    MEGAMOE_CUDA_CHECK(cudaGraphNodeGetDependentNodes(chain.back(), nullptr, nullptr, &count));
+    if (count == 0) return chain;
+    if (count != 1) throw Error(ErrorCode::unsupported, "--breakdown expects a chain graph, a node has " + std::to_string(count) + " dependents");
+    cudaGraphNode_t next = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaGraphNodeGetDependentNodes(chain.back(), &next, nullptr, &count));
+    chain.push_back(next);
+  }
+}
+
+// "void megamoe::kernels::gather_quantize_kernel<true>(megamoe::kernels::GatherParams)" -> "gather_quantize_kernel".
+std::string node_name(cudaGraphNode_t node) {
+  cudaGraphNodeType type;
+  MEGAMOE_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+  if (type == cudaGraphNodeTypeMemset) return "memset";
+  if (type != cudaGraphNodeTypeKernel) return "graph node of type " + std::to_string(static_cast<int>(type));
+  cudaKernelNodeParams params{};
+  MEGAMOE_CUDA_CHECK(cudaGraphKernelNodeGetParams(node, &params));
+  const char* mangled = nullptr;
+  MEGAMOE_CUDA_CHECK(cudaFuncGetName(&mangled, params.func));
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string name = status == 0 && demangled ? demangled : mangled;
+  std::free(demangled);
+  name = name.substr(0, name.find_first_of("<("));
+  const size_t scope = name.rfind("::");
+  return scope == std::string::npos ? name : name.substr(scope + 2);
+}
+
+// Where the forward's time goes, measured inside the graph: the graph cut after each node is timed
+// like the whole (L2 scrubbed), and each node is charged the difference, launch gaps included.
+Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, L2Scrubber& scrub, int tokens) {
+  const std::vector<cudaGraphNode_t> chain = graph_chain(graph);
+  Json nodes = Json::array();
+  std::printf("    where the time goes at %d tokens (graph cut after each node):\n", tokens);
+  double previous_us = 0;
+  for (size_t i = 0; i < chain.size(); ++i) {
+    cudaGraph_t cut;
+    MEGAMOE_CUDA_CHECK(cudaGraphClone(&cut, graph));
+    for (size_t j = chain.size(); j-- > i + 1;) {
+      cudaGraphNode_t cloned = nullptr;
+      MEGAMOE_CUDA_CHECK(cudaGraphNodeFindInClone(&cloned, chain[j], cut));
+      MEGAMOE_CUDA_CHECK(cudaGraphDestroyNode(cloned));
+    }
+    cudaGraphExec_t exec;
+    MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, cut, 0));
+    const double us = 1e3 * median_ms(stream, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, scrub);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(cut);
+    const std::string name = node_name(chain[i]);
+    std::printf("      %2zu %-34s +%8.1f us  (cumulative %8.1f us)\n", i, name.c_str(), us - previous_us, us);
+    nodes.push(Json::object().set("node", name).set("cumulative_us", us).set("added_us", us - previous_us));
+    previous_us = us;
+  }
+  return nodes;
 }
 
 double measure_hbm_read_bytes_per_s(cudaStream_t stream, int num_sms) {
@@ -132,6 +230,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     packed = prepare_weights(spec, weights.view(), [&](int done, int total) { progress.update(done, total); });
   }
   MoeLayer layer(spec, packed, max_tokens);
+  L2Scrubber scrub(stream, prop.l2CacheSize, prop.multiProcessorCount);
   UnfusedBaseline baseline(spec, weights.view(), max_tokens);
   std::printf("  workspace %.1f MiB for up to %d tokens\n", layer.workspace_bytes() / 1048576.0, max_tokens);
   std::printf("  baseline: routing given, host-built permutation, cuBLAS bf16 GEMM per expert, plain kernels\n\n");
@@ -173,8 +272,10 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     layer.forward(stream, inputs, MoeOutputs{y_dev.as<void>()});
     MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    const double ms = median_ms(stream, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
+    const double ms = median_ms(stream, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, scrub);
     cudaGraphExecDestroy(exec);
+    Json breakdown = Json::array();
+    if (o.breakdown) breakdown = time_graph_prefixes(graph, stream, scrub, tokens);
     cudaGraphDestroy(graph);
 
     // The first rows against the CPU reference (routing is per token, so a prefix is a valid call).
@@ -193,7 +294,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(y_dev.as<void>(), 0xFF, x.size() * 2, stream));
     const double baseline_us = 1e3 * median_ms(stream, [&] {
       baseline.forward(stream, tokens, x_dev.as<void>(), ids_dev.as<int32_t>(), weights_dev.as<float>(), y_dev.as<void>());
-    });
+    }, scrub);
     MEGAMOE_CUDA_CHECK(cudaMemcpy(y.data(), y_dev.as<void>(), y.size() * 2, cudaMemcpyDeviceToHost));
     std::vector<bf16_t> y_exact(static_cast<size_t>(checked) * H);
     const ref::ReferenceReport exact = ref::reference_forward_unquantized(
@@ -225,7 +326,9 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
                      .set("baseline_rel_err_vs_unquantized", baseline_rel_err)
                      .set("rel_err", rel_err)
                      .set("rel_err_rows_checked", checked)
-                     .set("combine", "deterministic"));
+                     .set("combine", "deterministic")
+                     .set("l2", "scrubbed before each timed replay")
+                     .set("breakdown", std::move(breakdown)));
   }
   cudaStreamDestroy(stream);
   if (!o.json_path.empty()) {

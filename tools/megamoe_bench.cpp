@@ -38,7 +38,7 @@ void print_usage() {
       "usage: megamoe-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3] [--tokens N]\n"
       "                     [--precision bf16|fp8_block] [--scales fp32|ue8m0]\n"
       "                     [--routing auto|softmax|grouped|precomputed] [--experts N]\n"
-      "                     [--seed S] [--json PATH] [--cpu]\n"
+      "                     [--seed S] [--json PATH] [--cpu] [--breakdown]\n"
       "  --workload   named workload (default qwen35-a3b)\n"
       "  --tokens     tokens in the call (CPU reference default %d)\n"
       "  --precision  bf16 or fp8_block (default fp8_block)\n"
@@ -48,6 +48,7 @@ void print_usage() {
       "  --seed       random seed of the generated weights and inputs\n"
       "  --json PATH  also write the measured figures as JSON\n"
       "  --cpu        run the CPU reference even when a Hopper GPU is present\n"
+      "  --breakdown  GPU: also time the forward's CUDA graph cut after each node (where time goes)\n"
       "On a Hopper GPU the forward is timed for each token count (--tokens, default the buckets\n"
       "1..8192); elsewhere the CPU reference runs on a reduced problem.\n",
       kCpuDefaultTokens, kCpuDefaultExperts);
@@ -77,6 +78,10 @@ Options parse(int argc, char** argv) {
     }
     if (flag == "--cpu") {
       o.force_cpu = true;
+      continue;
+    }
+    if (flag == "--breakdown") {
+      o.breakdown = true;
       continue;
     }
     if (i + 1 >= argc) usage_error("missing value after " + flag);

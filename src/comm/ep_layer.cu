@@ -1,5 +1,6 @@
 #include "comm/ep_layer.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "kernels/comm/ep_combine.cuh"
@@ -13,6 +14,7 @@ namespace {
 
 constexpr auto kBootstrapTimeout = std::chrono::seconds(60);
 constexpr long long kBarrierTimeoutCycles = 20'000'000'000LL;  // ~10 s at 1.98 GHz
+constexpr size_t kDefaultSharedMemoryBytes = 48 * 1024;  // dynamic shared memory without opting in
 
 }  // namespace
 
@@ -42,7 +44,16 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
   MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_sms_ = prop.multiProcessorCount;
   buffer_ = std::make_unique<SymmetricMemory>(rendezvous, "ep", layout_.total_bytes, kBootstrapTimeout);
+  if (kernels::ep_publish_smem_bytes(spec.num_experts, world) > kDefaultSharedMemoryBytes) {
+    throw Error(ErrorCode::unsupported, "num_experts=" + std::to_string(spec.num_experts) + " on " +
+                                            std::to_string(world) + " ranks needs more shared memory for dispatch than " +
+                                            std::to_string(kDefaultSharedMemoryBytes) + " bytes");
+  }
   slot_rank_ = cuda_alloc<int32_t>(static_cast<size_t>(max_tokens_per_rank) * spec.top_k);
+  tile_counts_ =
+      cuda_alloc<int32_t>(static_cast<size_t>(kernels::ep_dispatch_tiles(max_tokens_per_rank, spec.top_k)) * spec.num_experts);
+  tiles_done_ = cuda_alloc<uint32_t>(1);
+  MEGAMOE_CUDA_CHECK(cudaMemset(tiles_done_, 0, sizeof(uint32_t)));
   recv_local_expert_ = cuda_alloc<int32_t>(layout_.max_recv_rows);
   expert_rows_ = cuda_alloc<uint16_t>(layout_.max_recv_rows * spec.hidden);
   error_flags_ = cuda_alloc<int32_t>(4);
@@ -54,7 +65,8 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
 
 EpLayer::~EpLayer() {
   for (void* p : {static_cast<void*>(slot_rank_), static_cast<void*>(recv_local_expert_), expert_rows_,
-                  static_cast<void*>(error_flags_), static_cast<void*>(ones_)}) {
+                  static_cast<void*>(error_flags_), static_cast<void*>(ones_), static_cast<void*>(tile_counts_),
+                  static_cast<void*>(tiles_done_)}) {
     cudaFree(p);
   }
 }
@@ -84,14 +96,20 @@ int EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
   d.slot_rank = slot_rank_;
   d.error_flags = error_flags_;
   d.recv_local_expert = recv_local_expert_;
+  d.tile_counts = tile_counts_;
+  d.tiles_done = tiles_done_;
 
   // A rank with no tokens still takes part: its counts (zeros) and barriers are owed to the peers.
   MEGAMOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(buffer_->local()) + layout_.arrivals, 0,
                                      sizeof(uint32_t) * layout_.experts_per_rank, stream));
-  kernels::ep_count_kernel<<<1, 1024, 0, stream>>>(d);
+  const int tiles = kernels::ep_dispatch_tiles(inputs.num_tokens, spec_.top_k);
+  kernels::ep_count_kernel<<<tiles, kernels::kDispatchTileSlots, kernels::ep_count_smem_bytes(spec_.num_experts),
+                             stream>>>(d);
   MEGAMOE_CHECK_LAUNCH("ep_count_kernel");
   barrier(stream);
-  kernels::ep_publish_kernel<<<num_sms_, 1024, sizeof(int32_t) * spec_.num_experts, stream>>>(d);
+  // Past the tiles, extra blocks only stage x, so that small batches still copy with every SM.
+  kernels::ep_publish_kernel<<<std::max(tiles, num_sms_), kernels::kDispatchTileSlots,
+                               kernels::ep_publish_smem_bytes(spec_.num_experts, rendezvous_.world_size()), stream>>>(d);
   MEGAMOE_CHECK_LAUNCH("ep_publish_kernel");
   barrier(stream);
   kernels::ep_pull_kernel<<<num_sms_ * 4, 256, 0, stream>>>(d);
@@ -153,9 +171,13 @@ EpLayer::Delivered EpLayer::last_delivered(cudaStream_t stream) const {
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   int received = 0;
   for (int32_t c : d.counts) received += c;
-  d.sources.resize(3 * static_cast<size_t>(received));
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(d.sources.data(), static_cast<char*>(buffer_->local()) + layout_.recv_sources,
-                                d.sources.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  constexpr int kFields = layout::EpBufferLayout::kSourceFields;
+  std::vector<int32_t> entries(kFields * static_cast<size_t>(received));
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(entries.data(), static_cast<char*>(buffer_->local()) + layout_.recv_sources,
+                                entries.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  for (size_t row = 0; row < static_cast<size_t>(received); ++row) {
+    d.sources.insert(d.sources.end(), entries.begin() + kFields * row, entries.begin() + kFields * row + 3);
+  }
   return d;
 }
 

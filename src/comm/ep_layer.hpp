@@ -68,6 +68,8 @@ class EpLayer {
   float* ones_ = nullptr;                 // [max_recv_rows] routing weights of the local pass
   void* expert_rows_ = nullptr;           // bf16 [max_recv_rows, H]
   int32_t* error_flags_ = nullptr;
+  int32_t* tile_counts_ = nullptr;        // [dispatch tiles, E] count -> publish scratch
+  uint32_t* tiles_done_ = nullptr;        // count kernel's last-block ticket, zero between calls
 };
 
 }  // namespace megamoe::comm

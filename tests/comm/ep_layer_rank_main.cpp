@@ -36,7 +36,12 @@ RankInputs make_inputs(const MoeSpec& spec, int rank, int iteration, int max_tok
   std::mt19937_64 engine(1000003ull * iteration + rank);
   RankInputs in;
   const int pattern = iteration % 4;
-  const int tokens = pattern == 3 && rank == 1 ? 0 : static_cast<int>(engine() % max_tokens) + 1;  // rank 1 empty
+  // Every eighth iteration fills the buffer and every eighth (offset 4) sends one token; pattern 3
+  // leaves rank 1 empty.
+  int tokens = static_cast<int>(engine() % max_tokens) + 1;
+  if (iteration % 8 == 0) tokens = max_tokens;
+  if (iteration % 8 == 4) tokens = 1;
+  if (pattern == 3 && rank == 1) tokens = 0;
   std::normal_distribution<float> normal;
   for (int i = 0; i < tokens * spec.hidden; ++i) in.x.push_back(bf16_t::from_float(normal(engine)));
   const int E = spec.num_experts, k = spec.top_k;

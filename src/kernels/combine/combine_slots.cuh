@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "kernels/ptx/grid_dependency.cuh"
+
 namespace megamoe::kernels {
 
 struct CombineParams {
@@ -25,6 +27,8 @@ __global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
   constexpr int kVector = 8;
   const int vectors_per_token = p.hidden / kVector;
   const long index = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
   if (index >= static_cast<long>(p.num_tokens) * vectors_per_token) return;
   const int token = static_cast<int>(index / vectors_per_token);
   const int column = static_cast<int>(index % vectors_per_token) * kVector;

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/comm/ep_rows.cuh"
 #include "kernels/layout/ep_buffers.hpp"
 
 namespace megamoe::kernels {
@@ -25,21 +26,18 @@ struct EpCombineParams {
 };
 
 __global__ void __launch_bounds__(256) ep_push_kernel(EpCombineParams p) {
-  const int epr = p.layout.experts_per_rank;
-  const int32_t* counts = reinterpret_cast<const int32_t*>(static_cast<const char*>(p.peer_bases[p.rank]) +
-                                                           p.layout.recv_counts);
-  int total = 0;
-  for (int i = 0; i < p.layout.world_size * epr; ++i) total += counts[i];
-  const int32_t* sources = reinterpret_cast<const int32_t*>(static_cast<const char*>(p.peer_bases[p.rank]) +
-                                                            p.layout.recv_sources);
+  const int total = ep_detail::received_rows(
+      ep_detail::region<const int32_t>(p.peer_bases[p.rank], p.layout.recv_counts),
+      p.layout.world_size * p.layout.experts_per_rank);
+  const int4* sources = ep_detail::region<const int4>(p.peer_bases[p.rank], p.layout.recv_sources);
   const int vectors_per_row = p.layout.hidden / 8;
   const int lane = threadIdx.x % 32;
   const long warps = static_cast<long>(gridDim.x) * blockDim.x / 32;
   for (long row = (blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x) / 32; row < total; row += warps) {
-    const int src = sources[3 * row + 0], token = sources[3 * row + 1], slot = sources[3 * row + 2];
-    uint4* to = reinterpret_cast<uint4*>(static_cast<char*>(p.peer_bases[src]) + p.layout.combine_rows) +
-                (static_cast<long>(token) * p.layout.top_k + slot) * vectors_per_row;
-    for (int v = lane; v < vectors_per_row; v += 32) to[v] = p.expert_rows[row * vectors_per_row + v];
+    const int4 source = sources[row];  // (src, token, slot, local expert)
+    uint4* to = ep_detail::region<uint4>(p.peer_bases[source.x], p.layout.combine_rows) +
+                (static_cast<long>(source.y) * p.layout.top_k + source.z) * vectors_per_row;
+    ep_detail::warp_copy_row(to, p.expert_rows + row * vectors_per_row, vectors_per_row, lane);
   }
 }
 

@@ -26,6 +26,7 @@
 #include "kernels/layout/gemm_smem.hpp"
 #include "kernels/layout/weight_layout.hpp"
 #include "kernels/pipeline/pipeline_state.cuh"
+#include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mbarrier.cuh"
 #include "kernels/ptx/sync.cuh"
 #include "kernels/quant/fp8_block_scale.cuh"
@@ -244,8 +245,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       ptx::mbarrier_init(&smem.empty[s], layout::kGemmConsumerWarps);
     }
     ptx::fence_barrier_init();
+    cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
   }
   __syncthreads();
+  // Everything above overlaps the previous kernel; the tile counts and the pool are its output.
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
 
   Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (BM, BK, S)
   Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Config::SmemLayoutB{});  // (BN, BK, S)

@@ -3,6 +3,7 @@
 #include "kernels/combine/combine_slots.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/impls/sm90_grouped_gemm_swapab.cuh"
+#include "kernels/launch.hpp"
 #include "kernels/permute/gather_quantize.cuh"
 #include "kernels/routing/route_and_count.cuh"
 #include "kernels/scheduler/grouped_tile_scheduler.cuh"
@@ -80,8 +81,8 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
     smem_configured = true;
   }
-  kernel<<<f.grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
-  MEGAMOE_CHECK_LAUNCH("sm90_grouped_gemm_swapab_kernel");
+  launch_overlapping_previous(kernel, f.grid, Config::kThreads, Config::kSmemBytes, stream,
+                              "sm90_grouped_gemm_swapab_kernel", p);
 }
 
 template <class Element, GemmOp kOp>
@@ -112,10 +113,9 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   const int T = f.num_tokens;
   if (T == 0) return;
   void* ws = f.workspace;
+  // Each call starts from zero counts (the only memory node; the kernels after it overlap each
+  // other's launch through programmatic dependent launch).
   MEGAMOE_CUDA_CHECK(cudaMemsetAsync(w.at<int32_t>(ws, w.expert_counts), 0, sizeof(int32_t) * f.num_experts, stream));
-  if (!f.deterministic) {
-    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(w.at<float>(ws, w.y_accumulator), 0, sizeof(float) * T * f.hidden, stream));
-  }
 
   RoutingParams routing{};
   routing.num_tokens = T;
@@ -135,13 +135,14 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   routing.routed_weights = w.at<float>(ws, w.routed_weights);
   routing.slot_rank = w.at<int32_t>(ws, w.slot_rank);
   routing.error_flags = w.at<int32_t>(ws, w.error_flags);
+  routing.y_accumulator = f.deterministic ? nullptr : w.at<float>(ws, w.y_accumulator);
+  routing.hidden = f.hidden;
   route_and_count_kernel<<<blocks_for(32L * T, 256), 256, 0, stream>>>(routing);
   MEGAMOE_CHECK_LAUNCH("route_and_count_kernel");
 
-  scan_expert_segments_kernel<1024><<<1, 1024, 0, stream>>>(routing.expert_counts, f.num_experts, f.token_tile,
-                                                            w.at<int32_t>(ws, w.expert_offsets),
-                                                            w.at<int32_t>(ws, w.token_tile_prefix));
-  MEGAMOE_CHECK_LAUNCH("scan_expert_segments_kernel");
+  launch_overlapping_previous(scan_expert_segments_kernel<1024>, 1, 1024, 0, stream, "scan_expert_segments_kernel",
+                              routing.expert_counts, f.num_experts, f.token_tile, w.at<int32_t>(ws, w.expert_offsets),
+                              w.at<int32_t>(ws, w.token_tile_prefix));
 
   GatherParams gather{};
   gather.num_tokens = T;
@@ -156,12 +157,8 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   gather.pool_slot = w.at<int32_t>(ws, w.pool_slot);
   gather.activations = w.at<void>(ws, w.activations);
   gather.activation_scales = w.at<float>(ws, w.activation_scales);
-  if (f.fp8) {
-    gather_quantize_kernel<true><<<blocks_for(32L * T, 256), 256, 0, stream>>>(gather);
-  } else {
-    gather_quantize_kernel<false><<<blocks_for(32L * T, 256), 256, 0, stream>>>(gather);
-  }
-  MEGAMOE_CHECK_LAUNCH("gather_quantize_kernel");
+  launch_overlapping_previous(f.fp8 ? gather_quantize_kernel<true> : gather_quantize_kernel<false>,
+                              blocks_for(32L * T, 256), 256, 0, stream, "gather_quantize_kernel", gather);
 
   const GemmArguments fc1{f.w13, f.w13_scales, 2 * f.intermediate, f.hidden, gather.activations, gather.activation_scales,
                           f.intermediate, w.at<void>(ws, w.fc1_output), w.at<float>(ws, w.fc1_scales)};
@@ -185,12 +182,8 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   combine.y_accumulator = w.at<float>(ws, w.y_accumulator);
   combine.y = static_cast<__nv_bfloat16*>(f.y);
   const int combine_blocks = blocks_for(static_cast<long>(T) * (f.hidden / 8), 256);
-  if (f.deterministic) {
-    combine_kernel<true><<<combine_blocks, 256, 0, stream>>>(combine);
-  } else {
-    combine_kernel<false><<<combine_blocks, 256, 0, stream>>>(combine);
-  }
-  MEGAMOE_CHECK_LAUNCH("combine_kernel");
+  launch_overlapping_previous(f.deterministic ? combine_kernel<true> : combine_kernel<false>, combine_blocks, 256, 0,
+                              stream, "combine_kernel", combine);
 }
 
 }  // namespace megamoe::kernels

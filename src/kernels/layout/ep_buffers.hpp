@@ -4,7 +4,8 @@
 //
 //   send_tokens   bf16 [max_tokens][H]              this rank's tokens, pulled by expert owners
 //   recv_counts   int32 [world][experts_per_rank]   rows each source rank sends to each local expert
-//   recv_sources  int32 [max_recv_rows][3]          (source rank, token, slot) of each received row
+//   recv_sources  int32 [max_recv_rows][4]          (source rank, token, slot, local expert) of each
+//                                                   received row, one 16-byte store
 //   recv_tokens   bf16 [max_recv_rows][H]           pulled rows, expert-contiguous, canonical order
 //   combine_rows  bf16 [max_tokens * k][H]          expert outputs pushed back by the owners
 //   arrivals      uint32 [experts_per_rank]         rows pulled per local expert (release)
@@ -20,6 +21,7 @@ namespace megamoe::layout {
 
 struct EpBufferLayout {
   static constexpr int kSignalSlots = 64;  // the most ranks one node holds, with room to spare
+  static constexpr int kSourceFields = 4;  // source rank, token, slot, local expert
 
   int world_size = 1;
   int experts_per_rank = 0;
@@ -62,7 +64,7 @@ struct EpBufferLayout {
     };
     l.send_tokens = take(static_cast<size_t>(max_tokens_per_rank) * hidden * 2);
     l.recv_counts = take(sizeof(int32_t) * world_size * l.experts_per_rank);
-    l.recv_sources = take(sizeof(int32_t) * 3 * l.max_recv_rows);
+    l.recv_sources = take(sizeof(int32_t) * kSourceFields * l.max_recv_rows);
     l.recv_tokens = take(l.max_recv_rows * hidden * 2);
     l.combine_rows = take(static_cast<size_t>(max_tokens_per_rank) * top_k * hidden * 2);
     l.arrivals = take(sizeof(uint32_t) * l.experts_per_rank);
@@ -73,45 +75,37 @@ struct EpBufferLayout {
 };
 
 // Canonical order of the rows an owner receives: by local expert, then source rank, then the
-// slot's rank inside its expert at that source (token order). counts: [world][experts_per_rank].
-MEGAMOE_HOST_DEVICE inline long ep_row_position(const int32_t* counts, int experts_per_rank, int world_size,
-                                                int source_rank, int local_expert, int rank_in_expert) {
-  long position = rank_in_expert;
-  for (int l = 0; l < local_expert; ++l)
-    for (int s = 0; s < world_size; ++s) position += counts[s * experts_per_rank + l];
-  for (int s = 0; s < source_rank; ++s) position += counts[s * experts_per_rank + local_expert];
-  return position;
+// slot's rank inside its expert at that source (slot order). The first row of (source rank, local
+// expert): rows of earlier local experts from every source (expert_prefix, the exclusive prefix
+// over local experts of the rows each receives), then this expert's rows from earlier sources.
+// counts: the owner's recv_counts [world][experts_per_rank].
+MEGAMOE_HOST_DEVICE inline long ep_segment_base(const int32_t* counts, const int32_t* expert_prefix, int experts_per_rank,
+                                                int source_rank, int local_expert) {
+  long base = expert_prefix[local_expert];
+  for (int s = 0; s < source_rank; ++s) base += counts[s * experts_per_rank + local_expert];
+  return base;
 }
 
-// The local expert whose segment holds received row `row` (inverse of ep_row_position).
-MEGAMOE_HOST_DEVICE inline int ep_local_expert_of_row(const int32_t* counts, int experts_per_rank, int world_size,
-                                                      long row) {
-  long end = 0;
-  for (int l = 0; l < experts_per_rank; ++l) {
-    for (int s = 0; s < world_size; ++s) end += counts[s * experts_per_rank + l];
-    if (row < end) return l;
+// The expert slot `slot` of a source's routing [tokens, top_k] sends its row to, or -1 when it
+// sends none: an id of -1 (not routed), an id outside [0, E), or an id an earlier slot of the same
+// token already holds. `invalid` is set for the last two, which the caller reports.
+MEGAMOE_HOST_DEVICE inline int ep_slot_expert(const int32_t* topk_ids, int top_k, int num_experts, long slot,
+                                              bool* invalid) {
+  const int id = topk_ids[slot];
+  *invalid = false;
+  if (id == -1) return -1;
+  if (id < 0 || id >= num_experts) {
+    *invalid = true;
+    return -1;
   }
-  return experts_per_rank;  // past the last row
-}
-
-// Rank of every slot inside its expert, in token order, for one source rank's routing
-// [num_tokens, top_k]: slot_rank[s] = rank, or -1 when the slot is unused (-1, out of range, or
-// a second slot of one token on the same expert). Returns the rows sent to `expert`. One call per
-// expert; the count kernel runs one thread per expert.
-MEGAMOE_HOST_DEVICE inline int ep_rank_slots_of_expert(const int32_t* topk_ids, int num_tokens, int top_k, int expert,
-                                                       int32_t* slot_rank, int* duplicates) {
-  int count = 0, last_token = -1;
-  for (int s = 0; s < num_tokens * top_k; ++s) {
-    if (topk_ids[s] != expert) continue;
-    const int token = s / top_k;
-    if (token == last_token) {
-      ++*duplicates;
-      continue;
+  const long first_of_token = slot - slot % top_k;
+  for (long earlier = first_of_token; earlier < slot; ++earlier) {
+    if (topk_ids[earlier] == id) {
+      *invalid = true;
+      return -1;
     }
-    last_token = token;
-    slot_rank[s] = count++;
   }
-  return count;
+  return id;
 }
 
 }  // namespace megamoe::layout

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/quant/fp8_block_scale.cuh"
 
 namespace megamoe::kernels {
@@ -32,6 +33,8 @@ __global__ void __launch_bounds__(256) gather_quantize_kernel(GatherParams p) {
   constexpr int kLanesPerBlock = 128 / kElementsPerLane;
   const int lane = threadIdx.x % 32;
   const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
   if (token >= p.num_tokens) return;
 
   // Lane j < k learns slot j's pool row; -1 when the slot is unused.

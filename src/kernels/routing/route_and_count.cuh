@@ -8,6 +8,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/routing/routing_limits.hpp"
 
 namespace megamoe::kernels {
@@ -32,6 +33,8 @@ struct RoutingParams {
   float* routed_weights;      // [T, k] out
   int32_t* slot_rank;         // [T, k] out
   int32_t* error_flags;       // [0] += invalid ids
+  float* y_accumulator;       // [T, hidden] zeroed here for the atomic combine, or null
+  int hidden;
 };
 
 namespace routing_detail {
@@ -91,8 +94,14 @@ __global__ void __launch_bounds__(256) route_and_count_kernel(RoutingParams p) {
   using namespace routing_detail;
   const int lane = threadIdx.x % 32;
   const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
   if (token >= p.num_tokens) return;
   const int E = p.num_experts, k = p.top_k;
+  if (p.y_accumulator != nullptr) {
+    float4* row = reinterpret_cast<float4*>(p.y_accumulator + static_cast<size_t>(token) * p.hidden);
+    for (int v = lane; v < p.hidden / 4; v += 32) row[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
 
   int my_id = -1;        // lane j < k ends up holding slot j
   float my_weight = 0.0f;

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "kernels/ptx/grid_dependency.cuh"
+
 namespace megamoe::kernels {
 
 struct GroupedTile {
@@ -56,6 +58,8 @@ __global__ void __launch_bounds__(kThreads) scan_expert_segments_kernel(const in
                                                                         int token_tile_rows, int32_t* expert_offsets,
                                                                         int32_t* token_tile_prefix) {
   __shared__ int32_t tiles[kThreads];
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
   int carry = 0;
   for (int base = 0; base < num_experts; base += kThreads) {
     const int e = base + threadIdx.x;
