@@ -122,7 +122,8 @@ std::vector<cudaGraphNode_t> graph_chain(cudaGraph_t graph) {
     if (count == 0) return chain;
     if (count != 1) throw Error(ErrorCode::unsupported, "--breakdown expects a chain graph, a node has " + std::to_string(count) + " dependents");
     cudaGraphNode_t next = nullptr;
-    MEGAMOE_CUDA_CHECK(cudaGraphNodeGetDependentNodes(chain.back(), &next, nullptr, &count));
+    cudaGraphEdgeData edge{};  // programmatic edges between the kernels are not default edges
+    MEGAMOE_CUDA_CHECK(cudaGraphNodeGetDependentNodes(chain.back(), &next, &edge, &count));
     chain.push_back(next);
   }
 }

@@ -1,5 +1,6 @@
 // Combine role. Deterministic: y[t] = sum over the token's used slots, in slot order, of
-// weight * expert output (fp32), rounded once to bf16. Fast: y = bf16(y_accumulator), which the
+// weight * expert output (the FC2 epilogue's bf16 slot rows), accumulated in fp32 and rounded once
+// to bf16. Fast: y = bf16(y_accumulator), which the
 // FC2 epilogue filled with atomic adds. One thread per 8 output channels: 16-byte stores.
 #pragma once
 
@@ -17,7 +18,7 @@ struct CombineParams {
   int hidden;
   const int32_t* routed_ids;      // [T, k]
   const float* routed_weights;    // [T, k]
-  const float* slot_outputs;      // [T*k, H] (deterministic)
+  const __nv_bfloat16* slot_outputs;  // [T*k, H] (deterministic)
   const float* y_accumulator;     // [T, H] (fast)
   __nv_bfloat16* y;               // [T, H]
 };
@@ -39,10 +40,14 @@ __global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
       const size_t slot = static_cast<size_t>(token) * p.top_k + j;
       if (p.routed_ids[slot] < 0) continue;
       const float w = p.routed_weights[slot];
-      const float4* out = reinterpret_cast<const float4*>(p.slot_outputs + slot * p.hidden + column);
-      const float4 lo = out[0], hi = out[1];
-      sum[0] += w * lo.x, sum[1] += w * lo.y, sum[2] += w * lo.z, sum[3] += w * lo.w;
-      sum[4] += w * hi.x, sum[5] += w * hi.y, sum[6] += w * hi.z, sum[7] += w * hi.w;
+      const uint4 raw = *reinterpret_cast<const uint4*>(p.slot_outputs + slot * p.hidden + column);
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kVector / 2; ++i) {
+        const float2 v = __bfloat1622float2(pairs[i]);
+        sum[2 * i] += w * v.x;
+        sum[2 * i + 1] += w * v.y;
+      }
     }
   } else {
     const float4* acc = reinterpret_cast<const float4*>(p.y_accumulator + static_cast<size_t>(token) * p.hidden + column);

@@ -194,8 +194,8 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
   }
 }
 
-// FC2 epilogue: each routed row's expert output goes to its slot row (deterministic combine) or is
-// weighted and added into the fp32 output accumulator (fast combine).
+// FC2 epilogue: each routed row's expert output goes to its bf16 slot row (deterministic combine)
+// or is weighted and added into the fp32 output accumulator (fast combine).
 template <class Config, class Params, class Accumulators>
 __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
                                              const int (&base_row)[2], int base_col) {
@@ -205,23 +205,35 @@ __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile&
 #pragma unroll
     for (int v0 = 0; v0 < 2; ++v0) {
       const int col = base_col + 8 * v2 + v0;
-      if (col >= tile.valid_rows) continue;
-      const int slot = p.pool_slot[tile.pool_row + col];
-      float weight = 1.0f;
-      if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) weight = p.routed_weights[slot];
+      const bool valid = col < tile.valid_rows;  // the same in lanes whose lane / 4 differ
+      const int slot = valid ? p.pool_slot[tile.pool_row + col] : 0;
 #pragma unroll
-      for (int m = 0; m < 2; ++m)
+      for (int m = 0; m < 2; ++m) {
+        const int row = tile.channel_block * Config::kBlockM + base_row[m];
+        if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) {
+          if (!valid) continue;
+          const float weight = p.routed_weights[slot];
 #pragma unroll
-        for (int v1 = 0; v1 < 2; ++v1) {
-          const int channel = tile.channel_block * Config::kBlockM + base_row[m] + 8 * v1;
-          if (channel >= p.out_channels) continue;
-          const float value = acc(cute::make_coord(v0, v1, v2), m, 0);
-          if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) {
-            atomicAdd(p.y_accumulator + static_cast<size_t>(slot / p.top_k) * p.out_channels + channel, weight * value);
-          } else {
-            static_cast<float*>(p.out)[static_cast<size_t>(slot) * p.out_channels + channel] = value;
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int channel = row + 8 * v1;
+            if (channel >= p.out_channels) continue;
+            atomicAdd(p.y_accumulator + static_cast<size_t>(slot / p.top_k) * p.out_channels + channel,
+                      weight * acc(cute::make_coord(v0, v1, v2), m, 0));
           }
+        } else {
+          // This lane holds rows r and r + 8, its neighbour (lane ^ 4) rows r + 1 and r + 9 (or
+          // r - 1 and r + 7): one exchange gives each a pair of adjacent channels, so one warp
+          // store writes whole 32-byte sectors of four slot rows.
+          const float at_r = acc(cute::make_coord(v0, 0, v2), m, 0), at_r8 = acc(cute::make_coord(v0, 1, v2), m, 0);
+          const bool odd = row & 1;
+          const float received = __shfl_xor_sync(0xffffffffu, odd ? at_r : at_r8, 4);
+          const int channel = odd ? row + 7 : row;
+          if (!valid || channel >= p.out_channels) continue;
+          const __nv_bfloat162 pair = odd ? __floats2bfloat162_rn(received, at_r8) : __floats2bfloat162_rn(at_r, received);
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) +
+                                             static_cast<size_t>(slot) * p.out_channels + channel) = pair;
         }
+      }
     }
 }
 

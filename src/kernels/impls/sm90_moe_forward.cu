@@ -178,7 +178,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   combine.hidden = f.hidden;
   combine.routed_ids = routing.routed_ids;
   combine.routed_weights = routing.routed_weights;
-  combine.slot_outputs = w.at<float>(ws, w.slot_outputs);
+  combine.slot_outputs = w.at<__nv_bfloat16>(ws, w.slot_outputs);
   combine.y_accumulator = w.at<float>(ws, w.y_accumulator);
   combine.y = static_cast<__nv_bfloat16*>(f.y);
   const int combine_blocks = blocks_for(static_cast<long>(T) * (f.hidden / 8), 256);

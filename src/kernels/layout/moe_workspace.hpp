@@ -39,7 +39,7 @@ struct MoeWorkspaceLayout {
   size_t activation_scales = 0;  // fp32 [H/128, pool_rows] (fp8_block), K-block-major for TMA
   size_t fc1_output = 0;         // [pool_rows, I] SwiGLU output, the FC2 input
   size_t fc1_scales = 0;         // fp32 [I/128, pool_rows] (fp8_block), K-block-major for TMA
-  size_t slot_outputs = 0;       // fp32 [T*k, H] expert outputs for the deterministic combine
+  size_t slot_outputs = 0;       // bf16 [T*k, H] expert outputs for the deterministic combine
   size_t y_accumulator = 0;      // fp32 [T, H] atomically accumulated output (fast combine)
   size_t error_flags = 0;        // int32 [4]: [0] invalid routing ids seen, reported after forward
   size_t total_bytes = 0;
@@ -88,7 +88,7 @@ struct MoeWorkspaceLayout {
     l.activation_scales = take(fp8 ? l.pool_rows * (hidden / 128) * sizeof(float) : 0);
     l.fc1_output = take(l.pool_rows * intermediate * l.element_bytes);
     l.fc1_scales = take(fp8 ? l.pool_rows * (intermediate / 128) * sizeof(float) : 0);
-    l.slot_outputs = take(slots * hidden * sizeof(float));
+    l.slot_outputs = take(slots * hidden * sizeof(uint16_t));
     l.y_accumulator = take(static_cast<size_t>(max_tokens) * hidden * sizeof(float));
     l.error_flags = take(sizeof(int32_t) * 4);
     l.total_bytes = cursor;

@@ -27,10 +27,49 @@ struct GatherParams {
   float* activation_scales;      // [H/128, pool_rows] (fp8)
 };
 
+// One 8-channel chunk of a token into the pool rows of its slots (row < 0: unused slot).
+// Called by the whole warp; out-of-range lanes (in_range false) take part in the shuffles only.
+template <bool kFp8>
+__device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, int chunk, bool in_range, int my_row) {
+  constexpr int kElementsPerLane = 8;
+  constexpr int kLanesPerBlock = 128 / kElementsPerLane;
+  if constexpr (kFp8) {
+    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    float f[kElementsPerLane];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kElementsPerLane; ++i) {
+      f[i] = __bfloat162float(v[i]);
+      amax = fmaxf(amax, fabsf(f[i]));
+    }
+    // The 16 lanes of one 128-channel block are a contiguous half-warp.
+#pragma unroll
+    for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const BlockScale s = block_scale(amax, p.ue8m0);
+    uint2 packed;
+    uint16_t* pairs = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+    for (int i = 0; i < kElementsPerLane / 2; ++i) pairs[i] = encode_e4m3x2(f[2 * i] * s.factor, f[2 * i + 1] * s.factor);
+    const int block = chunk / kLanesPerBlock;
+    for (int j = 0; j < p.top_k; ++j) {
+      const int row = __shfl_sync(0xffffffffu, my_row, j);
+      if (row < 0 || !in_range) continue;
+      reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.activations) + static_cast<size_t>(row) * p.hidden)[chunk] = packed;
+      if (chunk % kLanesPerBlock == 0) p.activation_scales[static_cast<size_t>(block) * p.pool_rows + row] = s.scale;
+    }
+  } else {
+    for (int j = 0; j < p.top_k; ++j) {
+      const int row = __shfl_sync(0xffffffffu, my_row, j);
+      if (row < 0 || !in_range) continue;
+      reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.activations) + static_cast<size_t>(row) * p.hidden)[chunk] = raw;
+    }
+  }
+}
+
 template <bool kFp8>
 __global__ void __launch_bounds__(256) gather_quantize_kernel(GatherParams p) {
   constexpr int kElementsPerLane = 8;  // one 16-byte load of bf16
-  constexpr int kLanesPerBlock = 128 / kElementsPerLane;
   const int lane = threadIdx.x % 32;
   const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   ptx::wait_for_prerequisite_grids();
@@ -48,40 +87,25 @@ __global__ void __launch_bounds__(256) gather_quantize_kernel(GatherParams p) {
     }
   }
 
+  // Loads go out kLoadsInFlight per lane at a time: one memory round trip per batch, not one per
+  // chunk (the stores between them keep the compiler from hoisting the next load by itself).
+  // Every lane runs every batch, so the shuffles below always see the whole warp.
+  constexpr int kLoadsInFlight = 4;
+  const int chunks = p.hidden / kElementsPerLane;
   const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(token) * p.hidden);
-  for (int chunk = lane; chunk * kElementsPerLane < p.hidden; chunk += 32) {
-    const uint4 raw = source[chunk];
-    if constexpr (kFp8) {
-      const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
-      float f[kElementsPerLane];
-      float amax = 0.0f;
+  for (int first = 0; first < chunks; first += 32 * kLoadsInFlight) {
+    uint4 batch[kLoadsInFlight];
 #pragma unroll
-      for (int i = 0; i < kElementsPerLane; ++i) {
-        f[i] = __bfloat162float(v[i]);
-        amax = fmaxf(amax, fabsf(f[i]));
-      }
-      // The 16 lanes of one 128-channel block are a contiguous half-warp.
+    for (int b = 0; b < kLoadsInFlight; ++b) {
+      const int chunk = first + 32 * b + lane;
+      batch[b] = chunk < chunks ? source[chunk] : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
-      for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      const BlockScale s = block_scale(amax, p.ue8m0);
-      uint2 packed;
-      uint16_t* pairs = reinterpret_cast<uint16_t*>(&packed);
-#pragma unroll
-      for (int i = 0; i < kElementsPerLane / 2; ++i) pairs[i] = encode_e4m3x2(f[2 * i] * s.factor, f[2 * i + 1] * s.factor);
-      const int block = chunk / kLanesPerBlock;
-      for (int j = 0; j < p.top_k; ++j) {
-        const int row = __shfl_sync(0xffffffffu, my_row, j);
-        if (row < 0) continue;
-        reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.activations) + static_cast<size_t>(row) * p.hidden)[chunk] = packed;
-        if (chunk % kLanesPerBlock == 0) p.activation_scales[static_cast<size_t>(block) * p.pool_rows + row] = s.scale;
-      }
-    } else {
-      for (int j = 0; j < p.top_k; ++j) {
-        const int row = __shfl_sync(0xffffffffu, my_row, j);
-        if (row < 0) continue;
-        reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.activations) + static_cast<size_t>(row) * p.hidden)[chunk] = raw;
-      }
+    for (int b = 0; b < kLoadsInFlight; ++b) {
+      if (first + 32 * b >= chunks) break;  // warp-uniform
+      const int chunk = first + 32 * b + lane;
+      const bool in_range = chunk < chunks;
+      write_chunk<kFp8>(p, batch[b], chunk, in_range, my_row);
     }
   }
 }

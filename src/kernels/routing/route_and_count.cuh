@@ -143,26 +143,30 @@ __global__ void __launch_bounds__(256) route_and_count_kernel(RoutingParams p) {
       }
     }
     uint32_t eligible = present;
-    double softmax_max = 0.0, softmax_denominator = 1.0;
+    double softmax_denominator = 1.0;
+    double exponential[kMaxExpertsPerLane] = {};  // softmax: exp(logit - max), computed once per expert
     if (p.mode == RoutingMode::softmax_topk) {
-      softmax_max = best_of(value, present, lane).value;
+      const double softmax_max = best_of(value, present, lane).value;
       double partial = 0.0;
 #pragma unroll
-      for (int i = 0; i < kMaxExpertsPerLane; ++i)
-        if ((present >> i) & 1u) partial += exp(static_cast<double>(value[i]) - softmax_max);
+      for (int i = 0; i < kMaxExpertsPerLane; ++i) {
+        exponential[i] = ((present >> i) & 1u) ? exp(static_cast<double>(value[i]) - softmax_max) : 0.0;
+        partial += exponential[i];
+      }
       softmax_denominator = warp_sum(partial);
     } else {
       // Group score = sum of the group's two best choice values; keep the best topk_group groups.
       const int group_size = E / p.n_group;
       const int per_group = group_size < 2 ? group_size : 2;
+      int group_of[kMaxExpertsPerLane];  // one division per expert, not one per expert per group
+#pragma unroll
+      for (int i = 0; i < kMaxExpertsPerLane; ++i) group_of[i] = ((present >> i) & 1u) ? (lane + 32 * i) / group_size : -1;
       float my_group_score = -INFINITY;  // lane g holds group g
       for (int g = 0; g < p.n_group; ++g) {
         uint32_t members = 0;
 #pragma unroll
-        for (int i = 0; i < kMaxExpertsPerLane; ++i) {
-          const int e = lane + 32 * i;
-          if (e < E && e / group_size == g) members |= 1u << i;
-        }
+        for (int i = 0; i < kMaxExpertsPerLane; ++i)
+          if (group_of[i] == g) members |= 1u << i;
         double sum = 0.0;
         for (int r = 0; r < per_group; ++r) {
           const Candidate best = best_of(value, members, lane);
@@ -180,31 +184,31 @@ __global__ void __launch_bounds__(256) route_and_count_kernel(RoutingParams p) {
       }
       eligible = 0;
 #pragma unroll
-      for (int i = 0; i < kMaxExpertsPerLane; ++i) {
-        const int e = lane + 32 * i;
-        if (e < E && ((selected_groups >> (e / group_size)) & 1u)) eligible |= 1u << i;
-      }
+      for (int i = 0; i < kMaxExpertsPerLane; ++i)
+        if (group_of[i] >= 0 && ((selected_groups >> group_of[i]) & 1u)) eligible |= 1u << i;
     }
 
-    // k passes of argmax; lane j keeps the j-th winner and its unnormalized weight.
-    double picked_sum = 0.0, my_raw_weight = 0.0;
+    // k passes of argmax; lane j keeps the j-th winner. Only the selection is serial: the winner's
+    // weight term was computed before the passes, and lane j divides its own after them.
+    double my_term = 0.0;  // softmax: exp(logit - max); grouped: sigmoid score
     for (int j = 0; j < k; ++j) {
       const Candidate best = best_of(value, eligible, lane);
-      float best_score = 0.0f;
+      double term = 0.0;
 #pragma unroll
       for (int i = 0; i < kMaxExpertsPerLane; ++i)
-        if (lane + 32 * i == best.index) best_score = score[i];
-      best_score = __shfl_sync(0xffffffffu, best_score, best.index % 32);
-      const double raw = p.mode == RoutingMode::softmax_topk
-                             ? exp(static_cast<double>(best_score) - softmax_max) / softmax_denominator
-                             : static_cast<double>(best_score);
-      picked_sum += raw;
+        if (lane + 32 * i == best.index)
+          term = p.mode == RoutingMode::softmax_topk ? exponential[i] : static_cast<double>(score[i]);
+      term = __shfl_sync(0xffffffffu, term, best.index % 32);
       take(eligible, best.index, lane);
       if (lane == j) {
         my_id = best.index;
-        my_raw_weight = raw;
+        my_term = term;
       }
     }
+    const double my_raw_weight = p.mode == RoutingMode::softmax_topk ? my_term / softmax_denominator : my_term;
+    // The sum of the picked weights in slot order, as the reference adds them.
+    double picked_sum = 0.0;
+    for (int j = 0; j < k; ++j) picked_sum += __shfl_sync(0xffffffffu, my_raw_weight, j);
     double w = my_raw_weight;
     if (p.mode == RoutingMode::softmax_topk) {
       if (p.renormalize) w /= picked_sum;

@@ -41,7 +41,7 @@ TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
         {l.activation_scales, fp8 ? l.pool_rows * 56 * 4 : 0},
         {l.fc1_output, l.pool_rows * 2048 * (fp8 ? 1 : 2)},
         {l.fc1_scales, fp8 ? l.pool_rows * 16 * 4 : 0},
-        {l.slot_outputs, slots * 7168 * 4},
+        {l.slot_outputs, slots * 7168 * 2},
         {l.y_accumulator, 4096ull * 7168 * 4},
         {l.error_flags, 16}};
     test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
