@@ -40,13 +40,14 @@ __global__ void swiglu_kernel(const __nv_bfloat16* gate_up, int rows, int interm
   }
 }
 
-__global__ void combine_kernel(const float* expert_out, const int32_t* row_token, const float* row_weight, int rows,
+__global__ void combine_kernel(const __nv_bfloat16* expert_out, const int32_t* row_token, const float* row_weight, int rows,
                                int hidden, float* y_accumulator) {
   const long count = static_cast<long>(rows) * hidden;
   for (long i = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<long>(gridDim.x) * blockDim.x) {
     const long row = i / hidden, n = i % hidden;
-    atomicAdd(y_accumulator + static_cast<long>(row_token[row]) * hidden + n, row_weight[row] * expert_out[i]);
+    atomicAdd(y_accumulator + static_cast<long>(row_token[row]) * hidden + n,
+              row_weight[row] * __bfloat162float(expert_out[i]));
   }
 }
 
@@ -58,6 +59,48 @@ __global__ void to_bf16_kernel(const float* in, long count, __nv_bfloat16* out) 
 }
 
 constexpr int kBlocks = 1024, kThreads = 256;
+constexpr int kPointerArrays = 6;  // A, B, C of FC1 and of FC2
+
+// Row-major out[rows, N] = in[rows, K] x W[N, K]^T is column-major C[N, rows] = W^T[N, K] x in^T,
+// one group of one GEMM per touched expert.
+struct GroupedGemm {
+  std::vector<cublasOperation_t> trans_a, trans_b;
+  std::vector<int> m, n, k, lda, ldb, ldc, group_size;
+  std::vector<float> alpha, beta;
+  std::vector<const void*> a, b, c;
+
+  void add(int out_features, int rows, int in_features, const void* weights, const void* in, void* out) {
+    trans_a.push_back(CUBLAS_OP_T);
+    trans_b.push_back(CUBLAS_OP_N);
+    m.push_back(out_features);
+    n.push_back(rows);
+    k.push_back(in_features);
+    lda.push_back(in_features);
+    ldb.push_back(in_features);
+    ldc.push_back(out_features);
+    group_size.push_back(1);
+    alpha.push_back(1.0f);
+    beta.push_back(0.0f);
+    a.push_back(weights);
+    b.push_back(in);
+    c.push_back(out);
+  }
+
+  // pointers: device room for 3 * groups pointers.
+  void run(cublasHandle_t handle, cudaStream_t stream, const void** pointers, const char* what) const {
+    const size_t groups = m.size();
+    std::vector<const void*> all(a);
+    all.insert(all.end(), b.begin(), b.end());
+    all.insert(all.end(), c.begin(), c.end());
+    MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(pointers, all.data(), all.size() * sizeof(void*), cudaMemcpyHostToDevice, stream));
+    cublas_check(cublasGemmGroupedBatchedEx(handle, trans_a.data(), trans_b.data(), m.data(), n.data(), k.data(),
+                                            alpha.data(), pointers, CUDA_R_16BF, lda.data(), pointers + groups,
+                                            CUDA_R_16BF, ldb.data(), beta.data(),
+                                            const_cast<void* const*>(pointers + 2 * groups), CUDA_R_16BF, ldc.data(),
+                                            static_cast<int>(groups), group_size.data(), CUBLAS_COMPUTE_32F),
+                 what);
+  }
+};
 
 }  // namespace
 
@@ -73,7 +116,8 @@ UnfusedBaseline::UnfusedBaseline(const MoeSpec& spec, const WeightsView& weights
   pool_ = cuda_alloc<__nv_bfloat16>(rows * H);
   gate_up_ = cuda_alloc<__nv_bfloat16>(rows * 2 * I);
   hidden_ = cuda_alloc<__nv_bfloat16>(rows * I);
-  expert_out_ = cuda_alloc<float>(rows * H);
+  expert_out_ = cuda_alloc<__nv_bfloat16>(rows * H);
+  gemm_pointers_ = const_cast<const void**>(cuda_alloc<void*>(kPointerArrays * E));
   y_accumulator_ = cuda_alloc<float>(static_cast<size_t>(max_tokens) * H);
   row_token_ = cuda_alloc<int32_t>(rows);
   row_weight_ = cuda_alloc<float>(rows);
@@ -82,7 +126,8 @@ UnfusedBaseline::UnfusedBaseline(const MoeSpec& spec, const WeightsView& weights
 
 UnfusedBaseline::~UnfusedBaseline() {
   if (cublas_) cublasDestroy(cublas_);
-  for (void* p : {w13_, w2_, pool_, gate_up_, hidden_, static_cast<void*>(expert_out_), static_cast<void*>(y_accumulator_),
+  for (void* p : {w13_, w2_, pool_, gate_up_, hidden_, expert_out_, const_cast<void*>(static_cast<const void*>(gemm_pointers_)),
+                  static_cast<void*>(y_accumulator_),
                   static_cast<void*>(row_token_), static_cast<void*>(row_weight_)}) {
     cudaFree(p);
   }
@@ -122,33 +167,23 @@ void UnfusedBaseline::forward(cudaStream_t stream, int tokens, const void* x, co
                                                           static_cast<__nv_bfloat16*>(pool_));
     MEGAMOE_CHECK_LAUNCH("gather_rows_kernel");
     cublas_check(cublasSetStream(cublas_, stream), "cublasSetStream");
-    const float one = 1.0f, zero = 0.0f;
-    // Row-major [rows, K] x [N, K]^T = [rows, N] is column-major C[N, rows] = W[K, N]^T * X[K, rows].
+    GroupedGemm fc1, fc2;
     for (int e = 0; e < E; ++e) {
       const int n = offsets[e + 1] - offsets[e];
       if (n == 0) continue;
-      const auto* w13 = static_cast<const __nv_bfloat16*>(w13_) + static_cast<size_t>(e) * 2 * I * H;
-      const auto* pool = static_cast<const __nv_bfloat16*>(pool_) + static_cast<size_t>(offsets[e]) * H;
-      auto* gate_up = static_cast<__nv_bfloat16*>(gate_up_) + static_cast<size_t>(offsets[e]) * 2 * I;
-      cublas_check(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, n, H, &one, w13, CUDA_R_16BF, H, pool,
-                                CUDA_R_16BF, H, &zero, gate_up, CUDA_R_16BF, 2 * I, CUBLAS_COMPUTE_32F,
-                                CUBLAS_GEMM_DEFAULT),
-                   "cublasGemmEx (FC1)");
+      fc1.add(2 * I, n, H, static_cast<const __nv_bfloat16*>(w13_) + static_cast<size_t>(e) * 2 * I * H,
+              static_cast<const __nv_bfloat16*>(pool_) + static_cast<size_t>(offsets[e]) * H,
+              static_cast<__nv_bfloat16*>(gate_up_) + static_cast<size_t>(offsets[e]) * 2 * I);
+      fc2.add(H, n, I, static_cast<const __nv_bfloat16*>(w2_) + static_cast<size_t>(e) * H * I,
+              static_cast<const __nv_bfloat16*>(hidden_) + static_cast<size_t>(offsets[e]) * I,
+              static_cast<__nv_bfloat16*>(expert_out_) + static_cast<size_t>(offsets[e]) * H);
     }
+    fc1.run(cublas_, stream, gemm_pointers_, "cublasGemmGroupedBatchedEx (FC1)");
     swiglu_kernel<<<kBlocks, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(gate_up_), rows, I,
                                                      static_cast<__nv_bfloat16*>(hidden_));
     MEGAMOE_CHECK_LAUNCH("swiglu_kernel");
-    for (int e = 0; e < E; ++e) {
-      const int n = offsets[e + 1] - offsets[e];
-      if (n == 0) continue;
-      const auto* w2 = static_cast<const __nv_bfloat16*>(w2_) + static_cast<size_t>(e) * H * I;
-      const auto* hidden = static_cast<const __nv_bfloat16*>(hidden_) + static_cast<size_t>(offsets[e]) * I;
-      float* out = expert_out_ + static_cast<size_t>(offsets[e]) * H;
-      cublas_check(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, H, n, I, &one, w2, CUDA_R_16BF, I, hidden,
-                                CUDA_R_16BF, I, &zero, out, CUDA_R_32F, H, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                   "cublasGemmEx (FC2)");
-    }
-    combine_kernel<<<kBlocks, kThreads, 0, stream>>>(expert_out_, row_token_, row_weight_, rows, H, y_accumulator_);
+    fc2.run(cublas_, stream, gemm_pointers_ + kPointerArrays / 2 * E, "cublasGemmGroupedBatchedEx (FC2)");
+    combine_kernel<<<kBlocks, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(expert_out_), row_token_, row_weight_, rows, H, y_accumulator_);
     MEGAMOE_CHECK_LAUNCH("combine_kernel");
   }
   to_bf16_kernel<<<kBlocks, kThreads, 0, stream>>>(y_accumulator_, static_cast<long>(tokens) * H,

@@ -1,9 +1,10 @@
 // The unfused baseline megamoe-bench measures in the same run: what a C++ user without megamoe
 // would write. Routing is given (precomputed ids and weights, so the baseline does not pay for
 // it); the host reads it back once per call (one stream synchronization) and builds the
-// per-expert row lists; then a gather kernel, one cuBLAS bf16 GEMM (fp32 accumulate) per touched
-// expert for FC1, a SwiGLU kernel, one cuBLAS GEMM per expert for FC2, and an atomic weighted
-// combine. bf16 math in both precisions: cuBLAS has no 128x128 block-scaled FP8 GEMM on sm_90.
+// per-expert row lists; then a gather kernel, one grouped cuBLAS bf16 GEMM call (fp32 accumulate,
+// one group per touched expert: cublasGemmGroupedBatchedEx) for FC1, a SwiGLU kernel, one grouped
+// call for FC2 (bf16 out, as vLLM keeps it), and an atomic weighted combine. bf16 math in both
+// precisions: cuBLAS has no 128x128 block-scaled FP8 GEMM on sm_90.
 #pragma once
 
 #include <cublas_v2.h>
@@ -37,7 +38,8 @@ class UnfusedBaseline {
   void* pool_ = nullptr;        // bf16 [rows, H]
   void* gate_up_ = nullptr;     // bf16 [rows, 2I]
   void* hidden_ = nullptr;      // bf16 [rows, I]
-  float* expert_out_ = nullptr; // fp32 [rows, H]
+  void* expert_out_ = nullptr;  // bf16 [rows, H]
+  const void** gemm_pointers_ = nullptr;  // device: A, B, C pointer arrays of both grouped GEMMs
   float* y_accumulator_ = nullptr;
   int32_t* row_token_ = nullptr;
   float* row_weight_ = nullptr;
