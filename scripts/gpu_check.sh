@@ -52,8 +52,16 @@ for exe in "$build"/tests/test_kernels_* "$build"/tests/test_api_moe_layer; do
     log="$out/sanitize.log"
     echo "==== $tool" >>"$log"
     compute-sanitizer --tool "$tool" --error-exitcode 3 "$exe" --gtest_brief=1 --gtest_filter="$sanitize_filter" \
-      >>"$log" 2>&1
+      >"$log.part" 2>&1
     rc=$?
+    cat "$log.part" >>"$log"
+    # Host-only suites (layout structs) make no CUDA call; the sanitizer then exits 255.
+    if [ $rc -ne 0 ] && grep -q "terminated before first instrumented API call" "$log.part"; then
+      rm -f "$log.part"
+      note "  compute-sanitizer $tool: not applicable (no CUDA calls)"
+      continue
+    fi
+    rm -f "$log.part"
     [ $rc -eq 0 ] || status=1
     note "  compute-sanitizer $tool: exit $rc ($(grep -E 'SUMMARY' "$log" | tail -1))"
   done
