@@ -88,21 +88,20 @@ double median_ms(cudaStream_t stream, Launch&& launch) {
   return median_ms(stream, std::forward<Launch>(launch), [] {});
 }
 
-// A layer's weights are not in L2 when a model runs it (the other layers' weights passed through
-// since), but a replayed graph finds them there when they fit (qwen35 at 1 token touches 25 MB
-// of a 60 MB L2). Reading twice the L2 size before each timed replay evicts them and leaves only
-// clean lines behind (a write would leave dirty lines whose write-back the replay would pay).
-class L2Scrubber {
+// One pass of hbm_read_kernel over a buffer of its own: the HBM bandwidth measurement (2 GiB) and
+// the L2 scrub before each timed replay (see run_gpu).
+class BufferReader {
  public:
-  L2Scrubber(cudaStream_t stream, int l2_bytes, int num_sms)
-      : stream_(stream), num_sms_(num_sms), buffer_(2 * static_cast<size_t>(l2_bytes)), sink_(sizeof(uint32_t)) {
+  BufferReader(cudaStream_t stream, size_t bytes, int num_sms)
+      : stream_(stream), num_sms_(num_sms), buffer_(bytes), sink_(sizeof(uint32_t)) {
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(buffer_.as<void>(), 0x5A, buffer_.bytes(), stream));
   }
   void operator()() {
     hbm_read_kernel<<<num_sms_ * 8, 512, 0, stream_>>>(buffer_.as<uint4>(), buffer_.bytes() / sizeof(uint4),
                                                        sink_.as<uint32_t>());
-    MEGAMOE_CHECK_LAUNCH("hbm_read_kernel (L2 scrub)");
+    MEGAMOE_CHECK_LAUNCH("hbm_read_kernel");
   }
+  size_t bytes() const { return buffer_.bytes(); }
 
  private:
   cudaStream_t stream_;
@@ -149,7 +148,7 @@ std::string node_name(cudaGraphNode_t node) {
 
 // Where the forward's time goes, measured inside the graph: the graph cut after each node is timed
 // like the whole (L2 scrubbed), and each node is charged the difference, launch gaps included.
-Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, L2Scrubber& scrub, int tokens) {
+Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, BufferReader& scrub, int tokens) {
   const std::vector<cudaGraphNode_t> chain = graph_chain(graph);
   Json nodes = Json::array();
   std::printf("    where the time goes at %d tokens (graph cut after each node):\n", tokens);
@@ -176,14 +175,9 @@ Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, L2Scrubber& scr
 }
 
 double measure_hbm_read_bytes_per_s(cudaStream_t stream, int num_sms) {
-  const size_t bytes = size_t{2} << 30;
-  DeviceBuffer data(bytes), sink(sizeof(uint32_t));
-  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(data.as<void>(), 0x5A, bytes, stream));
-  const double ms = median_ms(stream, [&] {
-    hbm_read_kernel<<<num_sms * 8, 512, 0, stream>>>(data.as<uint4>(), bytes / sizeof(uint4), sink.as<uint32_t>());
-    MEGAMOE_CHECK_LAUNCH("hbm_read_kernel");
-  });
-  return bytes / (ms * 1e-3);
+  BufferReader reader(stream, size_t{2} << 30, num_sms);
+  const double ms = median_ms(stream, reader);
+  return reader.bytes() / (ms * 1e-3);
 }
 
 }  // namespace
@@ -231,7 +225,11 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     packed = prepare_weights(spec, weights.view(), [&](int done, int total) { progress.update(done, total); });
   }
   MoeLayer layer(spec, packed, max_tokens);
-  L2Scrubber scrub(stream, prop.l2CacheSize, prop.multiProcessorCount);
+  // A layer's weights are not in L2 when a model runs it (the other layers' weights passed through
+  // since), but a replayed graph finds them there when they fit (qwen35 at 1 token touches 25 MB
+  // of a 60 MB L2). Reading twice the L2 size before each timed replay evicts them and leaves only
+  // clean lines behind (a write would leave dirty lines whose write-back the replay would pay).
+  BufferReader scrub(stream, 2 * static_cast<size_t>(prop.l2CacheSize), prop.multiProcessorCount);
   UnfusedBaseline baseline(spec, weights.view(), max_tokens);
   std::printf("  workspace %.1f MiB for up to %d tokens\n", layer.workspace_bytes() / 1048576.0, max_tokens);
   std::printf("  baseline: routing given, host-built permutation, grouped cuBLAS bf16 GEMMs (one call per layer GEMM), plain kernels\n\n");

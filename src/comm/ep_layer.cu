@@ -31,6 +31,11 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
                                              " must be a multiple of the world size " + std::to_string(world));
   }
   if (world > layout::EpBufferLayout::kSignalSlots) throw Error(ErrorCode::unsupported, "too many ranks for one node");
+  if (kernels::ep_publish_smem_bytes(spec.num_experts, world) > kDefaultSharedMemoryBytes) {
+    throw Error(ErrorCode::unsupported, "num_experts=" + std::to_string(spec.num_experts) + " on " +
+                                            std::to_string(world) + " ranks needs more shared memory for dispatch than " +
+                                            std::to_string(kDefaultSharedMemoryBytes) + " bytes");
+  }
   layout_ = layout::EpBufferLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank);
 
   MoeSpec local = spec;
@@ -44,11 +49,6 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
   MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_sms_ = prop.multiProcessorCount;
   buffer_ = std::make_unique<SymmetricMemory>(rendezvous, "ep", layout_.total_bytes, kBootstrapTimeout);
-  if (kernels::ep_publish_smem_bytes(spec.num_experts, world) > kDefaultSharedMemoryBytes) {
-    throw Error(ErrorCode::unsupported, "num_experts=" + std::to_string(spec.num_experts) + " on " +
-                                            std::to_string(world) + " ranks needs more shared memory for dispatch than " +
-                                            std::to_string(kDefaultSharedMemoryBytes) + " bytes");
-  }
   slot_rank_ = cuda_alloc<int32_t>(static_cast<size_t>(max_tokens_per_rank) * spec.top_k);
   tile_counts_ =
       cuda_alloc<int32_t>(static_cast<size_t>(kernels::ep_dispatch_tiles(max_tokens_per_rank, spec.top_k)) * spec.num_experts);

@@ -1,7 +1,7 @@
 // Combine role. Deterministic: y[t] = sum over the token's used slots, in slot order, of
 // weight * expert output (the FC2 epilogue's bf16 slot rows), accumulated in fp32 and rounded once
-// to bf16. Fast: y = bf16(y_accumulator), which the
-// FC2 epilogue filled with atomic adds. One thread per 8 output channels: 16-byte stores.
+// to bf16. Fast: y = bf16(y_accumulator), which the FC2 epilogue filled with atomic adds. One
+// thread per 8 output channels: 16-byte stores.
 #pragma once
 
 #include <cuda_bf16.h>
