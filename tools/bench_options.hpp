@@ -16,6 +16,7 @@ constexpr int kCpuDefaultExperts = 16;
 struct Options {
   bool force_cpu = false;
   bool breakdown = false;  // GPU: also time the forward's graph cut after each of its nodes
+  bool warm_l2 = false;    // GPU: skip the L2 scrub before each timed replay (diagnosis only)
   std::string workload = "qwen35-a3b";
   std::optional<int> tokens;
   std::optional<int> experts;

@@ -147,8 +147,9 @@ std::string node_name(cudaGraphNode_t node) {
 }
 
 // Where the forward's time goes, measured inside the graph: the graph cut after each node is timed
-// like the whole (L2 scrubbed), and each node is charged the difference, launch gaps included.
-Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, BufferReader& scrub, int tokens) {
+// like the whole, and each node is charged the difference, launch gaps included.
+template <class BeforeReplay>
+Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, BeforeReplay& before_replay, int tokens) {
   const std::vector<cudaGraphNode_t> chain = graph_chain(graph);
   Json nodes = Json::array();
   std::printf("    where the time goes at %d tokens (graph cut after each node):\n", tokens);
@@ -163,7 +164,7 @@ Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, BufferReader& s
     }
     cudaGraphExec_t exec;
     MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, cut, 0));
-    const double us = 1e3 * median_ms(stream, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, scrub);
+    const double us = 1e3 * median_ms(stream, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(cut);
     const std::string name = node_name(chain[i]);
@@ -230,6 +231,10 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
   // of a 60 MB L2). Reading twice the L2 size before each timed replay evicts them and leaves only
   // clean lines behind (a write would leave dirty lines whose write-back the replay would pay).
   BufferReader scrub(stream, 2 * static_cast<size_t>(prop.l2CacheSize), prop.multiProcessorCount);
+  auto before_replay = [&] {
+    if (!o.warm_l2) scrub();
+  };
+  if (o.warm_l2) std::printf("  --warm-l2: L2 is NOT scrubbed between replays; not comparable with committed results\n");
   UnfusedBaseline baseline(spec, weights.view(), max_tokens);
   std::printf("  workspace %.1f MiB for up to %d tokens\n", layer.workspace_bytes() / 1048576.0, max_tokens);
   std::printf("  baseline: routing given, host-built permutation, grouped cuBLAS bf16 GEMMs (one call per layer GEMM), plain kernels\n\n");
@@ -271,10 +276,10 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     layer.forward(stream, inputs, MoeOutputs{y_dev.as<void>()});
     MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    const double ms = median_ms(stream, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, scrub);
+    const double ms = median_ms(stream, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
     cudaGraphExecDestroy(exec);
     Json breakdown = Json::array();
-    if (o.breakdown) breakdown = time_graph_prefixes(graph, stream, scrub, tokens);
+    if (o.breakdown) breakdown = time_graph_prefixes(graph, stream, before_replay, tokens);
     cudaGraphDestroy(graph);
 
     // The first rows against the CPU reference (routing is per token, so a prefix is a valid call).
@@ -293,7 +298,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(y_dev.as<void>(), 0xFF, x.size() * 2, stream));
     const double baseline_us = 1e3 * median_ms(stream, [&] {
       baseline.forward(stream, tokens, x_dev.as<void>(), ids_dev.as<int32_t>(), weights_dev.as<float>(), y_dev.as<void>());
-    }, scrub);
+    }, before_replay);
     MEGAMOE_CUDA_CHECK(cudaMemcpy(y.data(), y_dev.as<void>(), y.size() * 2, cudaMemcpyDeviceToHost));
     std::vector<bf16_t> y_exact(static_cast<size_t>(checked) * H);
     const ref::ReferenceReport exact = ref::reference_forward_unquantized(
@@ -326,7 +331,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
                      .set("rel_err", rel_err)
                      .set("rel_err_rows_checked", checked)
                      .set("combine", "deterministic")
-                     .set("l2", "scrubbed before each timed replay")
+                     .set("l2", o.warm_l2 ? "warm (not scrubbed)" : "scrubbed before each timed replay")
                      .set("breakdown", std::move(breakdown)));
   }
   cudaStreamDestroy(stream);

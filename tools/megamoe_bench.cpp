@@ -38,7 +38,7 @@ void print_usage() {
       "usage: megamoe-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3] [--tokens N]\n"
       "                     [--precision bf16|fp8_block] [--scales fp32|ue8m0]\n"
       "                     [--routing auto|softmax|grouped|precomputed] [--experts N]\n"
-      "                     [--seed S] [--json PATH] [--cpu] [--breakdown]\n"
+      "                     [--seed S] [--json PATH] [--cpu] [--breakdown] [--warm-l2]\n"
       "  --workload   named workload (default qwen35-a3b)\n"
       "  --tokens     tokens in the call (CPU reference default %d)\n"
       "  --precision  bf16 or fp8_block (default fp8_block)\n"
@@ -49,6 +49,8 @@ void print_usage() {
       "  --json PATH  also write the measured figures as JSON\n"
       "  --cpu        run the CPU reference even when a Hopper GPU is present\n"
       "  --breakdown  GPU: also time the forward's CUDA graph cut after each node (where time goes)\n"
+      "  --warm-l2    GPU: do not scrub L2 before each timed replay (shows what cold caches cost;\n"
+      "               the figures are then not comparable with the committed results)\n"
       "On a Hopper GPU the forward is timed for each token count (--tokens, default the buckets\n"
       "1..8192); elsewhere the CPU reference runs on a reduced problem.\n",
       kCpuDefaultTokens, kCpuDefaultExperts);
@@ -82,6 +84,10 @@ Options parse(int argc, char** argv) {
     }
     if (flag == "--breakdown") {
       o.breakdown = true;
+      continue;
+    }
+    if (flag == "--warm-l2") {
+      o.warm_l2 = true;
       continue;
     }
     if (i + 1 >= argc) usage_error("missing value after " + flag);

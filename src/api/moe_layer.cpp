@@ -64,6 +64,10 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_to
     throw Error(ErrorCode::unsupported, "num_experts=" + std::to_string(spec.num_experts) + " exceeds the " +
                                             std::to_string(kernels::kMaxRoutingExperts) + " the routing kernel holds");
   }
+  if (spec.top_k > kernels::kMaxTopK) {
+    throw Error(ErrorCode::unsupported, "top_k=" + std::to_string(spec.top_k) + " exceeds the " +
+                                            std::to_string(kernels::kMaxTopK) + " slots per token the kernels hold");
+  }
   if (const auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing); grouped && grouped->n_group > kernels::kMaxGroups) {
     throw Error(ErrorCode::unsupported, "deepseek_grouped: n_group=" + std::to_string(grouped->n_group) +
                                             " exceeds the " + std::to_string(kernels::kMaxGroups) + " the routing kernel holds");
@@ -102,7 +106,10 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_to
       impl_->bias = upload(grouped->e_score_correction_bias);
     }
     MEGAMOE_CUDA_CHECK(cudaMalloc(&impl_->workspace, impl_->workspace_layout.total_bytes));
+    // The routing counters must read zero when the first forward starts, on whatever stream it
+    // runs (a non-blocking stream does not wait for the legacy stream's memset).
     MEGAMOE_CUDA_CHECK(cudaMemset(impl_->workspace, 0, impl_->workspace_layout.total_bytes));
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (...) {
     delete impl_;
     throw;

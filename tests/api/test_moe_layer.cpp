@@ -341,5 +341,35 @@ TEST(MoeLayer, RejectsBadCallsBeforeLaunching) {
   for (const bf16_t& v : y.download()) ASSERT_EQ(v.bits, 0xFFFF) << "a rejected call wrote the output";
 }
 
+// Specs that are valid but beyond what the kernels hold are refused at construction, with the
+// limit named, instead of routing silently wrong.
+TEST(MoeLayer, RefusesSpecsBeyondTheKernelLimits) {
+  MEGAMOE_REQUIRE_HOPPER();
+  auto expect_unsupported = [](const MoeSpec& spec, const char* limit) {
+    const ref::RandomWeights weights = ref::make_random_weights(spec, 1);
+    const PackedWeights packed = prepare_weights(spec, weights.view());
+    try {
+      MoeLayer layer(spec, packed, 16);
+      ADD_FAILURE() << "accepted a spec beyond the " << limit << " limit";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find(limit), std::string::npos) << e.what();
+    }
+  };
+  MoeSpec spec;
+  spec.hidden = 128;
+  spec.intermediate = 128;
+  spec.precision = Precision::bf16;
+  spec.num_experts = 64;
+  spec.top_k = 33;
+  expect_unsupported(spec, "top_k=33");
+  spec.num_experts = 513;
+  spec.top_k = 8;
+  expect_unsupported(spec, "num_experts=513");
+  spec.num_experts = 66;
+  spec.routing = DeepseekGrouped{.n_group = 33, .topk_group = 4};
+  expect_unsupported(spec, "n_group=33");
+}
+
 }  // namespace
 }  // namespace megamoe

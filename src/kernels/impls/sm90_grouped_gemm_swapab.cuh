@@ -5,7 +5,8 @@
 //
 // Roles (one CTA per SM, 384 threads):
 //   warpgroup 0, thread 0   producer: TMA loads of the weight tile, the token tile and (fp8) the
-//                           tokens' per-128 scales into a ring of stages (full/empty mbarriers)
+//                           tokens' per-128 scales, plus cp.async of the weight tile's two block
+//                           scales, into a ring of stages (full/empty mbarriers)
 //   warpgroups 1-2          consumers: wgmma mainloop with per-K-block FP8 scale promotion, then
 //                           the epilogue in registers (FC1: SwiGLU + requant; FC2: slot store or
 //                           atomic combine)
@@ -26,6 +27,7 @@
 #include "kernels/layout/gemm_smem.hpp"
 #include "kernels/layout/weight_layout.hpp"
 #include "kernels/pipeline/pipeline_state.cuh"
+#include "kernels/ptx/cp_async.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mbarrier.cuh"
 #include "kernels/ptx/sync.cuh"
@@ -56,6 +58,10 @@ struct GroupedGemmConfig {
   static_assert(kTokenTile % 16 == 0 && kTokenTile <= layout::kGemmMaxTokenTile, "token tile 16, 32 or 64");
   static_assert(kStages >= 3, "at least 3 stages to hide TMA latency");
   static_assert(!(kFp8 && kBlockK != kQuantBlock), "fp8 promotion assumes one scale block per stage");
+  static constexpr int kWeightScaleRows = kBlockM / kQuantBlock;  // weight scale blocks per stage
+  // A stage is full after the producer's arrive.expect_tx and its bytes, and (fp8) the arrival
+  // made when its cp.async of the weight scales lands.
+  static constexpr uint32_t kFullArrivals = kFp8 ? 2 : 1;
 
   using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kBlockK>>;
   using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
@@ -79,6 +85,7 @@ struct GroupedGemmConfig {
     alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutA>> a;
     alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutB>> b;
     alignas(128) float token_scales[kStages * kScaleStageStride];
+    float weight_scales[kStages][kWeightScaleRows];
     float amax_exchange[layout::kGemmConsumerWarps][kBlockN];
     uint64_t full[kStages];
     uint64_t empty[kStages];
@@ -194,11 +201,31 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
   }
 }
 
+// The slot (token * k + j) of each pool row whose column this thread holds in an FC2 tile. Loaded
+// when the tile starts, so that the global round trip overlaps the mainloop instead of delaying
+// the epilogue, during which no stage is released and the weight stream stalls.
+template <class Config>
+struct Fc2TileSlots {
+  static constexpr int kColGroups = Config::kBlockN / 8;
+  int slot[kColGroups][2];  // [v2][v0]; 0 for padding columns
+
+  template <class Params>
+  __device__ __forceinline__ void load(const Params& p, const GroupedTile& tile, int base_col) {
+#pragma unroll
+    for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+      for (int v0 = 0; v0 < 2; ++v0) {
+        const int col = base_col + 8 * v2 + v0;
+        slot[v2][v0] = col < tile.valid_rows ? p.pool_slot[tile.pool_row + col] : 0;
+      }
+  }
+};
+
 // FC2 epilogue: each routed row's expert output goes to its bf16 slot row (deterministic combine)
 // or is weighted and added into the fp32 output accumulator (fast combine).
 template <class Config, class Params, class Accumulators>
 __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
-                                             const int (&base_row)[2], int base_col) {
+                                             const int (&base_row)[2], int base_col, const Fc2TileSlots<Config>& slots) {
   constexpr int kColGroups = Config::kBlockN / 8;
 #pragma unroll
   for (int v2 = 0; v2 < kColGroups; ++v2)
@@ -206,7 +233,7 @@ __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile&
     for (int v0 = 0; v0 < 2; ++v0) {
       const int col = base_col + 8 * v2 + v0;
       const bool valid = col < tile.valid_rows;  // the same in lanes whose lane / 4 differ
-      const int slot = valid ? p.pool_slot[tile.pool_row + col] : 0;
+      const int slot = slots.slot[v2][v0];
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         const int row = tile.channel_block * Config::kBlockM + base_row[m];
@@ -253,7 +280,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&smem.full[s], 1);
+      ptx::mbarrier_init(&smem.full[s], Config::kFullArrivals);
       ptx::mbarrier_init(&smem.empty[s], layout::kGemmConsumerWarps);
     }
     ptx::fence_barrier_init();
@@ -264,6 +291,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // Everything above overlaps the previous kernel; the tile counts and the pool are its output.
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
+  if (threadIdx.x < 32) p.scheduler.prefetch_to_l1(threadIdx.x);
 
   Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (BM, BK, S)
   Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Config::SmemLayoutB{});  // (BN, BK, S)
@@ -287,6 +315,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       const int token_block = tile.pool_row / Config::kBlockN;
       for (int kb = 0; kb < k_blocks; ++kb) {
         ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
+        if constexpr (Config::kFp8) {
+          // The weight tile's block scales travel with the stage (a load per K block in the math
+          // warps was a dependent global round trip per block: most of a tiny batch's GEMM time).
+          // A last channel block with fewer rows repeats its last scale row; those rows are padding.
+          const int scale_rows = p.a_rows / Config::kQuantBlock;
+          for (int r = 0; r < Config::kWeightScaleRows; ++r) {
+            const int row = min(tile.channel_block * Config::kWeightScaleRows + r, scale_rows - 1);
+            ptx::cp_async_4(&smem.weight_scales[state.stage][r],
+                            p.weight_scales + (static_cast<size_t>(tile.expert) * scale_rows + row) * k_blocks + kb);
+          }
+          ptx::cp_async_mbarrier_arrive_noinc(&smem.full[state.stage]);
+        }
         ptx::mbarrier_arrive_expect_tx(&smem.full[state.stage], Config::kStageTxBytes);
         copy(p.tma_a.with(smem.full[state.stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, state.stage));
         copy(p.tma_b.with(smem.full[state.stage]), tBgB(_, token_block, kb), tBsB(_, state.stage));
@@ -324,6 +364,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   pipeline::PipelineState<kStages> state;
   for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
     const GroupedTile tile = p.scheduler.tile(linear);
+    gemm_detail::Fc2TileSlots<Config> slots;
+    if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, base_col);
     clear(acc);
     for (int kb = 0; kb < k_blocks; ++kb) {
       ptx::wait_parity(&smem.full[state.stage], state.phase);
@@ -343,11 +385,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         warpgroup_fence_operand(partial);
         float weight_scale[2];
         CUTE_UNROLL
-        for (int m = 0; m < 2; ++m) {
-          const int row_block = (tile.channel_block * Config::kBlockM + base_row[m]) / Config::kQuantBlock;
-          weight_scale[m] = __ldg(p.weight_scales +
-                                  (static_cast<size_t>(tile.expert) * (p.a_rows / Config::kQuantBlock) + row_block) * k_blocks + kb);
-        }
+        for (int m = 0; m < 2; ++m) weight_scale[m] = smem.weight_scales[state.stage][base_row[m] / Config::kQuantBlock];
         const float* token_scale = smem.token_scales + state.stage * Config::kScaleStageStride;
         CUTE_UNROLL
         for (int v2 = 0; v2 < Config::kBlockN / 8; ++v2)
@@ -378,7 +416,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
       gemm_detail::fc1_swiglu_epilogue<Config>(p, tile, acc, base_row, base_col, smem, consumer_thread);
     } else {
-      gemm_detail::fc2_epilogue<Config>(p, tile, acc, base_row, base_col);
+      gemm_detail::fc2_epilogue<Config>(p, tile, acc, base_row, base_col, slots);
     }
   }
 }

@@ -62,7 +62,7 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
   p.pool_rows = pool_rows;
   p.scheduler = GroupedTileScheduler{w.at<int32_t>(f.workspace, w.token_tile_prefix),
                                      w.at<int32_t>(f.workspace, w.expert_offsets),
-                                     w.at<int32_t>(f.workspace, w.expert_counts),
+                                     w.at<int32_t>(f.workspace, w.expert_rows),
                                      f.num_experts,
                                      (g.a_rows + Config::kBlockM - 1) / Config::kBlockM,
                                      Config::kBlockN};
@@ -113,10 +113,6 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   const int T = f.num_tokens;
   if (T == 0) return;
   void* ws = f.workspace;
-  // Each call starts from zero counts (the only memory node; the kernels after it overlap each
-  // other's launch through programmatic dependent launch).
-  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(w.at<int32_t>(ws, w.expert_counts), 0, sizeof(int32_t) * f.num_experts, stream));
-
   RoutingParams routing{};
   routing.num_tokens = T;
   routing.num_experts = f.num_experts;
@@ -130,19 +126,23 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   routing.logits = f.router_logits;
   routing.topk_ids = f.topk_ids;
   routing.topk_weights = f.topk_weights;
+  // The routing counters are zero on entry (the workspace starts zeroed and the router's last
+  // block clears them), so no memset node sits before the router and every kernel overlaps the
+  // previous one's launch through programmatic dependent launch.
   routing.expert_counts = w.at<int32_t>(ws, w.expert_counts);
+  routing.blocks_done = w.at<int32_t>(ws, w.routing_blocks_done);
+  routing.expert_rows = w.at<int32_t>(ws, w.expert_rows);
+  routing.token_tile_rows = f.token_tile;
+  routing.expert_offsets = w.at<int32_t>(ws, w.expert_offsets);
+  routing.token_tile_prefix = w.at<int32_t>(ws, w.token_tile_prefix);
   routing.routed_ids = w.at<int32_t>(ws, w.routed_ids);
   routing.routed_weights = w.at<float>(ws, w.routed_weights);
   routing.slot_rank = w.at<int32_t>(ws, w.slot_rank);
   routing.error_flags = w.at<int32_t>(ws, w.error_flags);
   routing.y_accumulator = f.deterministic ? nullptr : w.at<float>(ws, w.y_accumulator);
   routing.hidden = f.hidden;
-  route_and_count_kernel<<<blocks_for(32L * T, 256), 256, 0, stream>>>(routing);
-  MEGAMOE_CHECK_LAUNCH("route_and_count_kernel");
-
-  launch_overlapping_previous(scan_expert_segments_kernel<1024>, 1, 1024, 0, stream, "scan_expert_segments_kernel",
-                              routing.expert_counts, f.num_experts, f.token_tile, w.at<int32_t>(ws, w.expert_offsets),
-                              w.at<int32_t>(ws, w.token_tile_prefix));
+  launch_overlapping_previous(route_and_count_kernel, blocks_for(T, kRouterWarps), kRouterThreads, 0, stream,
+                              "route_and_count_kernel", routing);
 
   GatherParams gather{};
   gather.num_tokens = T;
@@ -153,12 +153,12 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   gather.x = static_cast<const __nv_bfloat16*>(f.x);
   gather.routed_ids = routing.routed_ids;
   gather.slot_rank = routing.slot_rank;
-  gather.expert_offsets = w.at<int32_t>(ws, w.expert_offsets);
+  gather.expert_offsets = routing.expert_offsets;
   gather.pool_slot = w.at<int32_t>(ws, w.pool_slot);
   gather.activations = w.at<void>(ws, w.activations);
   gather.activation_scales = w.at<float>(ws, w.activation_scales);
   launch_overlapping_previous(f.fp8 ? gather_quantize_kernel<true> : gather_quantize_kernel<false>,
-                              blocks_for(32L * T, 256), 256, 0, stream, "gather_quantize_kernel", gather);
+                              T, kGatherThreads, 0, stream, "gather_quantize_kernel", gather);
 
   const GemmArguments fc1{f.w13, f.w13_scales, 2 * f.intermediate, f.hidden, gather.activations, gather.activation_scales,
                           f.intermediate, w.at<void>(ws, w.fc1_output), w.at<float>(ws, w.fc1_scales)};

@@ -1,6 +1,6 @@
 // Host launchers of the single-GPU MoE forward (sm_90a): the kernel sequence
-//   route_and_count -> scan_expert_segments -> gather_quantize -> FC1 grouped GEMM (SwiGLU)
-//   -> FC2 grouped GEMM -> combine
+//   route_and_count (its last block scans the expert segments) -> gather_quantize
+//   -> FC1 grouped GEMM (SwiGLU) -> FC2 grouped GEMM -> combine
 // on one stream, with no host synchronization (CUDA-graph capturable).
 #pragma once
 

@@ -12,7 +12,7 @@ inline constexpr int kGemmMaxTokenTile = 64;
 inline constexpr int kGemmMaxStages = 8;
 inline constexpr int kGemmConsumerWarps = 8;
 inline constexpr int kGemmExchangeBytes = kGemmConsumerWarps * kGemmMaxTokenTile * 4;  // FC1 amax partials
-inline constexpr int kGemmBarrierBytes = 1024;
+inline constexpr int kGemmBarrierBytes = 1024;         // mbarriers and per-stage weight scales
 inline constexpr int kGemmSmemAlignmentSlack = 1024;  // dynamic smem is re-aligned to 1 KiB
 inline constexpr int kSm90SmemPerBlockOptin = 232448;  // 227 KiB
 

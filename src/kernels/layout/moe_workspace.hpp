@@ -28,7 +28,9 @@ struct MoeWorkspaceLayout {
   size_t pool_rows = 0;      // worst-case rows of the expert-contiguous pool
 
   // Byte offsets of each region. "slot" is t * k + j: token t's j-th routed expert.
-  size_t expert_counts = 0;      // int32 [E]: routed rows per expert (zeroed by each forward)
+  size_t expert_counts = 0;      // int32 [E]: the router's row counters, zero between forwards
+  size_t routing_blocks_done = 0;  // int32 [1]: router blocks finished, zero between forwards
+  size_t expert_rows = 0;        // int32 [E]: routed rows per expert in this forward
   size_t expert_offsets = 0;     // int32 [E+1]: first pool row of each expert, segments padded
   size_t token_tile_prefix = 0;  // int32 [E+1]: token tiles of the experts before each expert
   size_t routed_ids = 0;         // int32 [T*k]: expert of each slot, -1 when unused
@@ -78,6 +80,8 @@ struct MoeWorkspaceLayout {
       return offset;
     };
     l.expert_counts = take(sizeof(int32_t) * num_experts);
+    l.routing_blocks_done = take(sizeof(int32_t));
+    l.expert_rows = take(sizeof(int32_t) * num_experts);
     l.expert_offsets = take(sizeof(int32_t) * (num_experts + 1));
     l.token_tile_prefix = take(sizeof(int32_t) * (num_experts + 1));
     l.routed_ids = take(sizeof(int32_t) * slots);

@@ -1,6 +1,9 @@
-// Permute role: one warp per token copies its activation row into the pool row of each of its
+// Permute role: one block per token copies its activation row into the pool row of each of its
 // routed slots (expert-contiguous order), quantizing to E4M3 per 128 channels on the way in
 // fp8_block mode. The token is read and quantized once, whatever k is.
+//
+// As with the router, code size counts (this kernel's instructions are fetched from HBM once per
+// layer): one rolled loop of one 8-channel chunk per thread, one load ahead.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,8 +12,11 @@
 
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/quant/fp8_block_scale.cuh"
+#include "kernels/routing/routing_limits.hpp"
 
 namespace megamoe::kernels {
+
+inline constexpr int kGatherThreads = 256;
 
 struct GatherParams {
   int num_tokens;
@@ -28,9 +34,10 @@ struct GatherParams {
 };
 
 // One 8-channel chunk of a token into the pool rows of its slots (row < 0: unused slot).
-// Called by the whole warp; out-of-range lanes (in_range false) take part in the shuffles only.
+// Called by whole warps; out-of-range lanes (in_range false) take part in the shuffles only.
 template <bool kFp8>
-__device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, int chunk, bool in_range, int my_row) {
+__device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, int chunk, bool in_range,
+                                            const int32_t* slot_rows) {
   constexpr int kElementsPerLane = 8;
   constexpr int kLanesPerBlock = 128 / kElementsPerLane;
   if constexpr (kFp8) {
@@ -53,14 +60,14 @@ __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, in
     for (int i = 0; i < kElementsPerLane / 2; ++i) pairs[i] = encode_e4m3x2(f[2 * i] * s.factor, f[2 * i + 1] * s.factor);
     const int block = chunk / kLanesPerBlock;
     for (int j = 0; j < p.top_k; ++j) {
-      const int row = __shfl_sync(0xffffffffu, my_row, j);
+      const int row = slot_rows[j];
       if (row < 0 || !in_range) continue;
       reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.activations) + static_cast<size_t>(row) * p.hidden)[chunk] = packed;
       if (chunk % kLanesPerBlock == 0) p.activation_scales[static_cast<size_t>(block) * p.pool_rows + row] = s.scale;
     }
   } else {
     for (int j = 0; j < p.top_k; ++j) {
-      const int row = __shfl_sync(0xffffffffu, my_row, j);
+      const int row = slot_rows[j];
       if (row < 0 || !in_range) continue;
       reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.activations) + static_cast<size_t>(row) * p.hidden)[chunk] = raw;
     }
@@ -68,45 +75,40 @@ __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, in
 }
 
 template <bool kFp8>
-__global__ void __launch_bounds__(256) gather_quantize_kernel(GatherParams p) {
-  constexpr int kElementsPerLane = 8;  // one 16-byte load of bf16
-  const int lane = threadIdx.x % 32;
-  const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+__global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(GatherParams p) {
+  constexpr int kElementsPerThread = 8;  // one 16-byte load of bf16
+  __shared__ int32_t slot_rows[kMaxTopK];
+  const int token = blockIdx.x;
+  const int chunks = p.hidden / kElementsPerThread;
+  const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(token) * p.hidden);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  // x is the caller's input: no kernel of this forward writes it, and the stream finished its
+  // producer before the router started, so the first chunk may load before the grid dependency.
+  int chunk = threadIdx.x;
+  uint4 raw = chunk < chunks ? source[chunk] : zero;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
-  if (token >= p.num_tokens) return;
 
-  // Lane j < k learns slot j's pool row; -1 when the slot is unused.
-  int my_row = -1;
-  if (lane < p.top_k) {
-    const size_t slot = static_cast<size_t>(token) * p.top_k + lane;
+  // Thread j < k looks up slot j's pool row (-1: unused) while the first chunk is on its way.
+  if (threadIdx.x < p.top_k) {
+    const size_t slot = static_cast<size_t>(token) * p.top_k + threadIdx.x;
     const int expert = p.routed_ids[slot];
+    int row = -1;
     if (expert >= 0) {
-      my_row = p.expert_offsets[expert] + p.slot_rank[slot];
-      p.pool_slot[my_row] = static_cast<int32_t>(slot);
+      row = p.expert_offsets[expert] + p.slot_rank[slot];
+      p.pool_slot[row] = static_cast<int32_t>(slot);
     }
+    slot_rows[threadIdx.x] = row;
   }
+  __syncthreads();
 
-  // Loads go out kLoadsInFlight per lane at a time: one memory round trip per batch, not one per
-  // chunk (the stores between them keep the compiler from hoisting the next load by itself).
-  // Every lane runs every batch, so the shuffles below always see the whole warp.
-  constexpr int kLoadsInFlight = 4;
-  const int chunks = p.hidden / kElementsPerLane;
-  const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(token) * p.hidden);
-  for (int first = 0; first < chunks; first += 32 * kLoadsInFlight) {
-    uint4 batch[kLoadsInFlight];
-#pragma unroll
-    for (int b = 0; b < kLoadsInFlight; ++b) {
-      const int chunk = first + 32 * b + lane;
-      batch[b] = chunk < chunks ? source[chunk] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int b = 0; b < kLoadsInFlight; ++b) {
-      if (first + 32 * b >= chunks) break;  // warp-uniform
-      const int chunk = first + 32 * b + lane;
-      const bool in_range = chunk < chunks;
-      write_chunk<kFp8>(p, batch[b], chunk, in_range, my_row);
-    }
+  // Block-uniform trip count, so every lane reaches the shuffles of each chunk.
+  for (int first = 0; first < chunks; first += kGatherThreads) {
+    const int next = chunk + kGatherThreads;
+    const uint4 next_raw = next < chunks ? source[next] : zero;
+    write_chunk<kFp8>(p, raw, chunk, chunk < chunks, slot_rows);
+    chunk = next;
+    raw = next_raw;
   }
 }
 

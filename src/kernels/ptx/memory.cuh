@@ -1,5 +1,5 @@
-// Memory-ordering wrappers (PTX ISA "ld", "st", "red" with .sem and .scope qualifiers) for flags
-// that other ranks (system scope) or other CTAs (gpu scope) read and write.
+// Memory wrappers: ordering (PTX ISA "ld", "st", "red" with .sem and .scope qualifiers) for flags
+// that other ranks (system scope) or other CTAs (gpu scope) read and write, and cache prefetch.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +18,11 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* address, uint64_t 
 
 __device__ __forceinline__ void red_add_release_gpu(uint32_t* address, uint32_t value) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
+// Starts bringing the line holding `address` into this SM's L1; does not wait for it.
+__device__ __forceinline__ void prefetch_l1(const void* address) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(address));
 }
 
 }  // namespace megamoe::ptx

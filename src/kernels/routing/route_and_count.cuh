@@ -1,7 +1,14 @@
 // Routing role: one warp per token turns router logits (or the caller's precomputed ids) into k
-// experts and weights, counts rows per expert and gives each slot its rank inside its expert.
+// experts and weights, counts rows per expert and gives each slot its rank inside its expert; the
+// last block to finish turns the counts into the padded expert segments the GEMMs walk.
 // Arithmetic mirrors src/ref/routing.cpp: sanitized logits, scores in double rounded to float,
 // ties to the lower index, k passes of warp-wide argmax.
+//
+// Code size is a budget here, not only instruction count: the router runs once per layer, after
+// the rest of the model has evicted its code from L2, so each 128-byte line of instructions it
+// executes costs an HBM round trip. Loops over experts therefore stay rolled and a token's scores
+// live in shared memory (a version holding them in unrolled registers compiled to 97 KB of SASS
+// and took 17 us for one token on an H200).
 #pragma once
 
 #include <cfloat>
@@ -10,6 +17,7 @@
 
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/routing/routing_limits.hpp"
+#include "kernels/scheduler/grouped_tile_scheduler.cuh"
 
 namespace megamoe::kernels {
 
@@ -28,7 +36,12 @@ struct RoutingParams {
   const float* logits;        // [T, E]
   const int32_t* topk_ids;    // [T, k] (precomputed)
   const float* topk_weights;  // [T, k] (precomputed)
-  int32_t* expert_counts;     // [E], zero on entry
+  int32_t* expert_counts;     // [E] counters, zero on entry and on exit
+  int32_t* blocks_done;       // [1], zero on entry and on exit
+  int32_t* expert_rows;       // [E] out: routed rows per expert
+  int token_tile_rows;        // each expert's segment is padded to this many rows
+  int32_t* expert_offsets;    // [E+1] out: first pool row of each expert
+  int32_t* token_tile_prefix; // [E+1] out: token tiles of the experts before each expert
   int32_t* routed_ids;        // [T, k] out; -1 = unused
   float* routed_weights;      // [T, k] out
   int32_t* slot_rank;         // [T, k] out
@@ -37,24 +50,52 @@ struct RoutingParams {
   int hidden;
 };
 
+inline constexpr int kRouterWarps = 8;
+inline constexpr int kRouterThreads = 32 * kRouterWarps;
+
 namespace routing_detail {
 
+// Selection runs on 32-bit order keys so that each argmax pass is two warp reductions (redux.sync)
+// instead of a five-step shuffle tree: a single warp's dependent-instruction chain is the whole
+// cost of routing a small batch. key(a) > key(b) exactly when a > b as floats (-0 counts as +0),
+// and an excluded entry (NaN) has key 0, below every number.
+__device__ __forceinline__ uint32_t order_key(float v) {
+  if (isnan(v)) return 0u;
+  if (v == 0.0f) v = 0.0f;
+  const uint32_t bits = __float_as_uint(v);
+  return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+
+__device__ __forceinline__ float from_order_key(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
+}
+
+// Marks an expert as taken or ineligible (key 0). Every legitimate selection value is a number:
+// sanitized logits, or a sigmoid plus a finite bias.
+__device__ __forceinline__ float excluded() { return __int_as_float(0x7fffffff); }
+
 struct Candidate {
-  float value;
+  uint32_t key;  // 0: none
   int index;
 };
 
-__device__ __forceinline__ bool better(const Candidate& a, const Candidate& b) {
-  return a.value > b.value || (a.value == b.value && a.index < b.index);
-}
-
-__device__ __forceinline__ Candidate warp_best(Candidate c) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    Candidate other{__shfl_xor_sync(0xffffffffu, c.value, offset), __shfl_xor_sync(0xffffffffu, c.index, offset)};
-    if (better(other, c)) c = other;
+// Best of this lane's entries values[lane + 32 i] below count; ties go to the lower index.
+__device__ __forceinline__ Candidate lane_best(const float* values, int count, int lane) {
+  Candidate c{0u, INT_MAX};
+#pragma unroll 1
+  for (int e = lane; e < count; e += 32) {
+    const uint32_t key = order_key(values[e]);
+    if (key > c.key) c = Candidate{key, e};
   }
   return c;
+}
+
+// The warp's best candidate (highest key, then lowest index), in every lane; index INT_MAX when
+// every lane's key is 0.
+__device__ __forceinline__ Candidate warp_best(const Candidate& c) {
+  const uint32_t top = __reduce_max_sync(0xffffffffu, c.key);
+  const uint32_t index = __reduce_min_sync(0xffffffffu, c.key == top ? static_cast<uint32_t>(c.index) : UINT32_MAX);
+  return Candidate{top, top == 0u ? INT_MAX : static_cast<int>(index)};
 }
 
 __device__ __forceinline__ double warp_sum(double v) {
@@ -69,41 +110,37 @@ __device__ __forceinline__ float sanitize(float logit) {
   return logit;
 }
 
-// Best expert among this warp's values whose bit is set in `eligible` (bit i of each lane: expert
-// lane + 32 i). Every lane receives the winner.
-__device__ __forceinline__ Candidate best_of(const float (&values)[kMaxExpertsPerLane], uint32_t eligible, int lane) {
-  Candidate c{-INFINITY, INT_MAX};
-#pragma unroll
-  for (int i = 0; i < kMaxExpertsPerLane; ++i) {
-    if ((eligible >> i) & 1u) {
-      const Candidate mine{values[i], lane + 32 * i};
-      if (better(mine, c)) c = mine;
+// Group score of the deepseek mode: the sum of the group's `per_group` (1 or 2) best values, in
+// the reference's order (best first). One lane walks one group.
+__device__ __forceinline__ float group_score(const float* values, int first, int size, int per_group) {
+  float best = -INFINITY, second = -INFINITY;
+#pragma unroll 1
+  for (int e = first; e < first + size; ++e) {
+    const float v = values[e];
+    if (v > best) {
+      second = best;
+      best = v;
+    } else if (v > second) {
+      second = v;
     }
   }
-  return warp_best(c);
-}
-
-// Marks the winner as taken in its lane's bitmask.
-__device__ __forceinline__ void take(uint32_t& eligible, int expert, int lane) {
-  if (expert % 32 == lane) eligible &= ~(1u << (expert / 32));
+  double sum = static_cast<double>(best);
+  if (per_group == 2) sum += static_cast<double>(second);
+  return static_cast<float>(sum);
 }
 
 }  // namespace routing_detail
 
-__global__ void __launch_bounds__(256) route_and_count_kernel(RoutingParams p) {
+// One token, by one warp (`value` and `score` are the warp's shared-memory rows).
+__device__ __forceinline__ void route_token(const RoutingParams& p, int token, int lane, float* value, float* score) {
   using namespace routing_detail;
-  const int lane = threadIdx.x % 32;
-  const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  ptx::wait_for_prerequisite_grids();
-  ptx::allow_dependent_launch();
-  if (token >= p.num_tokens) return;
   const int E = p.num_experts, k = p.top_k;
   if (p.y_accumulator != nullptr) {
     float4* row = reinterpret_cast<float4*>(p.y_accumulator + static_cast<size_t>(token) * p.hidden);
     for (int v = lane; v < p.hidden / 4; v += 32) row[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 
-  int my_id = -1;        // lane j < k ends up holding slot j
+  int my_id = -1;  // lane j < k ends up holding slot j
   float my_weight = 0.0f;
 
   if (p.mode == RoutingMode::precomputed) {
@@ -122,95 +159,88 @@ __global__ void __launch_bounds__(256) route_and_count_kernel(RoutingParams p) {
       my_id = -1;
     }
   } else {
-    float value[kMaxExpertsPerLane];   // what selection ranks: logit (softmax) or choice (grouped)
-    float score[kMaxExpertsPerLane];   // what weights use: logit (softmax) or sigmoid score (grouped)
-    uint32_t present = 0;
+    const bool softmax = p.mode == RoutingMode::softmax_topk;
+    const float* logits = p.logits + static_cast<size_t>(token) * E;
+    // Eight logits (and biases) per lane in flight before any arithmetic: one memory round trip
+    // for E <= 256. The bias waits in `score` until the sigmoid replaces it.
+    constexpr int kLoadsInFlight = 8;
+    const bool has_bias = !softmax && p.bias != nullptr;
+    for (int first = 0; first < E; first += 32 * kLoadsInFlight) {
+      float logit[kLoadsInFlight], bias[kLoadsInFlight];
 #pragma unroll
-    for (int i = 0; i < kMaxExpertsPerLane; ++i) {
-      const int e = lane + 32 * i;
-      value[i] = -INFINITY;
-      score[i] = 0.0f;
-      if (e < E) {
-        present |= 1u << i;
-        const float logit = sanitize(p.logits[static_cast<size_t>(token) * E + e]);
-        if (p.mode == RoutingMode::softmax_topk) {
-          value[i] = score[i] = logit;
-        } else {
-          score[i] = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(logit))));
-          const double bias = p.bias ? static_cast<double>(p.bias[e]) : 0.0;
-          value[i] = static_cast<float>(static_cast<double>(score[i]) + bias);
+      for (int b = 0; b < kLoadsInFlight; ++b) {
+        const int e = first + 32 * b + lane;
+        logit[b] = e < E ? logits[e] : 0.0f;
+        bias[b] = e < E && has_bias ? p.bias[e] : 0.0f;
+      }
+#pragma unroll
+      for (int b = 0; b < kLoadsInFlight; ++b) {
+        const int e = first + 32 * b + lane;
+        if (e < E) {
+          value[e] = sanitize(logit[b]);
+          score[e] = softmax ? value[e] : bias[b];
         }
       }
     }
-    uint32_t eligible = present;
-    double softmax_denominator = 1.0;
-    double exponential[kMaxExpertsPerLane] = {};  // softmax: exp(logit - max), computed once per expert
-    if (p.mode == RoutingMode::softmax_topk) {
-      const double softmax_max = best_of(value, present, lane).value;
-      double partial = 0.0;
-#pragma unroll
-      for (int i = 0; i < kMaxExpertsPerLane; ++i) {
-        exponential[i] = ((present >> i) & 1u) ? exp(static_cast<double>(value[i]) - softmax_max) : 0.0;
-        partial += exponential[i];
+    if (!softmax) {
+#pragma unroll 1
+      for (int e = lane; e < E; e += 32) {
+        const float sigmoid = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(value[e]))));
+        value[e] = static_cast<float>(static_cast<double>(sigmoid) + static_cast<double>(score[e]));
+        score[e] = sigmoid;
       }
+    }
+    __syncwarp();
+
+    double softmax_max = 0.0, softmax_denominator = 1.0;
+    if (softmax) {
+      softmax_max = from_order_key(warp_best(lane_best(value, E, lane)).key);
+      double partial = 0.0;
+#pragma unroll 4
+      for (int e = lane; e < E; e += 32) partial += exp(static_cast<double>(value[e]) - softmax_max);
       softmax_denominator = warp_sum(partial);
     } else {
-      // Group score = sum of the group's two best choice values; keep the best topk_group groups.
+      // Keep the topk_group best groups (lane g scores group g); the rest become ineligible.
       const int group_size = E / p.n_group;
       const int per_group = group_size < 2 ? group_size : 2;
-      int group_of[kMaxExpertsPerLane];  // one division per expert, not one per expert per group
-#pragma unroll
-      for (int i = 0; i < kMaxExpertsPerLane; ++i) group_of[i] = ((present >> i) & 1u) ? (lane + 32 * i) / group_size : -1;
-      float my_group_score = -INFINITY;  // lane g holds group g
-      for (int g = 0; g < p.n_group; ++g) {
-        uint32_t members = 0;
-#pragma unroll
-        for (int i = 0; i < kMaxExpertsPerLane; ++i)
-          if (group_of[i] == g) members |= 1u << i;
-        double sum = 0.0;
-        for (int r = 0; r < per_group; ++r) {
-          const Candidate best = best_of(value, members, lane);
-          sum += best.value;
-          take(members, best.index, lane);
-        }
-        if (lane == g) my_group_score = static_cast<float>(sum);
-      }
+      Candidate group{0u, INT_MAX};
+      if (lane < p.n_group) group = Candidate{order_key(group_score(value, lane * group_size, group_size, per_group)), lane};
       uint32_t selected_groups = 0;
-      Candidate group{lane < p.n_group ? my_group_score : -INFINITY, lane < p.n_group ? lane : INT_MAX};
       for (int r = 0; r < p.topk_group; ++r) {
         const Candidate best = warp_best(group);
         selected_groups |= 1u << best.index;
-        if (lane == best.index) group = Candidate{-INFINITY, INT_MAX};
+        if (lane == best.index) group.key = 0u;
       }
-      eligible = 0;
-#pragma unroll
-      for (int i = 0; i < kMaxExpertsPerLane; ++i)
-        if (group_of[i] >= 0 && ((selected_groups >> group_of[i]) & 1u)) eligible |= 1u << i;
+      __syncwarp();
+      for (int e = lane; e < E; e += 32)
+        if (!((selected_groups >> (e / group_size)) & 1u)) value[e] = excluded();
+      __syncwarp();
     }
 
-    // k passes of argmax; lane j keeps the j-th winner. Only the selection is serial: the winner's
-    // weight term was computed before the passes, and lane j divides its own after them.
-    double my_term = 0.0;  // softmax: exp(logit - max); grouped: sigmoid score
+    // k passes of argmax; lane j keeps the j-th winner and computes its own weight term after.
+    // Only the winner's lane rescans, and only its own entries (e = lane mod 32), so the passes
+    // need no shared-memory synchronization.
+    Candidate mine = lane_best(value, E, lane);
+#pragma unroll 1
     for (int j = 0; j < k; ++j) {
-      const Candidate best = best_of(value, eligible, lane);
-      double term = 0.0;
-#pragma unroll
-      for (int i = 0; i < kMaxExpertsPerLane; ++i)
-        if (lane + 32 * i == best.index)
-          term = p.mode == RoutingMode::softmax_topk ? exponential[i] : static_cast<double>(score[i]);
-      term = __shfl_sync(0xffffffffu, term, best.index % 32);
-      take(eligible, best.index, lane);
-      if (lane == j) {
-        my_id = best.index;
-        my_term = term;
+      const Candidate best = warp_best(mine);
+      if (best.index == INT_MAX) break;  // the planner guarantees k reachable experts
+      if (lane == j) my_id = best.index;
+      if (mine.index == best.index) {
+        value[best.index] = excluded();
+        mine = lane_best(value, E, lane);
       }
     }
-    const double my_raw_weight = p.mode == RoutingMode::softmax_topk ? my_term / softmax_denominator : my_term;
+    double my_raw_weight = 0.0;
+    if (my_id >= 0) {
+      my_raw_weight = softmax ? exp(static_cast<double>(score[my_id]) - softmax_max) / softmax_denominator
+                              : static_cast<double>(score[my_id]);
+    }
     // The sum of the picked weights in slot order, as the reference adds them.
     double picked_sum = 0.0;
     for (int j = 0; j < k; ++j) picked_sum += __shfl_sync(0xffffffffu, my_raw_weight, j);
     double w = my_raw_weight;
-    if (p.mode == RoutingMode::softmax_topk) {
+    if (softmax) {
       if (p.renormalize) w /= picked_sum;
     } else {
       if (p.renormalize) w /= picked_sum + 1e-20;
@@ -225,6 +255,31 @@ __global__ void __launch_bounds__(256) route_and_count_kernel(RoutingParams p) {
     p.routed_weights[slot] = my_weight;
     p.slot_rank[slot] = my_id >= 0 ? atomicAdd(&p.expert_counts[my_id], 1) : -1;
   }
+}
+
+__global__ void __launch_bounds__(kRouterThreads) route_and_count_kernel(RoutingParams p) {
+  // Per warp: what selection ranks (logit or choice; taken entries become NaN) and what the
+  // weights use (logit or sigmoid score).
+  __shared__ float selection_values[kRouterWarps][kMaxRoutingExperts];
+  __shared__ float weight_scores[kRouterWarps][kMaxRoutingExperts];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int token = blockIdx.x * kRouterWarps + warp;
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
+  if (token < p.num_tokens) route_token(p, token, lane, selection_values[warp], weight_scores[warp]);
+
+  // The last block to finish scans the counts: one launch fewer than a scan kernel of its own.
+  __shared__ bool last_block;
+  __threadfence();  // this block's count atomics before its arrival
+  __syncthreads();
+  if (threadIdx.x == 0) last_block = atomicAdd(p.blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();  // every block's counts after their arrivals
+  if (threadIdx.x == 0) *p.blocks_done = 0;
+  scan_expert_segments<kRouterThreads>(p.expert_counts, p.num_experts, p.token_tile_rows, p.expert_rows,
+                                       p.expert_offsets, p.token_tile_prefix);
 }
 
 }  // namespace megamoe::kernels

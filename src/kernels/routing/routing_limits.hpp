@@ -1,10 +1,10 @@
-// Sizes the routing kernel holds in registers; the host checks specs against them.
+// Sizes the routing kernel is built for; the host checks specs against them.
 #pragma once
 
 namespace megamoe::kernels {
 
-inline constexpr int kMaxExpertsPerLane = 16;                       // experts one lane holds
-inline constexpr int kMaxRoutingExperts = 32 * kMaxExpertsPerLane;  // E <= 512
-inline constexpr int kMaxGroups = 32;                               // one group score per lane
+inline constexpr int kMaxRoutingExperts = 512;  // one token's scores per warp in shared memory
+inline constexpr int kMaxGroups = 32;           // one group score per lane (and a 32-bit group mask)
+inline constexpr int kMaxTopK = 32;             // lane j of a token's warp holds slot j
 
 }  // namespace megamoe::kernels

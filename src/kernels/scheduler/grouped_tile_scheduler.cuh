@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/ptx/grid_dependency.cuh"
+#include "kernels/ptx/memory.cuh"
 
 namespace megamoe::kernels {
 
@@ -22,10 +23,28 @@ struct GroupedTile {
 struct GroupedTileScheduler {
   const int32_t* token_tile_prefix;  // [E+1]
   const int32_t* expert_offsets;     // [E+1]
-  const int32_t* expert_counts;      // [E]
+  const int32_t* expert_rows;        // [E]
   int num_experts;
   int channel_blocks;
   int token_tile_rows;
+
+  // One warp starts every line of the per-expert arrays into this SM's L1 at once, so that the
+  // binary search of tile() reads L1 instead of paying a chain of dependent L2 round trips (the
+  // only tile of a tiny batch waits for that chain before its first TMA load). Lane l touches
+  // element 32 l of each array: one element per 128-byte line, and lane 0 also the last one.
+  __device__ __forceinline__ void prefetch_to_l1(int lane) const {
+    constexpr int kIntsPerLine = 32;
+    for (int i = lane * kIntsPerLine; i <= num_experts; i += 32 * kIntsPerLine) {
+      ptx::prefetch_l1(token_tile_prefix + i);
+      ptx::prefetch_l1(expert_offsets + i);
+      ptx::prefetch_l1(expert_rows + (i < num_experts ? i : num_experts - 1));
+    }
+    if (lane == 0) {
+      ptx::prefetch_l1(token_tile_prefix + num_experts);
+      ptx::prefetch_l1(expert_offsets + num_experts);
+      ptx::prefetch_l1(expert_rows + num_experts - 1);
+    }
+  }
 
   __device__ __forceinline__ int num_tiles() const { return token_tile_prefix[num_experts] * channel_blocks; }
 
@@ -46,24 +65,31 @@ struct GroupedTileScheduler {
     t.channel_block = local / tiles_of_expert;
     t.token_tile = local % tiles_of_expert;
     t.pool_row = expert_offsets[expert] + t.token_tile * token_tile_rows;
-    const int remaining = expert_counts[expert] - t.token_tile * token_tile_rows;
+    const int remaining = expert_rows[expert] - t.token_tile * token_tile_rows;
     t.valid_rows = remaining < token_tile_rows ? remaining : token_tile_rows;
     return t;
   }
 };
 
-// One block: padded segment offsets and token-tile prefix of every expert from the row counts.
+// Padded segment offsets and token-tile prefix of every expert from the routing counters, by one
+// whole block (every thread must call it) once every counter is final. It moves the counters to
+// expert_rows and leaves them zero, so each forward (and each graph replay, whole or cut short)
+// starts from zero without a memset. The counters are read from L2: other blocks' atomics wrote them.
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads) scan_expert_segments_kernel(const int32_t* expert_counts, int num_experts,
-                                                                        int token_tile_rows, int32_t* expert_offsets,
-                                                                        int32_t* token_tile_prefix) {
+__device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int num_experts, int token_tile_rows,
+                                                     int32_t* expert_rows, int32_t* expert_offsets,
+                                                     int32_t* token_tile_prefix) {
   __shared__ int32_t tiles[kThreads];
-  ptx::wait_for_prerequisite_grids();
-  ptx::allow_dependent_launch();
   int carry = 0;
   for (int base = 0; base < num_experts; base += kThreads) {
     const int e = base + threadIdx.x;
-    const int my_tiles = e < num_experts ? (expert_counts[e] + token_tile_rows - 1) / token_tile_rows : 0;
+    int rows = 0;
+    if (e < num_experts) {
+      rows = __ldcg(expert_counts + e);
+      expert_counts[e] = 0;
+      expert_rows[e] = rows;
+    }
+    const int my_tiles = (rows + token_tile_rows - 1) / token_tile_rows;
     tiles[threadIdx.x] = my_tiles;
     __syncthreads();
     // Hillis-Steele inclusive scan; E is at most a few hundred, so simplicity wins.

@@ -31,6 +31,8 @@ TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
     const size_t slots = 4096ull * 8;
     const std::vector<std::pair<size_t, size_t>> regions = {
         {l.expert_counts, 4 * 256},
+        {l.routing_blocks_done, 4},
+        {l.expert_rows, 4 * 256},
         {l.expert_offsets, 4 * 257},
         {l.token_tile_prefix, 4 * 257},
         {l.routed_ids, 4 * slots},

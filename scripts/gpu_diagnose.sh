@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Run on the GPU machine after scripts/gpu_check.sh built build-gpu: where a forward's time goes.
+# (1) The graph breakdown (megamoe-bench --breakdown) at each of MEGAMOE_DIAG_TOKENS (default
+#     "1 128") for each L2 mode in MEGAMOE_DIAG_L2 (default "scrubbed warm"): what each kernel
+#     costs, and what cold caches add to it.
+# (2) Nsight Compute on the forward's kernels at MEGAMOE_DIAG_NCU_TOKENS (default 1; "" skips):
+#     speed of light (DRAM / L2 / SM throughput), memory workload and warp stall reasons, caches
+#     flushed before each kernel. MEGAMOE_DIAG_NCU_KERNELS narrows the kernels (a regex).
+# Writes diagnose.log and ncu.log to $OUT (or ./gpu-logs).
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+out=${OUT:-$root/gpu-logs}
+bench=$root/build-gpu/megamoe-bench
+workload=${MEGAMOE_DIAG_WORKLOAD:-qwen35-a3b}
+mkdir -p "$out"
+[ -x "$bench" ] || { echo "missing $bench: run scripts/gpu_check.sh first"; exit 1; }
+log=$out/diagnose.log
+status=0
+
+for tokens in ${MEGAMOE_DIAG_TOKENS:-1 128}; do
+  for l2 in ${MEGAMOE_DIAG_L2:-scrubbed warm}; do
+    flag=()
+    [ "$l2" = warm ] && flag=(--warm-l2)
+    echo "== $workload fp8_block, $tokens tokens, L2 $l2" | tee -a "$log"
+    "$bench" --workload "$workload" --tokens "$tokens" --breakdown "${flag[@]}" >"$log.part" 2>&1 || status=1
+    grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \|' "$log.part" | tee -a "$log"
+    rm -f "$log.part"
+  done
+done
+
+ncu_tokens=${MEGAMOE_DIAG_NCU_TOKENS-1}
+[ -n "$ncu_tokens" ] || exit $status
+kernels=${MEGAMOE_DIAG_NCU_KERNELS:-route_and_count|gather_quantize|grouped_gemm|combine_kernel}
+echo "== ncu at $ncu_tokens tokens (caches flushed before each kernel): $kernels" | tee -a "$log"
+ncu --cache-control all --clock-control none --launch-count 4 -k "regex:$kernels" \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+  "$bench" --workload "$workload" --tokens "$ncu_tokens" >"$out/ncu.log" 2>&1 || status=1
+grep -E '^  [a-z].*\(|Duration|Throughput|Busy|Warp Cycles Per|Stall|Bandwidth' "$out/ncu.log" |
+  sed -E 's/<.*>\(T2\)/<...>/' | tee -a "$log"
+exit $status

@@ -1,0 +1,23 @@
+// cp.async wrappers (PTX ISA "cp.async", "cp.async.mbarrier.arrive"): small global -> shared
+// copies whose completion an mbarrier phase tracks together with the TMA bytes of the same stage.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/ptx/mbarrier.cuh"
+
+namespace megamoe::ptx {
+
+__device__ __forceinline__ void cp_async_4(void* smem_destination, const void* global_source) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_address(smem_destination)), "l"(global_source)
+               : "memory");
+}
+
+// One arrival on the current phase of `barrier`, made when every cp.async this thread issued so far
+// has landed. The arrival is one of those the barrier was initialized to expect (.noinc): a
+// barrier that also waits for TMA bytes counts it next to the arrive.expect_tx.
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* barrier) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_address(barrier)) : "memory");
+}
+
+}  // namespace megamoe::ptx
