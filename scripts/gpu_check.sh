@@ -69,7 +69,7 @@ done
 
 sass="$out/sass.txt"
 cuobjdump --dump-sass "$build/libmegamoe_kernels.a" >"$sass" 2>&1
-note "SASS: $(grep -c 'HGMMA' "$sass") HGMMA, $(grep -c 'UTMALDG' "$sass") UTMALDG, $(grep -cE 'LDL|STL' "$sass") local-memory ops"
+note "SASS: $(grep -cE 'HGMMA|QGMMA' "$sass") wgmma (HGMMA bf16, QGMMA fp8), $(grep -c 'UTMALDG' "$sass") UTMALDG, $(grep -cE 'LDL|STL' "$sass") local-memory ops"
 
 echo
 echo "================ summary ================"

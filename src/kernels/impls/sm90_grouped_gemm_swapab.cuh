@@ -353,6 +353,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA, 1, MMA_K, S)
   using TileMN = Shape<Int<Config::kBlockM>, Int<Config::kBlockN>>;
   Tensor acc = partition_fragment_C(mma, TileMN{});                // (MMA=(2,2,N/8), 2, 1)
+  // fp8: each K block accumulates unscaled into `partial`, then is promoted into `acc` with its
+  // weight scale times each token's scale.
   Tensor partial = partition_fragment_C(mma, TileMN{});
   // Tile coordinates of this thread's fragment: element (v0, v1, v2) of m-block m sits at row
   // base_row[m] + 8 v1 and column base_col + 8 v2 + v0 (the sm90 GMMA accumulator layout).
@@ -360,6 +362,44 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int base_row[2] = {get<0>(coords(make_coord(0, 0, 0), 0, 0)), get<0>(coords(make_coord(0, 0, 0), 1, 0))};
   const int base_col = get<1>(coords(make_coord(0, 0, 0), 0, 0));
   const int lane = consumer_thread % 32;
+
+  // The 4 k32 steps of the K block in `stage`, as one wgmma batch into `out` (accumulating, or
+  // overwriting it first when `accumulate` is false).
+  auto issue_block = [&](auto& out, int stage, bool accumulate) {
+    warpgroup_fence_operand(out);
+    warpgroup_arrive();
+    mma.accumulate_ = accumulate ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+      gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), out);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  // After the block's batch has completed: fold it into `acc` (fp8; in bf16 it is `acc`) and hand
+  // the stage back.
+  auto finish_block = [&](auto& block, int stage) {
+    warpgroup_fence_operand(block);
+    if constexpr (Config::kFp8) {
+      float weight_scale[2];
+      CUTE_UNROLL
+      for (int m = 0; m < 2; ++m) weight_scale[m] = smem.weight_scales[stage][base_row[m] / Config::kQuantBlock];
+      const float* token_scale = smem.token_scales + stage * Config::kScaleStageStride;
+      CUTE_UNROLL
+      for (int v2 = 0; v2 < Config::kBlockN / 8; ++v2)
+        CUTE_UNROLL
+        for (int v0 = 0; v0 < 2; ++v0) {
+          const float ts = token_scale[base_col + 8 * v2 + v0];
+          CUTE_UNROLL
+          for (int m = 0; m < 2; ++m)
+            CUTE_UNROLL
+            for (int v1 = 0; v1 < 2; ++v1)
+              acc(make_coord(v0, v1, v2), m, 0) += block(make_coord(v0, v1, v2), m, 0) * (weight_scale[m] * ts);
+        }
+    }
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
+  };
 
   pipeline::PipelineState<kStages> state;
   for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
@@ -369,47 +409,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     clear(acc);
     for (int kb = 0; kb < k_blocks; ++kb) {
       ptx::wait_parity(&smem.full[state.stage], state.phase);
-      if constexpr (Config::kFp8) {
-        // The 4 k32 steps of this 128-wide K block accumulate unscaled into `partial`; the block's
-        // weight scale times each token's scale then promotes them into `acc` in fp32.
-        warpgroup_fence_operand(partial);
-        warpgroup_arrive();
-        mma.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tCrA); ++k) {
-          gemm(mma, tCrA(_, _, k, state.stage), tCrB(_, _, k, state.stage), partial);
-          mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(partial);
-        float weight_scale[2];
-        CUTE_UNROLL
-        for (int m = 0; m < 2; ++m) weight_scale[m] = smem.weight_scales[state.stage][base_row[m] / Config::kQuantBlock];
-        const float* token_scale = smem.token_scales + state.stage * Config::kScaleStageStride;
-        CUTE_UNROLL
-        for (int v2 = 0; v2 < Config::kBlockN / 8; ++v2)
-          CUTE_UNROLL
-          for (int v0 = 0; v0 < 2; ++v0) {
-            const float ts = token_scale[base_col + 8 * v2 + v0];
-            CUTE_UNROLL
-            for (int m = 0; m < 2; ++m)
-              CUTE_UNROLL
-              for (int v1 = 0; v1 < 2; ++v1)
-                acc(make_coord(v0, v1, v2), m, 0) += partial(make_coord(v0, v1, v2), m, 0) * (weight_scale[m] * ts);
-          }
-      } else {
-        warpgroup_fence_operand(acc);
-        warpgroup_arrive();
-        mma.accumulate_ = GMMA::ScaleOut::One;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tCrA); ++k) gemm(mma, tCrA(_, _, k, state.stage), tCrB(_, _, k, state.stage), acc);
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc);
-      }
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&smem.empty[state.stage]);
+      auto& block = Config::kFp8 ? partial : acc;
+      issue_block(block, state.stage, !Config::kFp8);
+      warpgroup_wait<0>();
+      finish_block(block, state.stage);
       state.advance();
     }
 

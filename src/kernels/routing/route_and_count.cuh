@@ -79,10 +79,11 @@ struct Candidate {
   int index;
 };
 
-// Best of this lane's entries values[lane + 32 i] below count; ties go to the lower index.
+// Best of this lane's entries values[lane + 32 i] below count; ties go to the lower index. Unrolled
+// by 8 so that a lane's loads (E <= 256) issue together: the winner's lane reruns this every pass.
 __device__ __forceinline__ Candidate lane_best(const float* values, int count, int lane) {
   Candidate c{0u, INT_MAX};
-#pragma unroll 1
+#pragma unroll 8
   for (int e = lane; e < count; e += 32) {
     const uint32_t key = order_key(values[e]);
     if (key > c.key) c = Candidate{key, e};
@@ -236,9 +237,17 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
       my_raw_weight = softmax ? exp(static_cast<double>(score[my_id]) - softmax_max) / softmax_denominator
                               : static_cast<double>(score[my_id]);
     }
-    // The sum of the picked weights in slot order, as the reference adds them.
+    // The sum of the picked weights in slot order, as the reference adds them (the shuffles of a
+    // group of 8 are independent, so they issue together ahead of the dependent additions).
     double picked_sum = 0.0;
-    for (int j = 0; j < k; ++j) picked_sum += __shfl_sync(0xffffffffu, my_raw_weight, j);
+    for (int first = 0; first < k; first += 8) {
+      double picked[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) picked[j] = __shfl_sync(0xffffffffu, my_raw_weight, first + j);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (first + j < k) picked_sum += picked[j];
+    }
     double w = my_raw_weight;
     if (softmax) {
       if (p.renormalize) w /= picked_sum;
