@@ -2,8 +2,9 @@
 // routed slots (expert-contiguous order), quantizing to E4M3 per 128 channels on the way in
 // fp8_block mode. The token is read and quantized once, whatever k is.
 //
-// As with the router, code size counts (this kernel's instructions are fetched from HBM once per
-// layer): one rolled loop of one 8-channel chunk per thread, one load ahead.
+// A block per token, so that a small batch's rows are read by 256 threads at once (one warp per
+// token took 12 us for one token on an H200, this takes 1.5-2); one rolled loop of one 8-channel
+// chunk per thread, one load ahead.
 #pragma once
 
 #include <cuda_bf16.h>
