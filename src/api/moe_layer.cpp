@@ -94,10 +94,9 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_to
     impl_->facts.name = prop.name;
     impl_->facts.num_sms = prop.multiProcessorCount;
     impl_->facts.smem_per_block_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
-    impl_->workspace_layout = layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden,
-                                                               spec.intermediate, max_tokens,
-                                                               layout::kGemmMaxTokenTile,
-                                                               spec.precision == Precision::fp8_block);
+    // The planner sizes the workspace (one source of truth with what it reports): its padding
+    // covers the token tile of every call up to max_tokens.
+    impl_->workspace_layout = plan::plan_moe(spec, max_tokens, max_tokens, impl_->facts).workspace;
     impl_->w13 = upload(weights.w13);
     impl_->w13_scales = upload(weights.w13_scales);
     impl_->w2 = upload(weights.w2);
@@ -131,6 +130,11 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   f.fp8 = spec_.precision == Precision::fp8_block;
   f.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
   f.token_tile = plan::choose_token_tile(spec_, std::max(inputs.num_tokens, 1));
+  if (f.token_tile > impl_->workspace_layout.row_padding) {
+    throw Error(ErrorCode::unsupported, "internal: token tile " + std::to_string(f.token_tile) +
+                                            " exceeds the workspace padding " +
+                                            std::to_string(impl_->workspace_layout.row_padding) + " (planner bug)");
+  }
   if (inputs.num_tokens > 0 && print_configs() && impl_->printed_token_tiles.insert(f.token_tile).second) {
     std::cerr << "megamoe: " << spec_ << "\n" << plan::plan_moe(spec_, inputs.num_tokens, max_tokens_, impl_->facts)
               << "\n";

@@ -58,6 +58,29 @@ TEST(Planner, LargeBatchesTakeTheWidestTokenTile) {
   EXPECT_EQ(plan.fc1.expected_tiles, 256 * (2 * 2048 / 256) * (256 / 64));
 }
 
+// MoeLayer allocates the planner's workspace once for max_tokens and picks a token tile per call:
+// every call's tile must fit the padding of that one allocation.
+TEST(Planner, WorkspacePaddingCoversTheTileOfEveryCallUpToCapacity) {
+  const DeviceFacts h200 = DeviceFacts::h200_measured();
+  MoeSpec small;
+  small.num_experts = 16;
+  small.top_k = 4;
+  small.hidden = 256;
+  small.intermediate = 256;
+  std::vector<MoeSpec> specs = {small};
+  for (const Workload& w : named_workloads()) specs.push_back(w.spec);
+  for (const MoeSpec& spec : specs) {
+    for (int max_tokens : {1, 3, 16, 100, 1000, 4096, 8192}) {
+      const layout::MoeWorkspaceLayout workspace = plan_moe(spec, max_tokens, max_tokens, h200).workspace;
+      for (int tokens = 1; tokens <= max_tokens; tokens += 1 + tokens / 8) {
+        SCOPED_TRACE("E=" + std::to_string(spec.num_experts) + " max_tokens=" + std::to_string(max_tokens) +
+                     " tokens=" + std::to_string(tokens));
+        EXPECT_LE(choose_token_tile(spec, tokens), workspace.row_padding);
+      }
+    }
+  }
+}
+
 TEST(Planner, IsDeterministicAndPrintable) {
   const MoeSpec spec = workload("qwen3-30b-a3b", Precision::bf16);
   std::ostringstream a, b;
