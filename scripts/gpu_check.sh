@@ -43,8 +43,12 @@ for exe in "$build"/tests/test_kernels_* "$build"/tests/test_api_moe_layer; do
   filter='*'
   [ "$name" = test_api_moe_layer ] && filter=$layer_filter
   start=$(date +%s)
-  "$exe" --gtest_brief=1 --gtest_filter="$filter" >"$out/$name.log" 2>&1 || status=1
-  note "$name: $(grep -cE '^\[       OK|PASSED' "$out/$name.log") ok lines, $(grep -c '^\[  FAILED  \]' "$out/$name.log") failed lines ($(( $(date +%s) - start )) s)"
+  "$exe" --gtest_filter="$filter" >"$out/$name.log" 2>&1 || status=1
+  note "$name: $(grep -c '^\[       OK \]' "$out/$name.log") tests passed, $(grep -c '^\[  FAILED  \]' "$out/$name.log") failed lines ($(( $(date +%s) - start )) s)"
+  # Where the suite's time goes (most of it is the CPU reference and weight generation).
+  while read -r ms test; do
+    [ "$ms" -ge 1000 ] && note "    slowest: $test $(( ms / 1000 )) s"
+  done < <(grep -E '^\[       OK \]' "$out/$name.log" | sed -E 's/.*OK \] (.*) \(([0-9]+) ms\)/\2 \1/' | sort -rn | head -3)
   grep -E "Failure|error|Expected|Which is|evaluates to|actual|MEGAMOE_TEST_SEED" "$out/$name.log" | head -30
   cat "$out/$name.log" >>"$out/tests.log" && rm "$out/$name.log"
   [ "${MEGAMOE_SKIP_SANITIZERS:-0}" = 1 ] && continue
