@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "kernels/ptx/grid_dependency.cuh"
+#include "kernels/routing/order_key.hpp"
 #include "kernels/routing/routing_limits.hpp"
 #include "kernels/scheduler/grouped_tile_scheduler.cuh"
 
@@ -54,21 +55,6 @@ inline constexpr int kRouterWarps = 8;
 inline constexpr int kRouterThreads = 32 * kRouterWarps;
 
 namespace routing_detail {
-
-// Selection runs on 32-bit order keys so that each argmax pass is two warp reductions (redux.sync)
-// instead of a five-step shuffle tree: a single warp's dependent-instruction chain is the whole
-// cost of routing a small batch. key(a) > key(b) exactly when a > b as floats (-0 counts as +0),
-// and an excluded entry (NaN) has key 0, below every number.
-__device__ __forceinline__ uint32_t order_key(float v) {
-  if (isnan(v)) return 0u;
-  if (v == 0.0f) v = 0.0f;
-  const uint32_t bits = __float_as_uint(v);
-  return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
-}
-
-__device__ __forceinline__ float from_order_key(uint32_t key) {
-  return __uint_as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
-}
 
 // Marks an expert as taken or ineligible (key 0). Every legitimate selection value is a number:
 // sanitized logits, or a sigmoid plus a finite bias.
