@@ -4,7 +4,8 @@
 #     "1 128") for each L2 mode in MEGAMOE_DIAG_L2 (default "scrubbed warm"): what each kernel
 #     costs, and what cold caches add to it.
 # (2) Nsight Compute on the forward's kernels at MEGAMOE_DIAG_NCU_TOKENS (default 1; "" skips):
-#     speed of light (DRAM / L2 / SM throughput), memory workload and warp stall reasons, caches
+#     speed of light (DRAM / L2 / SM throughput), memory workload and warp stall reasons (cycles
+#     per issued instruction, averaged over all warps, spinning producers included), caches
 #     flushed before each kernel. MEGAMOE_DIAG_NCU_KERNELS narrows the kernels (a regex).
 # Writes diagnose.log and ncu.log to $OUT (or ./gpu-logs).
 set -uo pipefail
@@ -34,7 +35,8 @@ kernels=${MEGAMOE_DIAG_NCU_KERNELS:-route_and_count|gather_quantize|grouped_gemm
 echo "== ncu at $ncu_tokens tokens (caches flushed before each kernel): $kernels" | tee -a "$log"
 ncu --cache-control all --clock-control none --launch-count 4 -k "regex:$kernels" \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+  --metrics 'regex:smsp__average_warps_issue_stalled_(long_scoreboard|barrier|wait|short_scoreboard|math_pipe_throttle|no_instruction|sleeping|membar|lg_throttle|mio_throttle|branch_resolving|dispatch_stall|selected)_per_issue_active\.ratio' \
   "$bench" --workload "$workload" --tokens "$ncu_tokens" >"$out/ncu.log" 2>&1 || status=1
-grep -E '^  [a-z].*\(|Duration|Throughput|Busy|Warp Cycles Per|Stall|Bandwidth' "$out/ncu.log" |
-  sed -E 's/<.*>\(T2\)/<...>/' | tee -a "$log"
+grep -E '^  [a-z].*\(|Duration|Throughput|Busy|Warp Cycles Per|stalled|Bandwidth' "$out/ncu.log" |
+  sed -E 's/<.*>\(T2\)/<...>/; s/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | tee -a "$log"
 exit $status
