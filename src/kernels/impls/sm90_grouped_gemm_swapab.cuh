@@ -317,7 +317,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
         if constexpr (Config::kFp8) {
           // The weight tile's block scales travel with the stage (a load per K block in the math
-          // warps was a dependent global round trip per block: most of a tiny batch's GEMM time).
+          // warps was a dependent global round trip per block: with the tile search, a third of
+          // FC1 at one token).
           // A last channel block with fewer rows repeats its last scale row; those rows are padding.
           const int scale_rows = p.a_rows / Config::kQuantBlock;
           for (int r = 0; r < Config::kWeightScaleRows; ++r) {

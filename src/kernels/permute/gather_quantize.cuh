@@ -83,8 +83,9 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(GatherP
   const int chunks = p.hidden / kElementsPerThread;
   const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(token) * p.hidden);
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  // x is the caller's input: no kernel of this forward writes it, and the stream finished its
-  // producer before the router started, so the first chunk may load before the grid dependency.
+  // x is the caller's input: no kernel of this forward writes it, and this grid cannot start before
+  // the router released it, which the router does only after waiting for the caller's kernels. So
+  // the first chunk may load before this grid's own dependency wait.
   int chunk = threadIdx.x;
   uint4 raw = chunk < chunks ? source[chunk] : zero;
   ptx::wait_for_prerequisite_grids();
