@@ -71,6 +71,14 @@ for exe in "$build"/tests/test_kernels_* "$build"/tests/test_api_moe_layer; do
   done
 done
 
+# The README's usage as a program: it must run as written.
+if "$build/megamoe-example-forward" >>"$out/tests.log" 2>&1; then
+  note "megamoe-example-forward: ok ($(grep -E 'us per graph replay' "$out/tests.log" | tail -1))"
+else
+  status=1
+  note "megamoe-example-forward: FAILED (see tests.log)"
+fi
+
 sass="$out/sass.txt"
 cuobjdump --dump-sass "$build/libmegamoe_kernels.a" >"$sass" 2>&1
 note "SASS: $(grep -cE 'HGMMA|QGMMA' "$sass") wgmma (HGMMA bf16, QGMMA fp8), $(grep -c 'UTMALDG' "$sass") UTMALDG, $(grep -cE 'LDL|STL' "$sass") local-memory ops"

@@ -12,7 +12,7 @@
 namespace megamoe {
 
 enum class CombineMode {
-  deterministic,  // per-slot fp32 rows reduced in fixed slot order: bit-identical across runs
+  deterministic,  // per-slot bf16 expert rows reduced in fp32 in fixed slot order: bit-identical across runs
   fast,           // FC2 epilogue adds weighted rows with fp32 atomics; order varies run to run
 };
 
