@@ -4,25 +4,18 @@
 # test suite with the GPU suites required, checks the SASS of the kernels, runs compute-sanitizer
 # over the GPU suites, and prints a short summary last. Logs go to $OUT (or ./gpu-logs).
 set -uo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-out=${OUT:-$root/gpu-logs}
-build=$root/build-gpu
-mkdir -p "$out"
-export PATH="$PATH:/usr/local/cuda/bin"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 export MEGAMOE_REQUIRE_GPU=1
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
-[ -f "$root/.deps/cutlass/include/cute/tensor.hpp" ] || { echo "missing .deps/cutlass: run scripts/deps.sh here and carry .deps"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/build.log"
 nvcc --version | tail -2 | tee -a "$out/build.log"
 cmake --version | head -1 | tee -a "$out/build.log"
 
-if cmake -S "$root" -B "$build" -G Ninja -DMEGAMOE_REQUIRE_CUDA=ON >>"$out/build.log" 2>&1 &&
-   cmake --build "$build" --parallel "$(nproc)" >>"$out/build.log" 2>&1; then
+if gpu_build "$out/build.log"; then
   note "build: ok ($(grep -c 'warning' "$out/build.log") warnings, spills: $(grep -ci 'spill' "$out/build.log"))"
 else
-  grep -E "error|FAILED" "$out/build.log" | head -40
   note "build: FAILED"
   printf '%s\n' "${summary[@]}"
   exit 1
