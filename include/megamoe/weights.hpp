@@ -11,11 +11,16 @@
 namespace megamoe {
 
 // Caller weights in the layout vLLM and SGLang store: w13 [E, 2I, H] (gate rows, then up rows)
-// and w2 [E, H, I], row-major, both of `dtype` (bf16 or fp32), in host memory.
+// and w2 [E, H, I], row-major, in host memory, as bf16 or fp32 values, or (fp8_e4m3) as E4M3
+// bytes with one fp32 scale per 128 x 128 block of that layout, the way DeepSeek-V3 checkpoints
+// store weight and weight_scale_inv: value = decode(byte) * scale, w13_scales [E, 2I/128, H/128],
+// w2_scales [E, H/128, I/128].
 struct WeightsView {
   const void* w13 = nullptr;
   const void* w2 = nullptr;
   DType dtype = DType::bf16;
+  const float* w13_scales = nullptr;  // fp8_e4m3 only
+  const float* w2_scales = nullptr;   // fp8_e4m3 only
 };
 
 // Packed weights, row-major with K contiguous (what TMA and wgmma read):
@@ -49,6 +54,11 @@ using PackProgress = std::function<void(int done, int total)>;
 void validate_packed(const MoeSpec& spec, const PackedWeights& packed);
 
 // Validates the spec and the view, then packs. Throws megamoe::Error on bad input.
+// From fp8_e4m3 input: w2's packed blocks are the checkpoint's blocks, so an fp8_block spec with
+// fp32 scales keeps w2's values exactly when the checkpoint's scales are block amax / 448 (the
+// usual rule). A packed w13 block holds 64 gate and 64 up rows, which come from two checkpoint
+// blocks: its values are re-rounded to the E4M3 grid of the larger of the two scales. A bf16 spec
+// converts the decoded values to bf16.
 PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights,
                               const PackProgress& progress = {});
 

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -9,6 +10,7 @@
 #include "megamoe/error.hpp"
 #include "megamoe/weights.hpp"
 #include "ref/fp8_codec.hpp"
+#include "ref/quantize.hpp"
 
 namespace megamoe {
 namespace {
@@ -97,6 +99,69 @@ TEST_P(PrepareFp8, ScalesPerPackedBlockAndBoundedError) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, PrepareFp8, ::testing::Values(ScaleFormat::fp32, ScaleFormat::ue8m0));
 
+// A DeepSeek-V3-style checkpoint: E4M3 bytes with one amax/448 scale per 128x128 block of the
+// original layout.
+struct Fp8Checkpoint {
+  std::vector<uint8_t> w13, w2;
+  std::vector<float> w13_scales, w2_scales;
+  std::vector<float> w13_values, w2_values;  // decode(byte) * scale, what the checkpoint means
+};
+
+Fp8Checkpoint make_checkpoint(test::SeededRng& rng, int E, int H, int I) {
+  Fp8Checkpoint c;
+  auto quantize = [&](int rows, int cols, std::vector<uint8_t>& codes, std::vector<float>& scales,
+                      std::vector<float>& values) {
+    const size_t count = static_cast<size_t>(rows) * cols, blocks = count / (128 * 128);
+    codes.resize(E * count);
+    scales.resize(E * blocks);
+    values.resize(E * count);
+    for (int e = 0; e < E; ++e) {
+      std::vector<float> original = rng.normals(count, 0.05f);
+      original[rng.integer(0, static_cast<int>(count) - 1)] = 0.9f;  // blocks with different scales
+      ref::quantize_blocks_128x128(original.data(), rows, cols, ScaleFormat::fp32, codes.data() + e * count,
+                                   scales.data() + e * blocks);
+      for (size_t i = 0; i < count; ++i) {
+        const int block = static_cast<int>((i / cols) / 128 * (cols / 128) + (i % cols) / 128);
+        values[e * count + i] = ref::e4m3_decode(codes[e * count + i]) * scales[e * blocks + block];
+      }
+    }
+  };
+  quantize(2 * I, H, c.w13, c.w13_scales, c.w13_values);
+  quantize(H, I, c.w2, c.w2_scales, c.w2_values);
+  return c;
+}
+
+TEST(PrepareWeights, Fp8CheckpointInput) {
+  test::SeededRng rng;
+  const int E = 2, H = 256, I = 256;
+  const Fp8Checkpoint c = make_checkpoint(rng, E, H, I);
+  const WeightsView view{c.w13.data(), c.w2.data(), DType::fp8_e4m3, c.w13_scales.data(), c.w2_scales.data()};
+
+  // fp8_block with fp32 scales: w2's blocks are the checkpoint's, so its values survive exactly;
+  // each packed w13 block mixes two checkpoint blocks and is re-rounded on the larger scale's grid.
+  const PackedWeights fp8 = prepare_weights(small_spec(Precision::fp8_block, E, H, I), view);
+  const DequantizedWeights back = unpack_weights(fp8);
+  for (size_t i = 0; i < c.w2_values.size(); ++i) ASSERT_EQ(back.w2[i], c.w2_values[i]) << i;
+  double largest_scale = 0;
+  for (float scale : fp8.w13_scales) largest_scale = std::max<double>(largest_scale, scale);
+  long changed = 0;
+  for (size_t i = 0; i < c.w13_values.size(); ++i) {
+    // Half an E4M3 step: 1/16 relative for normal codes, 2^-10 of the scale below them.
+    ASSERT_NEAR(back.w13[i], c.w13_values[i], std::fabs(c.w13_values[i]) / 16 + largest_scale * 0x1p-10) << i;
+    changed += back.w13[i] != c.w13_values[i];
+  }
+  EXPECT_GT(changed, 0) << "blocks with different scales were merged, so some values must move";
+
+  // bf16: the decoded values, rounded to bf16.
+  const DequantizedWeights bf16 = unpack_weights(prepare_weights(small_spec(Precision::bf16, E, H, I), view));
+  for (size_t i = 0; i < c.w13_values.size(); ++i) {
+    ASSERT_EQ(bf16.w13[i], bf16_t::from_float(c.w13_values[i]).to_float()) << i;
+  }
+  for (size_t i = 0; i < c.w2_values.size(); ++i) {
+    ASSERT_EQ(bf16.w2[i], bf16_t::from_float(c.w2_values[i]).to_float()) << i;
+  }
+}
+
 TEST(PrepareWeights, RejectsBadInput) {
   const MoeSpec spec = small_spec(Precision::fp8_block);
   std::vector<float> w(3ull * 2 * 128 * 256);
@@ -110,7 +175,14 @@ TEST(PrepareWeights, RejectsBadInput) {
   };
   EXPECT_EQ(code_of(WeightsView{nullptr, w.data(), DType::fp32}, spec), ErrorCode::null_pointer);
   EXPECT_EQ(code_of(WeightsView{w.data(), nullptr, DType::fp32}, spec), ErrorCode::null_pointer);
-  EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp8_e4m3}, spec), ErrorCode::invalid_argument);
+  EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp8_e4m3}, spec), ErrorCode::null_pointer);
+  std::vector<float> scales(3 * 2 * 2, 1.0f);
+  scales[5] = std::nanf("");
+  EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp8_e4m3, scales.data(), scales.data()}, spec),
+            ErrorCode::invalid_argument);
+  scales[5] = 0.0f;
+  EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp8_e4m3, scales.data(), scales.data()}, spec),
+            ErrorCode::invalid_argument);
   MoeSpec bad = spec;
   bad.hidden = 200;
   EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp32}, bad), ErrorCode::invalid_spec);
