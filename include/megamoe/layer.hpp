@@ -27,6 +27,9 @@ class MoeLayer {
 
   // y = MoE(x) on `stream`. Validates the arguments first (nothing is launched on bad input);
   // enqueues kernels only: no host synchronization, so it can be captured in a CUDA graph.
+  // Calls share the layer's workspace: two calls may not run at the same time (on two streams
+  // without an event between them, or two graphs replayed concurrently). Order them, or give
+  // each stream its own MoeLayer.
   void forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs,
                CombineMode mode = CombineMode::deterministic);
 
