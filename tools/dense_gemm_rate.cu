@@ -2,19 +2,17 @@
 
 #include <cublasLt.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
-#include <vector>
 
+#include "device_timing.hpp"
 #include "kernels/cuda_check.hpp"
 #include "megamoe/error.hpp"
 
 namespace megamoe::bench {
 namespace {
 
-constexpr int kWarmupCalls = 3;
-constexpr int kTimedCalls = 20;
+constexpr Replays kCalls{3, 20};
 constexpr size_t kWorkspaceBytes = 64ull << 20;
 
 void lt_check(cublasStatus_t status, const char* what) {
@@ -54,22 +52,15 @@ struct LtMatrix {
   LtMatrix& operator=(const LtMatrix&) = delete;
 };
 
-// Everything one measurement allocates, released on every path out (cudaFree waits for the GPU).
-struct Resources {
+// The cuBLASLt objects of one measurement, released on every path out.
+struct LtObjects {
   cublasLtHandle_t handle = nullptr;
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatmulPreference_t preference = nullptr;
-  void* a = nullptr;
-  void* b = nullptr;
-  void* d = nullptr;
-  void* workspace = nullptr;
-  std::vector<cudaEvent_t> events;
-  Resources() = default;
-  Resources(const Resources&) = delete;
-  Resources& operator=(const Resources&) = delete;
-  ~Resources() {
-    for (cudaEvent_t e : events) cudaEventDestroy(e);
-    for (void* p : {a, b, d, workspace}) cudaFree(p);
+  LtObjects() = default;
+  LtObjects(const LtObjects&) = delete;
+  LtObjects& operator=(const LtObjects&) = delete;
+  ~LtObjects() {
     if (preference) cublasLtMatmulPreferenceDestroy(preference);
     if (desc) cublasLtMatmulDescDestroy(desc);
     if (handle) cublasLtDestroy(handle);
@@ -84,60 +75,43 @@ DenseRate measure_dense_rate(Precision precision, cudaStream_t stream, int n) {
   const size_t input_bytes = static_cast<size_t>(n) * n * (fp8 ? 1 : 2);
   const size_t output_bytes = static_cast<size_t>(n) * n * 2;
 
-  Resources r;
-  lt_check(cublasLtCreate(&r.handle), "cublasLtCreate");
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&r.a, input_bytes));
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&r.b, input_bytes));
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&r.d, output_bytes));
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&r.workspace, kWorkspaceBytes));
-  fill_kernel<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(r.a), input_bytes, fp8);
+  DeviceBuffer a(input_bytes), b(input_bytes), d(output_bytes), workspace(kWorkspaceBytes);
+  fill_kernel<<<1024, 256, 0, stream>>>(a.as<uint8_t>(), input_bytes, fp8);
   MEGAMOE_CHECK_LAUNCH("fill_kernel");
-  fill_kernel<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(r.b), input_bytes, fp8);
+  fill_kernel<<<1024, 256, 0, stream>>>(b.as<uint8_t>(), input_bytes, fp8);
   MEGAMOE_CHECK_LAUNCH("fill_kernel");
 
+  LtObjects lt;
+  lt_check(cublasLtCreate(&lt.handle), "cublasLtCreate");
   // Column-major D[n, n] = A^T B with A and B stored K-major, the layout FP8 requires on sm_90.
-  lt_check(cublasLtMatmulDescCreate(&r.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  lt_check(cublasLtMatmulDescCreate(&lt.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
-  lt_check(cublasLtMatmulDescSetAttribute(r.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose),
+  lt_check(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose),
            "set TRANSA");
-  lt_check(cublasLtMatmulDescSetAttribute(r.desc, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof keep), "set TRANSB");
+  lt_check(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof keep), "set TRANSB");
   const LtMatrix a_layout(input_type, n, n), b_layout(input_type, n, n), d_layout(CUDA_R_16BF, n, n);
 
-  lt_check(cublasLtMatmulPreferenceCreate(&r.preference), "cublasLtMatmulPreferenceCreate");
-  lt_check(cublasLtMatmulPreferenceSetAttribute(r.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+  lt_check(cublasLtMatmulPreferenceCreate(&lt.preference), "cublasLtMatmulPreferenceCreate");
+  lt_check(cublasLtMatmulPreferenceSetAttribute(lt.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                 &kWorkspaceBytes, sizeof kWorkspaceBytes),
            "set MAX_WORKSPACE_BYTES");
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  lt_check(cublasLtMatmulAlgoGetHeuristic(r.handle, r.desc, a_layout.layout, b_layout.layout, d_layout.layout,
-                                          d_layout.layout, r.preference, 1, &heuristic, &found),
+  lt_check(cublasLtMatmulAlgoGetHeuristic(lt.handle, lt.desc, a_layout.layout, b_layout.layout, d_layout.layout,
+                                          d_layout.layout, lt.preference, 1, &heuristic, &found),
            "cublasLtMatmulAlgoGetHeuristic");
   if (found == 0) throw Error(ErrorCode::unsupported, "cuBLASLt offers no algorithm for this GEMM");
 
   const float alpha = 1.0f, beta = 0.0f;
-  auto call = [&] {
-    lt_check(cublasLtMatmul(r.handle, r.desc, &alpha, r.a, a_layout.layout, r.b, b_layout.layout, &beta, r.d,
-                            d_layout.layout, r.d, d_layout.layout, &heuristic.algo, r.workspace, kWorkspaceBytes, stream),
+  const double median_s = 1e-3 * median_ms(stream, kCalls, [&] {
+    lt_check(cublasLtMatmul(lt.handle, lt.desc, &alpha, a.as<void>(), a_layout.layout, b.as<void>(), b_layout.layout,
+                            &beta, d.as<void>(), d_layout.layout, d.as<void>(), d_layout.layout, &heuristic.algo,
+                            workspace.as<void>(), kWorkspaceBytes, stream),
              "cublasLtMatmul");
-  };
-  for (int i = 0; i < kWarmupCalls; ++i) call();
-  r.events.resize(2 * kTimedCalls);
-  for (cudaEvent_t& e : r.events) MEGAMOE_CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < kTimedCalls; ++i) {
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(r.events[2 * i], stream));
-    call();
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(r.events[2 * i + 1], stream));
-  }
-  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<float> ms(kTimedCalls);
-  for (int i = 0; i < kTimedCalls; ++i) {
-    MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms[i], r.events[2 * i], r.events[2 * i + 1]));
-  }
-  std::nth_element(ms.begin(), ms.begin() + kTimedCalls / 2, ms.end());
-  const double median_s = ms[kTimedCalls / 2] * 1e-3;
+  });
   return DenseRate{2.0 * n * static_cast<double>(n) * n / median_s,
                    std::string("cuBLASLt ") + (fp8 ? "E4M3 x E4M3 -> bf16" : "bf16 x bf16 -> bf16") +
-                       ", fp32 accumulation, " + std::to_string(n) + "^3, median of " + std::to_string(kTimedCalls) +
+                       ", fp32 accumulation, " + std::to_string(n) + "^3, median of " + std::to_string(kCalls.timed) +
                        " calls in this run"};
 }
 

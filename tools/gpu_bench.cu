@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "bench_json.hpp"
-#include "bench_stats.hpp"
 #include "dense_gemm_rate.hpp"
+#include "device_timing.hpp"
 #include "kernels/cuda_check.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/layer.hpp"
@@ -31,8 +31,7 @@
 namespace megamoe::bench {
 namespace {
 
-constexpr int kWarmupReplays = 10;
-constexpr int kTimedReplays = 100;
+constexpr Replays kReplays{10, 100};
 constexpr int kCheckedTokens = 32;  // rows compared with the CPU reference per token count
 
 // Reads a large buffer once per launch; the XOR keeps the loads alive.
@@ -44,50 +43,6 @@ __global__ void hbm_read_kernel(const uint4* data, size_t count, uint32_t* sink)
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x9E3779B9u) sink[0] = acc;  // practically never true; the compiler cannot know
-}
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) { MEGAMOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes)); }
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <class T>
-  T* as() const { return static_cast<T*>(ptr_); }
-  size_t bytes() const { return bytes_; }
-  template <class T>
-  void upload(const std::vector<T>& host) {
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_;
-};
-
-// Median time of `launch` over kTimedReplays, each between its own pair of events; `before_each`
-// runs outside the events.
-template <class Launch, class Before>
-double median_ms(cudaStream_t stream, Launch&& launch, Before&& before_each) {
-  for (int i = 0; i < kWarmupReplays; ++i) launch();
-  std::vector<cudaEvent_t> events(2 * kTimedReplays);
-  for (cudaEvent_t& e : events) MEGAMOE_CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < kTimedReplays; ++i) {
-    before_each();
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(events[2 * i], stream));
-    launch();
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(events[2 * i + 1], stream));
-  }
-  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<float> ms(kTimedReplays);
-  for (int i = 0; i < kTimedReplays; ++i) MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms[i], events[2 * i], events[2 * i + 1]));
-  for (cudaEvent_t& e : events) cudaEventDestroy(e);
-  return median(ms);
-}
-
-template <class Launch>
-double median_ms(cudaStream_t stream, Launch&& launch) {
-  return median_ms(stream, std::forward<Launch>(launch), [] {});
 }
 
 // One pass of hbm_read_kernel over a buffer of its own: the HBM bandwidth measurement (2 GiB) and
@@ -166,7 +121,7 @@ Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, BeforeReplay& b
     }
     cudaGraphExec_t exec;
     MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, cut, 0));
-    const double us = 1e3 * median_ms(stream, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
+    const double us = 1e3 * median_ms(stream, kReplays, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(cut);
     const std::string name = node_name(chain[i]);
@@ -179,7 +134,7 @@ Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, BeforeReplay& b
 
 double measure_hbm_read_bytes_per_s(cudaStream_t stream, int num_sms) {
   BufferReader reader(stream, size_t{2} << 30, num_sms);
-  const double ms = median_ms(stream, reader);
+  const double ms = median_ms(stream, kReplays, reader);
   return reader.bytes() / (ms * 1e-3);
 }
 
@@ -290,7 +245,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     layer.forward(stream, inputs, MoeOutputs{y_dev.as<void>()});
     MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    const double ms = median_ms(stream, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
+    const double ms = median_ms(stream, kReplays, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
     cudaGraphExecDestroy(exec);
     Json breakdown = Json::array();
     if (o.breakdown) breakdown = time_graph_prefixes(graph, stream, before_replay, tokens);
@@ -310,7 +265,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
 
     // The baseline on the same inputs, checked against unquantized math (it computes in bf16).
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(y_dev.as<void>(), 0xFF, x.size() * 2, stream));
-    const double baseline_us = 1e3 * median_ms(stream, [&] {
+    const double baseline_us = 1e3 * median_ms(stream, kReplays, [&] {
       baseline.forward(stream, tokens, x_dev.as<void>(), ids_dev.as<int32_t>(), weights_dev.as<float>(), y_dev.as<void>());
     }, before_replay);
     MEGAMOE_CUDA_CHECK(cudaMemcpy(y.data(), y_dev.as<void>(), y.size() * 2, cudaMemcpyDeviceToHost));
