@@ -18,6 +18,7 @@
 namespace megamoe::kernels {
 
 inline constexpr int kGatherThreads = 256;
+inline constexpr int kGatherChunkElements = 8;  // one 16-byte load of bf16 per thread and chunk
 
 struct GatherParams {
   int num_tokens;
@@ -39,14 +40,13 @@ struct GatherParams {
 template <bool kFp8>
 __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, int chunk, bool in_range,
                                             const int32_t* slot_rows) {
-  constexpr int kElementsPerLane = 8;
-  constexpr int kLanesPerBlock = 128 / kElementsPerLane;
+  constexpr int kLanesPerBlock = 128 / kGatherChunkElements;
   if constexpr (kFp8) {
     const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
-    float f[kElementsPerLane];
+    float f[kGatherChunkElements];
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kElementsPerLane; ++i) {
+    for (int i = 0; i < kGatherChunkElements; ++i) {
       f[i] = __bfloat162float(v[i]);
       amax = fmaxf(amax, fabsf(f[i]));
     }
@@ -58,7 +58,7 @@ __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, in
     uint2 packed;
     uint16_t* pairs = reinterpret_cast<uint16_t*>(&packed);
 #pragma unroll
-    for (int i = 0; i < kElementsPerLane / 2; ++i) pairs[i] = encode_e4m3x2(f[2 * i] * s.factor, f[2 * i + 1] * s.factor);
+    for (int i = 0; i < kGatherChunkElements / 2; ++i) pairs[i] = encode_e4m3x2(f[2 * i] * s.factor, f[2 * i + 1] * s.factor);
     const int block = chunk / kLanesPerBlock;
     for (int j = 0; j < p.top_k; ++j) {
       const int row = slot_rows[j];
@@ -77,10 +77,9 @@ __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, in
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(GatherParams p) {
-  constexpr int kElementsPerThread = 8;  // one 16-byte load of bf16
   __shared__ int32_t slot_rows[kMaxTopK];
   const int token = blockIdx.x;
-  const int chunks = p.hidden / kElementsPerThread;
+  const int chunks = p.hidden / kGatherChunkElements;
   const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(token) * p.hidden);
   const uint4 zero = make_uint4(0, 0, 0, 0);
   // x is the caller's input: no kernel of this forward writes it, and this grid cannot start before
