@@ -95,12 +95,6 @@ void route_grouped(const DeepseekGrouped& mode, const MoeSpec& spec, const float
 
 }  // namespace
 
-float sanitize_logit(float logit) {
-  if (std::isnan(logit)) return -FLT_MAX;
-  if (std::isinf(logit)) return logit > 0 ? FLT_MAX : -FLT_MAX;
-  return logit;
-}
-
 RoutingResult route(const MoeSpec& spec, const float* logits, int num_tokens) {
   RoutingResult out;
   out.num_tokens = num_tokens;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/routing/selection.hpp"
 #include "megamoe/spec.hpp"
 
 namespace megamoe::ref {
@@ -24,7 +25,7 @@ struct RoutingResult {
 // softmax_topk or deepseek_grouped; logits [T, E]. Throws for precomputed routing.
 RoutingResult route(const MoeSpec& spec, const float* logits, int num_tokens);
 
-float sanitize_logit(float logit);
+using kernels::sanitize_logit;  // the router kernel's rule (kernels/routing/selection.hpp)
 
 // Per-token validity of precomputed ids: an id is used iff 0 <= id < E and no earlier slot of the
 // same token holds it; -1 is silently unused; any other unused id counts as invalid.

@@ -16,7 +16,7 @@
 #include <cstdint>
 
 #include "kernels/ptx/grid_dependency.cuh"
-#include "kernels/routing/order_key.hpp"
+#include "kernels/routing/selection.hpp"
 #include "kernels/routing/routing_limits.hpp"
 #include "kernels/scheduler/grouped_tile_scheduler.cuh"
 
@@ -91,12 +91,6 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-__device__ __forceinline__ float sanitize(float logit) {
-  if (isnan(logit)) return -FLT_MAX;
-  if (isinf(logit)) return logit > 0 ? FLT_MAX : -FLT_MAX;
-  return logit;
-}
-
 // Group score of the deepseek mode: the sum of the group's `per_group` (1 or 2) best values, in
 // the reference's order (best first). One lane walks one group.
 __device__ __forceinline__ float group_score(const float* values, int first, int size, int per_group) {
@@ -164,7 +158,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
       for (int b = 0; b < kLoadsInFlight; ++b) {
         const int e = first + 32 * b + lane;
         if (e < E) {
-          value[e] = sanitize(logit[b]);
+          value[e] = sanitize_logit(logit[b]);
           score[e] = softmax ? value[e] : bias[b];
         }
       }

@@ -1,6 +1,7 @@
 // order_key must order every pair of non-NaN floats exactly as the reference's `>` and `==` do,
-// or the router picks a different expert than src/ref/routing.cpp on some input.
-#include "kernels/routing/order_key.hpp"
+// or the router picks a different expert than src/ref/routing.cpp on some input; sanitize_logit
+// must leave no NaN or infinity.
+#include "kernels/routing/selection.hpp"
 
 #include <gtest/gtest.h>
 
@@ -30,6 +31,18 @@ std::vector<float> special_values() {
   const float inf = std::numeric_limits<float>::infinity();
   return {-inf, -FLT_MAX, -1.5f, -1.0f, -FLT_MIN, -from_bits(1), -0.0f, 0.0f, from_bits(1), FLT_MIN, 1.0f,
           1.5f, FLT_MAX, inf};
+}
+
+TEST(SanitizeLogit, MapsNanAndInfinitiesToFiniteExtremesAndKeepsNumbers) {
+  EXPECT_EQ(sanitize_logit(std::nanf("")), -FLT_MAX);
+  EXPECT_EQ(sanitize_logit(from_bits(0xFFC00000u)), -FLT_MAX);
+  EXPECT_EQ(sanitize_logit(std::numeric_limits<float>::infinity()), FLT_MAX);
+  EXPECT_EQ(sanitize_logit(-std::numeric_limits<float>::infinity()), -FLT_MAX);
+  for (float v : special_values()) {
+    if (std::isfinite(v)) {
+      EXPECT_EQ(bits_of(sanitize_logit(v)), bits_of(v)) << v;
+    }
+  }
 }
 
 TEST(OrderKey, OrdersSpecialValuesLikeFloatComparison) {
