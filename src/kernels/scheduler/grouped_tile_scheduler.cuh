@@ -33,17 +33,14 @@ struct GroupedTileScheduler {
   // only tile of a tiny batch waits for that chain before its first TMA load). Lane l touches
   // element 32 l of each array: one element per 128-byte line, and lane 0 also the last one.
   __device__ __forceinline__ void prefetch_to_l1(int lane) const {
-    constexpr int kIntsPerLine = 32;
-    for (int i = lane * kIntsPerLine; i <= num_experts; i += 32 * kIntsPerLine) {
-      ptx::prefetch_l1(token_tile_prefix + i);
-      ptx::prefetch_l1(expert_offsets + i);
-      ptx::prefetch_l1(expert_rows + (i < num_experts ? i : num_experts - 1));
-    }
-    if (lane == 0) {
-      ptx::prefetch_l1(token_tile_prefix + num_experts);
-      ptx::prefetch_l1(expert_offsets + num_experts);
-      ptx::prefetch_l1(expert_rows + num_experts - 1);
-    }
+    auto touch = [lane](const int32_t* array, int count) {
+      constexpr int kIntsPerLine = 32;
+      for (int i = lane * kIntsPerLine; i < count; i += 32 * kIntsPerLine) ptx::prefetch_l1(array + i);
+      if (lane == 0) ptx::prefetch_l1(array + count - 1);
+    };
+    touch(token_tile_prefix, num_experts + 1);
+    touch(expert_offsets, num_experts + 1);
+    touch(expert_rows, num_experts);
   }
 
   __device__ __forceinline__ int num_tiles() const { return token_tile_prefix[num_experts] * channel_blocks; }
