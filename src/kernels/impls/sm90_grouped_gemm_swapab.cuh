@@ -59,6 +59,7 @@ struct GroupedGemmConfig {
   static_assert(kStages >= 3, "at least 3 stages to hide TMA latency");
   static_assert(!(kFp8 && kBlockK != kQuantBlock), "fp8 promotion assumes one scale block per stage");
   static constexpr int kWeightScaleRows = kBlockM / kQuantBlock;  // weight scale blocks per stage
+  static_assert(kQuantBlock % 64 == 0, "the rows of one m64 wgmma atom share a weight scale block");
   // A stage is full after the producer's arrive.expect_tx and its bytes, and (fp8) the arrival
   // made when its cp.async of the weight scales lands.
   static constexpr uint32_t kFullArrivals = kFp8 ? 2 : 1;
@@ -382,9 +383,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   auto finish_block = [&](auto& block, int stage) {
     warpgroup_fence_operand(block);
     if constexpr (Config::kFp8) {
+      // A warp's rows share their weight scale block, so the lane that hands the stage back reads
+      // the two scales and broadcasts them: the producer's cp.async that later rewrites them is
+      // then ordered after the read by that lane's own arrival (a read by the other lanes would be
+      // ordered by the __syncwarp alone, which compute-sanitizer racecheck does not follow).
       float weight_scale[2];
       CUTE_UNROLL
-      for (int m = 0; m < 2; ++m) weight_scale[m] = smem.weight_scales[stage][base_row[m] / Config::kQuantBlock];
+      for (int m = 0; m < 2; ++m) {
+        const float mine = lane == 0 ? smem.weight_scales[stage][base_row[m] / Config::kQuantBlock] : 0.0f;
+        weight_scale[m] = __shfl_sync(0xffffffffu, mine, 0);
+      }
       const float* token_scale = smem.token_scales + stage * Config::kScaleStageStride;
       CUTE_UNROLL
       for (int v2 = 0; v2 < Config::kBlockN / 8; ++v2)
