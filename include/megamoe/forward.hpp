@@ -15,6 +15,13 @@ struct MoeInputs {
   const float* router_logits = nullptr;   // [T, E] fp32 (softmax_topk, deepseek_grouped)
   const int32_t* topk_ids = nullptr;      // [T, k] int32 (precomputed); -1 = not routed here
   const float* topk_weights = nullptr;    // [T, k] fp32 (precomputed)
+  // Optional device int32: only the first *num_valid_tokens rows (clamped to [0, T]) are real;
+  // the rest are padding that routes nowhere and whose y rows are left as they were. For callers
+  // whose token count is known on the device only (a CUDA graph captured at a padded size, or the
+  // rows an expert-parallel dispatch received): T is then the upper bound that sizes the launch.
+  // The GPU forward reads it after the previous kernel on the stream finished; the CPU reference
+  // does not take it.
+  const int32_t* num_valid_tokens = nullptr;
 };
 
 struct MoeOutputs {

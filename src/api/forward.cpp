@@ -46,6 +46,7 @@ void validate_forward_args(const MoeSpec& spec, int capacity_tokens, const MoeIn
   const size_t E = static_cast<size_t>(spec.num_experts);
   const size_t k = static_cast<size_t>(spec.top_k);
   require_pointer(inputs.x, "x", kActivationAlignment);
+  if (inputs.num_valid_tokens != nullptr) require_pointer(inputs.num_valid_tokens, "num_valid_tokens", alignof(int32_t));
   require_pointer(outputs.y, "y", kActivationAlignment);
 
   Span inputs_read[3] = {{"x", reinterpret_cast<uintptr_t>(inputs.x), T * H * 2}, {}, {}};

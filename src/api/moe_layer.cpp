@@ -123,6 +123,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   validate_forward_args(spec_, max_tokens_, inputs, outputs);
   kernels::MoeForwardLaunch f{};
   f.num_tokens = inputs.num_tokens;
+  f.num_valid_tokens = inputs.num_valid_tokens;
   f.num_experts = spec_.num_experts;
   f.top_k = spec_.top_k;
   f.hidden = spec_.hidden;

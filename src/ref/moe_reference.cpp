@@ -113,6 +113,10 @@ void compute_experts(const MoeSpec& spec, ActivationPath path, const ExpertLoade
 ReferenceReport run_reference(const MoeSpec& spec, ActivationPath path, const ExpertLoader& load_expert,
                               const MoeInputs& inputs, const MoeOutputs& outputs, const ReferenceProgress& progress) {
   validate_forward_args(spec, inputs.num_tokens, inputs, outputs);
+  if (inputs.num_valid_tokens != nullptr) {
+    throw Error(ErrorCode::invalid_argument,
+                "the CPU reference takes no num_valid_tokens (a device-side count): pass the valid count as num_tokens");
+  }
   const int T = inputs.num_tokens, H = spec.hidden, k = spec.top_k;
   ReferenceReport report;
   if (std::holds_alternative<Precomputed>(spec.routing)) {

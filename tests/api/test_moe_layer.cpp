@@ -326,6 +326,45 @@ TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   cudaStreamDestroy(stream);
 }
 
+// A device-side token count (how expert parallelism hands over the rows it received): the rows
+// before it match the reference, the padding rows after it keep their poison, whatever stale
+// routing they hold, and a count past num_tokens is clamped.
+TEST(MoeLayer, DeviceTokenCountComputesOnlyTheValidRows) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case c{"qwen35-a3b", Precision::fp8_block, 128, RoutingKind::precomputed, Skew::uniform, CombineMode::deterministic};
+  LayerFixture& f = fixture_for(c, rng.seed());
+  const int H = f.spec.hidden;
+  const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  test::DeviceBuffer<bf16_t> x(in.x.size()), y(static_cast<size_t>(c.tokens) * H);
+  test::DeviceBuffer<float> weights(in.weights.size());
+  test::DeviceBuffer<int32_t> ids(in.ids.size()), valid(1);
+  x.upload(in.x);
+  ids.upload(in.ids);
+  weights.upload(in.weights);
+  for (const int count : {rng.integer(1, c.tokens - 1), 0, c.tokens + 5}) {
+    valid.upload(std::vector<int32_t>{count});
+    y.poison();
+    MoeInputs call{c.tokens, x.get(), nullptr, ids.get(), weights.get()};
+    call.num_valid_tokens = valid.get();
+    f.layer->forward(nullptr, call, MoeOutputs{y.get()});
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<bf16_t> got = y.download();
+    const int rows = std::min(count, c.tokens);
+    if (rows > 0) {
+      std::vector<bf16_t> want(static_cast<size_t>(rows) * H);
+      const ref::ReferenceReport report = ref::reference_forward(f.spec, f.packed, in.view(rows), MoeOutputs{want.data()});
+      const Comparison tight = compare(std::vector<bf16_t>(got.begin(), got.begin() + want.size()), report.y);
+      EXPECT_EQ(tight.non_finite, 0) << "valid count " << count;
+      expect_tight(c.precision, tight);
+    }
+    long written_padding = 0;
+    for (size_t i = static_cast<size_t>(rows) * H; i < got.size(); ++i) written_padding += got[i].bits != 0xFFFF;
+    EXPECT_EQ(written_padding, 0) << "padding values written with valid count " << count;
+  }
+  EXPECT_EQ(f.layer->take_invalid_routing_ids(nullptr), 0);
+}
+
 TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;

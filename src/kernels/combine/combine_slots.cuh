@@ -9,11 +9,13 @@
 #include <cstdint>
 
 #include "kernels/ptx/grid_dependency.cuh"
+#include "kernels/routing/valid_tokens.cuh"
 
 namespace megamoe::kernels {
 
 struct CombineParams {
   int num_tokens;
+  const int32_t* num_valid_tokens;  // device count, or null: all num_tokens rows are real
   int top_k;
   int hidden;
   const int32_t* routed_ids;      // [T, k]
@@ -30,7 +32,7 @@ __global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
   const long index = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
-  if (index >= static_cast<long>(p.num_tokens) * vectors_per_token) return;
+  if (index >= static_cast<long>(valid_tokens(p.num_tokens, p.num_valid_tokens)) * vectors_per_token) return;
   const int token = static_cast<int>(index / vectors_per_token);
   const int column = static_cast<int>(index % vectors_per_token) * kVector;
 

@@ -115,6 +115,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   void* ws = f.workspace;
   RoutingParams routing{};
   routing.num_tokens = T;
+  routing.num_valid_tokens = f.num_valid_tokens;
   routing.num_experts = f.num_experts;
   routing.top_k = f.top_k;
   routing.mode = static_cast<RoutingMode>(f.routing_mode);
@@ -146,6 +147,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
 
   GatherParams gather{};
   gather.num_tokens = T;
+  gather.num_valid_tokens = f.num_valid_tokens;
   gather.top_k = f.top_k;
   gather.hidden = f.hidden;
   gather.pool_rows = static_cast<int>(w.pool_rows);
@@ -174,6 +176,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
 
   CombineParams combine{};
   combine.num_tokens = T;
+  combine.num_valid_tokens = f.num_valid_tokens;
   combine.top_k = f.top_k;
   combine.hidden = f.hidden;
   combine.routed_ids = routing.routed_ids;

@@ -15,6 +15,7 @@ namespace megamoe::kernels {
 struct MoeForwardLaunch {
   // Shapes and modes.
   int num_tokens;
+  const int32_t* num_valid_tokens;  // device count of real rows, or null
   int num_experts;
   int top_k;
   int hidden;

@@ -14,6 +14,7 @@
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/quant/fp8_block_scale.cuh"
 #include "kernels/routing/routing_limits.hpp"
+#include "kernels/routing/valid_tokens.cuh"
 
 namespace megamoe::kernels {
 
@@ -22,6 +23,7 @@ inline constexpr int kGatherChunkElements = 8;  // one 16-byte load of bf16 per 
 
 struct GatherParams {
   int num_tokens;
+  const int32_t* num_valid_tokens;  // device count, or null: all num_tokens rows are real
   int top_k;
   int hidden;
   int pool_rows;
@@ -89,6 +91,7 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(GatherP
   uint4 raw = chunk < chunks ? source[chunk] : zero;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
+  if (token >= valid_tokens(p.num_tokens, p.num_valid_tokens)) return;  // padding: the router left it unrouted
 
   // Thread j < k looks up slot j's pool row (-1: unused) while the first chunk is on its way.
   if (threadIdx.x < p.top_k) {

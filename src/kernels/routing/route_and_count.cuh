@@ -18,6 +18,7 @@
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/routing/selection.hpp"
 #include "kernels/routing/routing_limits.hpp"
+#include "kernels/routing/valid_tokens.cuh"
 #include "kernels/scheduler/grouped_tile_scheduler.cuh"
 
 namespace megamoe::kernels {
@@ -26,6 +27,7 @@ enum class RoutingMode : int { softmax_topk = 0, deepseek_grouped = 1, precomput
 
 struct RoutingParams {
   int num_tokens;
+  const int32_t* num_valid_tokens;  // device count, or null: all num_tokens rows are real
   int num_experts;
   int top_k;
   RoutingMode mode;
@@ -256,7 +258,7 @@ __global__ void __launch_bounds__(kRouterThreads) route_and_count_kernel(Routing
   const int token = blockIdx.x * kRouterWarps + warp;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
-  if (token < p.num_tokens) route_token(p, token, lane, selection_values[warp], weight_scores[warp]);
+  if (token < valid_tokens(p.num_tokens, p.num_valid_tokens)) route_token(p, token, lane, selection_values[warp], weight_scores[warp]);
 
   // The last block to finish scans the counts: one launch fewer than a scan kernel of its own.
   __shared__ bool last_block;
