@@ -7,6 +7,7 @@
 #include "kernels/comm/ep_dispatch.cuh"
 #include "kernels/comm/rank_barrier.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/launch.hpp"
 #include "megamoe/error.hpp"
 
 namespace megamoe::comm {
@@ -14,7 +15,6 @@ namespace {
 
 constexpr auto kBootstrapTimeout = std::chrono::seconds(60);
 constexpr long long kBarrierTimeoutCycles = 20'000'000'000LL;  // ~10 s at 1.98 GHz
-constexpr size_t kDefaultSharedMemoryBytes = 48 * 1024;  // dynamic shared memory without opting in
 
 }  // namespace
 
@@ -31,16 +31,16 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
                                              " must be a multiple of the world size " + std::to_string(world));
   }
   if (world > layout::EpBufferLayout::kSignalSlots) throw Error(ErrorCode::unsupported, "too many ranks for one node");
-  if (kernels::ep_publish_smem_bytes(spec.num_experts, world) > kDefaultSharedMemoryBytes) {
-    throw Error(ErrorCode::unsupported, "num_experts=" + std::to_string(spec.num_experts) + " on " +
-                                            std::to_string(world) + " ranks needs more shared memory for dispatch than " +
-                                            std::to_string(kDefaultSharedMemoryBytes) + " bytes");
+  if (spec.top_k > spec.num_experts / world) {
+    // The local pass sees a token's k slots, so it needs at least k experts per rank.
+    throw Error(ErrorCode::unsupported, "top_k=" + std::to_string(spec.top_k) + " exceeds the " +
+                                            std::to_string(spec.num_experts / world) + " experts per rank");
   }
   layout_ = layout::EpBufferLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank);
 
+  // The local pass: every local expert of each received token, summed with the routing weights.
   MoeSpec local = spec;
   local.num_experts = layout_.experts_per_rank;
-  local.top_k = 1;  // each received row goes to exactly one local expert
   local_experts_ = std::make_unique<MoeLayer>(local, local_weights, static_cast<int>(layout_.max_recv_rows));
 
   cudaDeviceProp prop{};
@@ -49,86 +49,84 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
   MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_sms_ = prop.multiProcessorCount;
   buffer_ = std::make_unique<SymmetricMemory>(rendezvous, "ep", layout_.total_bytes, kBootstrapTimeout);
-  slot_rank_ = cuda_alloc<int32_t>(static_cast<size_t>(max_tokens_per_rank) * spec.top_k);
-  tile_counts_ =
-      cuda_alloc<int32_t>(static_cast<size_t>(kernels::ep_dispatch_tiles(max_tokens_per_rank, spec.top_k)) * spec.num_experts);
-  tiles_done_ = cuda_alloc<uint32_t>(1);
-  MEGAMOE_CUDA_CHECK(cudaMemset(tiles_done_, 0, sizeof(uint32_t)));
-  recv_local_expert_ = cuda_alloc<int32_t>(layout_.max_recv_rows);
+  token_dest_ = cuda_alloc<int32_t>(static_cast<size_t>(max_tokens_per_rank) * world);
+  tile_counts_ = cuda_alloc<int32_t>(static_cast<size_t>(kernels::ep_dispatch_tiles(max_tokens_per_rank)) * world);
+  dest_base_ = cuda_alloc<int32_t>(world);
+  recv_total_ = cuda_alloc<int32_t>(1);
+  tickets_ = cuda_alloc<uint32_t>(3);
+  MEGAMOE_CUDA_CHECK(cudaMemset(tickets_, 0, 3 * sizeof(uint32_t)));
   expert_rows_ = cuda_alloc<uint16_t>(layout_.max_recv_rows * spec.hidden);
   error_flags_ = cuda_alloc<int32_t>(4);
   MEGAMOE_CUDA_CHECK(cudaMemset(error_flags_, 0, 4 * sizeof(int32_t)));
-  ones_ = cuda_alloc<float>(layout_.max_recv_rows);
-  const std::vector<float> ones(layout_.max_recv_rows, 1.0f);
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(ones_, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
 }
 
 EpLayer::~EpLayer() {
-  for (void* p : {static_cast<void*>(slot_rank_), static_cast<void*>(recv_local_expert_), expert_rows_,
-                  static_cast<void*>(error_flags_), static_cast<void*>(ones_), static_cast<void*>(tile_counts_),
-                  static_cast<void*>(tiles_done_)}) {
+  for (void* p : {static_cast<void*>(token_dest_), static_cast<void*>(tile_counts_), static_cast<void*>(dest_base_),
+                  static_cast<void*>(recv_total_), static_cast<void*>(tickets_), expert_rows_,
+                  static_cast<void*>(error_flags_)}) {
     cudaFree(p);
   }
 }
 
-void EpLayer::barrier(cudaStream_t stream) {
-  kernels::RankBarrierParams p{buffer_->device_peer_table(), layout_.signals, rendezvous_.rank(),
-                               rendezvous_.world_size(), ++barrier_epoch_, kBarrierTimeoutCycles};
-  kernels::rank_barrier_kernel<<<1, 32 * ((rendezvous_.world_size() + 31) / 32), 0, stream>>>(p);
+namespace {
+
+kernels::RankBarrierParams barrier_params(const SymmetricMemory& buffer, const layout::EpBufferLayout& layout,
+                                          const FileRendezvous& rendezvous) {
+  return kernels::RankBarrierParams{buffer.device_peer_table(), layout.signals, rendezvous.rank(),
+                                    rendezvous.world_size(), kBarrierTimeoutCycles};
+}
+
+// Blocks of the row-moving launches: enough to keep every SM's NVLink writes in flight.
+int row_blocks(int num_sms, long rows) { return static_cast<int>(std::clamp<long>(rows, 1, 8L * num_sms)); }
+
+}  // namespace
+
+void EpLayer::synchronize_ranks(cudaStream_t stream) {
+  kernels::rank_barrier_kernel<<<1, 32 * ((rendezvous_.world_size() + 31) / 32), 0, stream>>>(
+      barrier_params(*buffer_, layout_, rendezvous_), ++barrier_epoch_);
   MEGAMOE_CHECK_LAUNCH("rank_barrier_kernel");
 }
 
 void EpLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
   validate_forward_args(spec_, layout_.max_tokens_per_rank, inputs, outputs);
-  compute(stream, dispatch(stream, inputs));
+  dispatch(stream, inputs);
+  compute(stream);
   combine(stream, inputs, outputs);
 }
 
-int EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
+void EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
   kernels::EpDispatchParams d{};
   d.peer_bases = buffer_->device_peer_table();
   d.layout = layout_;
+  d.barrier = barrier_params(*buffer_, layout_, rendezvous_);
+  d.count_epoch = ++barrier_epoch_;
+  d.push_epoch = ++barrier_epoch_;
   d.rank = rendezvous_.rank();
   d.num_tokens = inputs.num_tokens;
   d.num_experts = spec_.num_experts;
   d.topk_ids = inputs.topk_ids;
+  d.topk_weights = inputs.topk_weights;
   d.x = static_cast<const uint4*>(inputs.x);
-  d.slot_rank = slot_rank_;
-  d.error_flags = error_flags_;
-  d.recv_local_expert = recv_local_expert_;
+  d.token_dest = token_dest_;
   d.tile_counts = tile_counts_;
-  d.tiles_done = tiles_done_;
-
+  d.dest_base = dest_base_;
+  d.recv_total = recv_total_;
+  d.error_flags = error_flags_;
+  d.tickets = tickets_;
   // A rank with no tokens still takes part: its counts (zeros) and barriers are owed to the peers.
-  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(buffer_->local()) + layout_.arrivals, 0,
-                                     sizeof(uint32_t) * layout_.experts_per_rank, stream));
-  const int tiles = kernels::ep_dispatch_tiles(inputs.num_tokens, spec_.top_k);
-  kernels::ep_count_kernel<<<tiles, kernels::kDispatchTileSlots, kernels::ep_count_smem_bytes(spec_.num_experts),
-                             stream>>>(d);
-  MEGAMOE_CHECK_LAUNCH("ep_count_kernel");
-  barrier(stream);
-  // Past the tiles, extra blocks only stage x, so that small batches still copy with every SM.
-  kernels::ep_publish_kernel<<<std::max(tiles, num_sms_), kernels::kDispatchTileSlots,
-                               kernels::ep_publish_smem_bytes(spec_.num_experts, rendezvous_.world_size()), stream>>>(d);
-  MEGAMOE_CHECK_LAUNCH("ep_publish_kernel");
-  barrier(stream);
-  kernels::ep_pull_kernel<<<num_sms_ * 4, 256, 0, stream>>>(d);
-  MEGAMOE_CHECK_LAUNCH("ep_pull_kernel");
-
-  // The local pass needs its row count on the host (staged design; the fused kernel will not).
-  std::vector<int32_t> counts(static_cast<size_t>(layout_.world_size) * layout_.experts_per_rank);
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(counts.data(), static_cast<char*>(buffer_->local()) + layout_.recv_counts,
-                                     counts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
-  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  int received = 0;
-  for (int32_t c : counts) received += c;
-  return received;
+  // Each launch overlaps the previous kernel's tail and waits for it before touching memory.
+  kernels::launch_overlapping_previous(kernels::ep_count_kernel, kernels::ep_dispatch_tiles(inputs.num_tokens),
+                                       kernels::kDispatchTileTokens, 0, stream, "ep_count_kernel", d);
+  kernels::launch_overlapping_previous(kernels::ep_push_kernel, row_blocks(num_sms_, inputs.num_tokens),
+                                       kernels::kEpRowThreads, 0, stream, "ep_push_kernel", d);
 }
 
-void EpLayer::compute(cudaStream_t stream, int received) {
-  if (received == 0) return;
-  const MoeInputs local{received, static_cast<char*>(buffer_->local()) + layout_.recv_tokens, nullptr,
-                        recv_local_expert_, ones_};
+void EpLayer::compute(cudaStream_t stream) {
+  const char* buffer = static_cast<const char*>(buffer_->local());
+  MoeInputs local{static_cast<int>(layout_.max_recv_rows), buffer + layout_.recv_tokens, nullptr,
+                  reinterpret_cast<const int32_t*>(buffer + layout_.recv_ids),
+                  reinterpret_cast<const float*>(buffer + layout_.recv_weights)};
+  local.num_valid_tokens = recv_total_;
   local_experts_->forward(stream, local, MoeOutputs{expert_rows_});
 }
 
@@ -136,23 +134,27 @@ void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
   kernels::EpCombineParams c{};
   c.peer_bases = buffer_->device_peer_table();
   c.layout = layout_;
+  c.barrier = barrier_params(*buffer_, layout_, rendezvous_);
+  c.push_epoch = ++barrier_epoch_;
   c.rank = rendezvous_.rank();
   c.num_tokens = inputs.num_tokens;
+  c.recv_total = recv_total_;
   c.expert_rows = static_cast<const uint4*>(expert_rows_);
-  c.slot_rank = slot_rank_;
-  c.topk_weights = inputs.topk_weights;
+  c.token_dest = token_dest_;
   c.y = static_cast<__nv_bfloat16*>(outputs.y);
-  kernels::ep_push_kernel<<<num_sms_ * 4, 256, 0, stream>>>(c);
-  MEGAMOE_CHECK_LAUNCH("ep_push_kernel");
-  barrier(stream);
+  c.ticket = tickets_ + 2;
+  // The received row count is on the device; the grid walks it whatever its size, and is sized for
+  // as many rows as this rank sends (ranks usually carry similar batches).
+  kernels::launch_overlapping_previous(kernels::ep_combine_push_kernel,
+                                       row_blocks(num_sms_, static_cast<long>(layout_.world_size) * inputs.num_tokens),
+                                       kernels::kEpRowThreads, 0, stream, "ep_combine_push_kernel", c);
+  // The next call's dispatch rewrites peers' buffers only after its count barrier, which no rank
+  // passes before every rank has finished this reduction: no closing barrier is needed.
   if (inputs.num_tokens > 0) {
     const long threads = static_cast<long>(inputs.num_tokens) * (spec_.hidden / 8);
-    kernels::ep_reduce_kernel<<<static_cast<int>((threads + 255) / 256), 256, 0, stream>>>(c);
-    MEGAMOE_CHECK_LAUNCH("ep_reduce_kernel");
+    kernels::launch_overlapping_previous(kernels::ep_reduce_kernel, static_cast<int>((threads + 255) / 256), 256, 0,
+                                         stream, "ep_reduce_kernel", c);
   }
-  // The next call's count kernel overwrites recv_counts on its peers: keep every rank out of it
-  // until all have finished reading this call's buffers.
-  barrier(stream);
 }
 
 long EpLayer::take_invalid_routing_ids(cudaStream_t stream) {
@@ -164,20 +166,22 @@ long EpLayer::take_invalid_routing_ids(cudaStream_t stream) {
 }
 
 EpLayer::Delivered EpLayer::last_delivered(cudaStream_t stream) const {
-  Delivered d;
-  d.counts.resize(static_cast<size_t>(layout_.world_size) * layout_.experts_per_rank);
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(d.counts.data(), static_cast<char*>(buffer_->local()) + layout_.recv_counts,
-                                     d.counts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const char* buffer = static_cast<const char*>(buffer_->local());
+  Delivered d;
+  const int world = layout_.world_size, rank = rendezvous_.rank();
+  std::vector<int32_t> matrix(static_cast<size_t>(world) * world);
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(matrix.data(), buffer + layout_.counts, matrix.size() * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost));
+  for (int src = 0; src < world; ++src) d.counts.push_back(matrix[static_cast<size_t>(src) * world + rank]);
   int received = 0;
-  for (int32_t c : d.counts) received += c;
-  constexpr int kFields = layout::EpBufferLayout::kSourceFields;
-  std::vector<int32_t> entries(kFields * static_cast<size_t>(received));
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(entries.data(), static_cast<char*>(buffer_->local()) + layout_.recv_sources,
-                                entries.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-  for (size_t row = 0; row < static_cast<size_t>(received); ++row) {
-    d.sources.insert(d.sources.end(), entries.begin() + kFields * row, entries.begin() + kFields * row + 3);
-  }
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(&received, recv_total_, sizeof received, cudaMemcpyDeviceToHost));
+  d.origins.resize(static_cast<size_t>(layout::EpBufferLayout::kOriginFields) * received);
+  d.local_ids.resize(static_cast<size_t>(layout_.top_k) * received);
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(d.origins.data(), buffer + layout_.recv_origin, d.origins.size() * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost));
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(d.local_ids.data(), buffer + layout_.recv_ids, d.local_ids.size() * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost));
   return d;
 }
 

@@ -1,6 +1,9 @@
 // EpLayer: the MoE layer expert-parallel across the GPUs of one node, staged:
-//   dispatch (count exchange, source lists, NVLink pull) -> the local experts through the
-//   single-GPU MoeLayer -> combine (NVLink push back, deterministic weighted reduction).
+//   dispatch (count exchange, then each token row pushed once to every rank owning one of its
+//   experts) -> all local experts of each received token through the single-GPU MoeLayer, which
+//   sums them with the routing weights -> combine (partial sums pushed back over NVLink, reduced in
+//   rank order). No host synchronization: the local pass takes the received row count from the
+//   device (MoeInputs::num_valid_tokens), so a forward is CUDA-graph capturable.
 // One process per GPU (megamoe-run); every call is collective over the ranks.
 #pragma once
 
@@ -29,47 +32,51 @@ class EpLayer {
   EpLayer& operator=(const EpLayer&) = delete;
 
   // Collective. inputs: x [T, H] bf16, topk_ids / topk_weights [T, k] with global expert ids
-  // (-1 = not routed). Synchronizes `stream` once, to size the local expert pass.
-  // forward = dispatch, then compute, then combine; the phases are public so they can be timed.
+  // (-1 = not routed). forward = dispatch, then compute, then combine; the phases are public so
+  // that they can be timed, and must be called in that order, on every rank.
   void forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs);
 
-  // Pulls every row routed to this rank's experts; returns how many arrived (synchronizes).
-  int dispatch(cudaStream_t stream, const MoeInputs& inputs);
-  // The local experts on the `received` rows dispatch delivered.
-  void compute(cudaStream_t stream, int received);
-  // Pushes the expert rows back and reduces this rank's outputs; ends with every rank done.
+  // Pushes this rank's token rows to their experts' owners; returns once enqueued (no host sync).
+  void dispatch(cudaStream_t stream, const MoeInputs& inputs);
+  // The local experts on the rows dispatch delivered (their count stays on the device).
+  void compute(cudaStream_t stream);
+  // Pushes the partial sums back and reduces this rank's outputs.
   void combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs);
+
+  // Collective: returns (on the stream) once every rank has reached it; for benchmarks that time
+  // a phase from a common start.
+  void synchronize_ranks(cudaStream_t stream);
 
   // Synchronizes; ids >= E or duplicates seen on this rank since the last call.
   long take_invalid_routing_ids(cudaStream_t stream);
 
-  // What the last forward delivered to this rank (for tests): counts [world][experts_per_rank]
-  // and (source rank, token, slot) per received row in canonical order.
+  // What the last forward delivered to this rank (for tests; synchronizes): token rows per source
+  // rank [world], then per received row, in canonical order, its (source rank, token) and its k
+  // slots as local expert ids (-1: elsewhere or nowhere).
   struct Delivered {
     std::vector<int32_t> counts;
-    std::vector<int32_t> sources;
+    std::vector<int32_t> origins;
+    std::vector<int32_t> local_ids;
   };
   Delivered last_delivered(cudaStream_t stream) const;
 
   const layout::EpBufferLayout& buffer_layout() const { return layout_; }
 
  private:
-  void barrier(cudaStream_t stream);
-
   MoeSpec spec_;
   const FileRendezvous& rendezvous_;
   layout::EpBufferLayout layout_;
   std::unique_ptr<SymmetricMemory> buffer_;
   std::unique_ptr<MoeLayer> local_experts_;
   int num_sms_ = 0;
-  uint64_t barrier_epoch_ = 0;
-  int32_t* slot_rank_ = nullptr;          // [max_tokens, k]
-  int32_t* recv_local_expert_ = nullptr;  // [max_recv_rows]
-  float* ones_ = nullptr;                 // [max_recv_rows] routing weights of the local pass
-  void* expert_rows_ = nullptr;           // bf16 [max_recv_rows, H]
+  uint64_t barrier_epoch_ = 0;            // barriers run so far, the same count on every rank
+  int32_t* token_dest_ = nullptr;         // [max_tokens, world] position of each token's row per owner
+  int32_t* tile_counts_ = nullptr;        // [dispatch tiles, world] count -> push scratch
+  int32_t* dest_base_ = nullptr;          // [world]
+  int32_t* recv_total_ = nullptr;         // [1] rows received in this call
+  uint32_t* tickets_ = nullptr;           // [3] last-block tickets: count, push, combine push
+  void* expert_rows_ = nullptr;           // bf16 [max_recv_rows, H] partial sums of the local experts
   int32_t* error_flags_ = nullptr;
-  int32_t* tile_counts_ = nullptr;        // [dispatch tiles, E] count -> publish scratch
-  uint32_t* tiles_done_ = nullptr;        // count kernel's last-block ticket, zero between calls
 };
 
 }  // namespace megamoe::comm

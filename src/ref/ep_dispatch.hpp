@@ -1,5 +1,6 @@
-// CPU model of expert-parallel dispatch: which rows each rank receives for each of its experts,
-// in the canonical order the device dispatch reproduces (source rank, then token, then slot).
+// CPU model of expert-parallel dispatch: which token rows each rank receives and which of its local
+// experts each row's slots go to, in the canonical order the device dispatch reproduces (source
+// rank, then token).
 // The EP forward itself needs no new reference: its output equals the single-GPU reference run on
 // each rank's tokens with all experts, since the math is the same.
 #pragma once
@@ -28,19 +29,22 @@ struct RankRouting {
   const int32_t* topk_ids = nullptr;
 };
 
-struct DispatchSource {
-  int32_t rank;
-  int32_t token;
-  int32_t slot;
-  bool operator==(const DispatchSource& other) const {
-    return rank == other.rank && token == other.token && slot == other.slot;
+// One token row an owner receives: from which source token, and the token's slots as this owner
+// sees them.
+struct ReceivedRow {
+  int32_t rank;                     // source rank
+  int32_t token;                    // token index at the source
+  std::vector<int32_t> local_ids;   // [top_k]: local expert of each slot, -1 where it routes elsewhere or nowhere
+  bool operator==(const ReceivedRow& other) const {
+    return rank == other.rank && token == other.token && local_ids == other.local_ids;
   }
 };
 
 struct DispatchPlan {
-  // received[dst][local_expert]: the rows rank dst receives for that expert, canonical order.
-  std::vector<std::vector<std::vector<DispatchSource>>> received;
-  // sent[src][expert]: rows rank src sends to expert (what the count exchange carries).
+  // received[dst]: the token rows rank dst receives, canonical order (source rank, then token):
+  // one per source token with at least one routed slot on dst.
+  std::vector<std::vector<ReceivedRow>> received;
+  // sent[src][dst]: token rows rank src sends to rank dst (what the count exchange carries).
   std::vector<std::vector<int32_t>> sent;
   // Ids that route nowhere: -1 (silently) and out-of-range or duplicate ids (counted here).
   long invalid_ids = 0;

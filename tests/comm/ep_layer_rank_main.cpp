@@ -2,11 +2,12 @@
 //   ep_layer_rank [--iterations N] [--tokens T] [--hang]
 // Every iteration draws fresh routing on every rank (uniform, skewed onto few experts, with -1
 // holes and some ranks empty), runs EpLayer::forward, checks that dispatch delivered exactly the
-// rows ref::plan_dispatch predicts (row by row) and that y matches the fp64 reference for this
-// rank's tokens. --hang: rank 1 never calls forward, so rank 0 must time out in the cross-rank
+// token rows ref::plan_dispatch predicts (row by row, with each slot's local expert) and that y
+// matches the fp64 reference for this rank's tokens. --hang: rank 1 never calls forward, so rank 0 must time out in the cross-rank
 // barrier with a diagnostic (the launcher then fails the run) instead of hanging.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -123,25 +124,32 @@ int run(int argc, char** argv) {
     layer.forward(stream, MoeInputs{T, x, nullptr, static_cast<int32_t*>(ids), static_cast<float*>(w)},
                   MoeOutputs{y});
 
-    // Dispatch: exactly the rows the CPU model predicts, in canonical order.
+    // Dispatch: exactly the rows the CPU model predicts, in canonical order, with each slot's
+    // local expert.
     const ref::DispatchPlan plan = ref::plan_dispatch(ref::EpTopology{world, spec.num_experts}, spec.top_k, routing);
     const comm::EpLayer::Delivered delivered = layer.last_delivered(stream);
-    size_t row = 0;
-    for (int l = 0; l < local.num_experts; ++l) {
-      for (const ref::DispatchSource& s : plan.received[rank][l]) {
-        if (3 * row + 2 >= delivered.sources.size() || delivered.sources[3 * row] != s.rank ||
-            delivered.sources[3 * row + 1] != s.token || delivered.sources[3 * row + 2] != s.slot) {
-          std::fprintf(stderr, "iteration %d: rank %d row %zu of local expert %d is not (%d, %d, %d)\n", it, rank, row,
-                       l, s.rank, s.token, s.slot);
-          return 1;
-        }
-        ++row;
+    for (int src = 0; src < world; ++src) {
+      if (delivered.counts[src] != plan.sent[src][rank]) {
+        std::fprintf(stderr, "iteration %d: rank %d counts %d rows from rank %d, expected %d\n", it, rank,
+                     delivered.counts[src], src, plan.sent[src][rank]);
+        return 1;
       }
     }
-    if (3 * row != delivered.sources.size()) {
+    const std::vector<ref::ReceivedRow>& expected = plan.received[rank];
+    if (delivered.origins.size() != 2 * expected.size()) {
       std::fprintf(stderr, "iteration %d: rank %d received %zu rows, expected %zu\n", it, rank,
-                   delivered.sources.size() / 3, row);
+                   delivered.origins.size() / 2, expected.size());
       return 1;
+    }
+    for (size_t row = 0; row < expected.size(); ++row) {
+      const ref::ReceivedRow& want = expected[row];
+      const int32_t* ids_got = delivered.local_ids.data() + row * spec.top_k;
+      if (delivered.origins[2 * row] != want.rank || delivered.origins[2 * row + 1] != want.token ||
+          !std::equal(want.local_ids.begin(), want.local_ids.end(), ids_got)) {
+        std::fprintf(stderr, "iteration %d: rank %d row %zu is not (rank %d, token %d) with its slots' local experts\n",
+                     it, rank, row, want.rank, want.token);
+        return 1;
+      }
     }
     // Combine: this rank's outputs against the single-GPU fp64 reference with all experts.
     if (T > 0) {
@@ -154,7 +162,7 @@ int run(int argc, char** argv) {
       const double err = ref::relative_l2(device, report.y);
       worst = std::max(worst, err);
       // fp8 requantization noise (see tests/api/test_moe_layer.cpp) plus the bf16 rounding of
-      // each expert row before the weighted sum.
+      // each rank's partial sum before the sum over ranks.
       if (!(err < 3e-2)) {
         std::fprintf(stderr, "iteration %d: rank %d rel. L2 error %.3e against the reference\n", it, rank, err);
         return 1;

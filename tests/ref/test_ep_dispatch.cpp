@@ -29,11 +29,11 @@ std::vector<int32_t> random_ids(test::SeededRng& rng, int tokens, int k, int E, 
   return ids;
 }
 
-TEST(PlanDispatch, EveryRoutedSlotArrivesOnceAtItsOwnerInCanonicalOrder) {
+TEST(PlanDispatch, EachTokenArrivesOnceAtEveryRankOwningOneOfItsExpertsInCanonicalOrder) {
   test::SeededRng rng;
   for (int world : {1, 2, 4, 8}) {
     const EpTopology topology{world, 32};
-    const int k = 4;
+    const int k = 4, epr = topology.experts_per_rank();
     std::vector<std::vector<int32_t>> ids(world);
     std::vector<RankRouting> routing(world);
     for (int r = 0; r < world; ++r) {
@@ -43,9 +43,9 @@ TEST(PlanDispatch, EveryRoutedSlotArrivesOnceAtItsOwnerInCanonicalOrder) {
     }
     const DispatchPlan plan = plan_dispatch(topology, k, routing);
 
-    // Brute force: the multiset of (owner, local expert) -> sources from the raw ids.
-    std::map<std::tuple<int, int>, std::vector<DispatchSource>> expected;
-    long invalid = 0;
+    // Brute force from the raw ids: per (owner, source rank, token), the slots' local experts.
+    std::map<std::tuple<int, int, int>, std::vector<int32_t>> expected;
+    long invalid = 0, routed = 0;
     for (int r = 0; r < world; ++r) {
       for (int t = 0; t < routing[r].num_tokens; ++t) {
         for (int j = 0; j < k; ++j) {
@@ -57,31 +57,30 @@ TEST(PlanDispatch, EveryRoutedSlotArrivesOnceAtItsOwnerInCanonicalOrder) {
             ++invalid;
             continue;
           }
-          expected[{id / (topology.num_experts / world), id % (topology.num_experts / world)}].push_back({r, t, j});
+          auto [it, fresh] = expected.try_emplace({id / epr, r, t}, std::vector<int32_t>(k, -1));
+          it->second[j] = id % epr;
+          ++routed;
         }
       }
     }
     EXPECT_EQ(plan.invalid_ids, invalid);
-    long received = 0;
+    long slots_received = 0;
     for (int dst = 0; dst < world; ++dst) {
-      for (int local = 0; local < topology.experts_per_rank(); ++local) {
-        const auto& got = plan.received[dst][local];
-        const auto it = expected.find({dst, local});
-        const std::vector<DispatchSource> want = it == expected.end() ? std::vector<DispatchSource>{} : it->second;
-        ASSERT_EQ(got, want) << "world " << world << " rank " << dst << " expert " << local;
-        EXPECT_TRUE(std::is_sorted(got.begin(), got.end(), [](const DispatchSource& a, const DispatchSource& b) {
-          return std::tie(a.rank, a.token, a.slot) < std::tie(b.rank, b.token, b.slot);
-        }));
-        received += static_cast<long>(got.size());
-        // The count exchange carries exactly what arrives.
-        long sent = 0;
-        for (int src = 0; src < world; ++src) sent += plan.sent[src][dst * topology.experts_per_rank() + local];
-        EXPECT_EQ(sent, static_cast<long>(got.size()));
+      std::vector<ReceivedRow> want;
+      for (const auto& [key, local_ids] : expected) {
+        if (std::get<0>(key) == dst) want.push_back({std::get<1>(key), std::get<2>(key), local_ids});
       }
+      // std::map orders by (owner, rank, token): the canonical order within each owner.
+      ASSERT_EQ(plan.received[dst], want) << "world " << world << " rank " << dst;
+      for (const ReceivedRow& row : plan.received[dst]) {
+        slots_received += std::count_if(row.local_ids.begin(), row.local_ids.end(), [](int32_t l) { return l >= 0; });
+      }
+      // The count exchange carries exactly what arrives.
+      long sent = 0;
+      for (int src = 0; src < world; ++src) sent += plan.sent[src][dst];
+      EXPECT_EQ(sent, static_cast<long>(plan.received[dst].size()));
     }
-    long routed = 0;
-    for (const auto& [key, sources] : expected) routed += static_cast<long>(sources.size());
-    EXPECT_EQ(received, routed);
+    EXPECT_EQ(slots_received, routed);
   }
 }
 

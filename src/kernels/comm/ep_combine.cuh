@@ -1,8 +1,9 @@
 // Expert-parallel combine roles.
-//   push (owner): each received row's expert output goes back to its source rank's
-//   combine_rows[token * k + slot] (NVLink writes, 16 bytes per lane).
-//   reduce (source): after a barrier, y[t] = sum over the token's used slots, in slot order, of
-//   weight * row, accumulated in fp32 and rounded once to bf16 (deterministic).
+//   push (owner): each received row's output (the local experts' weighted partial sum for that
+//   token) goes back to its source rank's combine_rows[owner][token] (NVLink writes); the last
+//   block runs the cross-rank barrier, after which every partial sum for this rank has arrived.
+//   reduce (source): y[t] = sum over the ranks its row went to, in rank order, of their partial
+//   sums, accumulated in fp32 and rounded once to bf16 (deterministic); 0 for a token routed nowhere.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,54 +11,64 @@
 #include <cstdint>
 
 #include "kernels/comm/ep_rows.cuh"
+#include "kernels/comm/rank_barrier.cuh"
 #include "kernels/layout/ep_buffers.hpp"
+#include "kernels/ptx/grid_dependency.cuh"
 
 namespace megamoe::kernels {
 
 struct EpCombineParams {
   void* const* peer_bases;
   layout::EpBufferLayout layout;
+  RankBarrierParams barrier;
+  uint64_t push_epoch;
   int rank;
   int num_tokens;
-  const uint4* expert_rows;     // owner: [received rows, H] bf16 outputs of the local experts
-  const int32_t* slot_rank;     // source: [T, k], -1 for unused slots
-  const float* topk_weights;    // source: [T, k]
+  const int32_t* recv_total;    // owner: rows received in this call
+  const uint4* expert_rows;     // owner: [received rows, H] bf16 partial sums of the local experts
+  const int32_t* token_dest;    // source: [T, world], -1 where no row went
   __nv_bfloat16* y;             // source: [T, H]
+  uint32_t* ticket;             // zero between calls
 };
 
-__global__ void __launch_bounds__(256) ep_push_kernel(EpCombineParams p) {
-  const int total = ep_detail::received_rows(
-      ep_detail::region<const int32_t>(p.peer_bases[p.rank], p.layout.recv_counts),
-      p.layout.world_size * p.layout.experts_per_rank);
-  const int4* sources = ep_detail::region<const int4>(p.peer_bases[p.rank], p.layout.recv_sources);
-  const int vectors_per_row = p.layout.hidden / 8;
-  const int lane = threadIdx.x % 32;
-  const long warps = static_cast<long>(gridDim.x) * blockDim.x / 32;
-  for (long row = (blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x) / 32; row < total; row += warps) {
-    const int4 source = sources[row];  // (src, token, slot, local expert)
-    uint4* to = ep_detail::region<uint4>(p.peer_bases[source.x], p.layout.combine_rows) +
-                (static_cast<long>(source.y) * p.layout.top_k + source.z) * vectors_per_row;
-    ep_detail::warp_copy_row(to, p.expert_rows + row * vectors_per_row, vectors_per_row, lane);
+// Grid: any number of blocks (at least one) of kEpRowThreads threads.
+__global__ void __launch_bounds__(kEpRowThreads) ep_combine_push_kernel(EpCombineParams p) {
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
+  const int total = *p.recv_total;
+  const int2* origins = ep_detail::region<const int2>(p.peer_bases[p.rank], p.layout.recv_origin);
+  const int vectors = p.layout.hidden / 8;
+  for (long row = blockIdx.x; row < total; row += gridDim.x) {
+    const int2 origin = origins[row];  // (source rank, token)
+    uint4* const to = ep_detail::region<uint4>(p.peer_bases[origin.x], p.layout.combine_rows) +
+                      (static_cast<long>(p.rank) * p.layout.max_tokens_per_rank + origin.y) * vectors;
+    ep_detail::block_copy_row(p.expert_rows + row * vectors, &to, 1, vectors);
   }
+  if (!ep_detail::last_block_to_finish(p.ticket)) return;
+  cross_rank_barrier(p.barrier, p.push_epoch);
 }
 
 __global__ void __launch_bounds__(256) ep_reduce_kernel(EpCombineParams p) {
-  const int k = p.layout.top_k, H = p.layout.hidden;
+  const int world = p.layout.world_size, H = p.layout.hidden;
   const long index = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x;
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
   if (index >= static_cast<long>(p.num_tokens) * (H / 8)) return;
   const int token = static_cast<int>(index / (H / 8));
   const int column = static_cast<int>(index % (H / 8)) * 8;
-  const __nv_bfloat16* rows = reinterpret_cast<const __nv_bfloat16*>(
-      static_cast<const char*>(p.peer_bases[p.rank]) + p.layout.combine_rows);
+  const __nv_bfloat16* rows = ep_detail::region<const __nv_bfloat16>(p.peer_bases[p.rank], p.layout.combine_rows);
   float sum[8] = {};
-  for (int j = 0; j < k; ++j) {
-    const long slot = static_cast<long>(token) * k + j;
-    if (p.slot_rank[slot] < 0) continue;
-    const float w = p.topk_weights[slot];
-    const uint4 raw = *reinterpret_cast<const uint4*>(rows + slot * H + column);
-    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+  for (int r = 0; r < world; ++r) {
+    if (p.token_dest[static_cast<long>(token) * world + r] < 0) continue;
+    const long row = static_cast<long>(r) * p.layout.max_tokens_per_rank + token;
+    const uint4 raw = *reinterpret_cast<const uint4*>(rows + row * H + column);
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] += w * __bfloat162float(v[i]);
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __bfloat1622float2(pairs[i]);
+      sum[2 * i] += v.x;
+      sum[2 * i + 1] += v.y;
+    }
   }
   uint4 packed;
   __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);

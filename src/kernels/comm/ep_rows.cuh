@@ -1,8 +1,14 @@
 // Row movement shared by the expert-parallel dispatch and combine roles: carving a rank's
-// symmetric buffer, copying whole rows with one warp, and the number of rows an owner received.
+// symmetric buffer, copying a whole row with one block, and electing the last block of a launch.
 #pragma once
 
 #include <cstdint>
+
+namespace megamoe::kernels {
+
+constexpr int kEpRowThreads = 256;  // threads of the blocks that move rows
+
+}  // namespace megamoe::kernels
 
 namespace megamoe::kernels::ep_detail {
 
@@ -11,31 +17,40 @@ __device__ __forceinline__ T* region(void* base, size_t offset) {
   return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
 }
 
-// One warp copies one row, kInFlight 16-byte loads per lane issued before their stores, so a
-// remote row costs about one NVLink round trip per 32 * kInFlight vectors, not per 32.
-template <int kInFlight = 8>
-__device__ __forceinline__ void warp_copy_row(uint4* to, const uint4* from, int vectors, int lane) {
-  int v = lane;
-  for (; v + 32 * (kInFlight - 1) < vectors; v += 32 * kInFlight) {
-    uint4 staged[kInFlight];
+// The block copies one row of `vectors` 16-byte vectors from `from` to each of to[0..count): each
+// vector is loaded once, kBatch loads per thread in flight before their stores (the destinations
+// are usually peers: the stores are posted NVLink writes, the loads local).
+template <int kBatch = 4>
+__device__ __forceinline__ void block_copy_row(const uint4* from, uint4* const* to, int count, int vectors) {
+  for (int first = threadIdx.x; first < vectors; first += kBatch * blockDim.x) {
+    uint4 staged[kBatch];
 #pragma unroll
-    for (int i = 0; i < kInFlight; ++i) staged[i] = from[v + 32 * i];
+    for (int i = 0; i < kBatch; ++i) {
+      const int v = first + i * blockDim.x;
+      if (v < vectors) staged[i] = from[v];
+    }
+    for (int d = 0; d < count; ++d) {
 #pragma unroll
-    for (int i = 0; i < kInFlight; ++i) to[v + 32 * i] = staged[i];
+      for (int i = 0; i < kBatch; ++i) {
+        const int v = first + i * blockDim.x;
+        if (v < vectors) to[d][v] = staged[i];
+      }
+    }
   }
-  for (; v < vectors; v += 32) to[v] = from[v];
 }
 
-// Rows this owner receives in this call (sum of recv_counts), the same in every thread.
-__device__ __forceinline__ int received_rows(const int32_t* counts, int entries) {
-  __shared__ int total;
-  if (threadIdx.x == 0) total = 0;
+// True (in every thread) in the block that finishes last; what any block wrote before the call,
+// to this GPU or a peer, is visible to that block afterwards. The ticket is zero between launches.
+__device__ __forceinline__ bool last_block_to_finish(uint32_t* ticket) {
+  __shared__ bool last;
+  __threadfence_system();
   __syncthreads();
-  int mine = 0;
-  for (int i = threadIdx.x; i < entries; i += blockDim.x) mine += counts[i];
-  atomicAdd(&total, mine);
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
   __syncthreads();
-  return total;
+  if (!last) return false;
+  __threadfence();
+  if (threadIdx.x == 0) *ticket = 0;
+  return true;
 }
 
 }  // namespace megamoe::kernels::ep_detail

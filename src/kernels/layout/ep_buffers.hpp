@@ -2,13 +2,22 @@
 // address each other's copy over NVLink. The host sizes the allocation with this struct and the
 // kernels carve it with it.
 //
-//   send_tokens   bf16 [max_tokens][H]              this rank's tokens, pulled by expert owners
-//   recv_counts   int32 [world][experts_per_rank]   rows each source rank sends to each local expert
-//   recv_sources  int32 [max_recv_rows][4]          (source rank, token, slot, local expert) of each
-//                                                   received row, one 16-byte store
-//   recv_tokens   bf16 [max_recv_rows][H]           pulled rows, expert-contiguous, canonical order
-//   combine_rows  bf16 [max_tokens * k][H]          expert outputs pushed back by the owners
-//   arrivals      uint32 [experts_per_rank]         rows pulled per local expert (release)
+// A source token sends one row to each rank that owns at least one of its experts (not one row per
+// slot): with k = 8 over two ranks that is about 1 row per remote rank instead of about 4. The
+// owner runs all its local experts of that token and sends back one partial sum, which the source
+// adds up over ranks in rank order.
+//
+//   counts        int32 [world][world]              token rows source s sends to owner o, at
+//                                                   [s][o]; every source writes its row into every
+//                                                   rank, so each rank finds its offsets locally
+//   recv_origin   int32 [max_recv_rows][2]          (source rank, token) of each received row
+//   recv_ids      int32 [max_recv_rows][k]          the token's slots as local expert ids, -1 for
+//                                                   slots whose expert lives elsewhere
+//   recv_weights  fp32 [max_recv_rows][k]           the token's routing weights
+//   recv_tokens   bf16 [max_recv_rows][H]           the token rows, pushed by their sources, in
+//                                                   canonical order (source rank, then token)
+//   combine_rows  bf16 [world][max_tokens][H]       each owner's partial output for this rank's
+//                                                   tokens, pushed back by the owners
 //   signals       uint64 [kSignalSlots]             barrier arrivals, one slot per source rank
 #pragma once
 
@@ -21,7 +30,7 @@ namespace megamoe::layout {
 
 struct EpBufferLayout {
   static constexpr int kSignalSlots = 64;  // the most ranks one node holds, with room to spare
-  static constexpr int kSourceFields = 4;  // source rank, token, slot, local expert
+  static constexpr int kOriginFields = 2;  // source rank, token
 
   int world_size = 1;
   int experts_per_rank = 0;
@@ -30,21 +39,18 @@ struct EpBufferLayout {
   int max_tokens_per_rank = 0;
   size_t max_recv_rows = 0;
 
-  size_t send_tokens = 0;
-  size_t recv_counts = 0;
-  size_t recv_sources = 0;
+  size_t counts = 0;
+  size_t recv_origin = 0;
+  size_t recv_ids = 0;
+  size_t recv_weights = 0;
   size_t recv_tokens = 0;
   size_t combine_rows = 0;
-  size_t arrivals = 0;
   size_t signals = 0;
   size_t total_bytes = 0;
 
-  // A token sends at most min(k, experts_per_rank) rows to one rank, so a rank receives at most
-  // world * max_tokens * that many rows.
-  MEGAMOE_HOST_DEVICE static constexpr size_t worst_case_recv_rows(int world_size, int experts_per_rank, int top_k,
-                                                                   int max_tokens_per_rank) {
-    const int per_token = top_k < experts_per_rank ? top_k : experts_per_rank;
-    return static_cast<size_t>(world_size) * max_tokens_per_rank * per_token;
+  // Every source sends each of its tokens here at most once.
+  MEGAMOE_HOST_DEVICE static constexpr size_t worst_case_recv_rows(int world_size, int max_tokens_per_rank) {
+    return static_cast<size_t>(world_size) * max_tokens_per_rank;
   }
 
   MEGAMOE_HOST_DEVICE static constexpr EpBufferLayout make(int world_size, int num_experts, int top_k, int hidden,
@@ -55,39 +61,27 @@ struct EpBufferLayout {
     l.top_k = top_k;
     l.hidden = hidden;
     l.max_tokens_per_rank = max_tokens_per_rank;
-    l.max_recv_rows = worst_case_recv_rows(world_size, l.experts_per_rank, top_k, max_tokens_per_rank);
+    l.max_recv_rows = worst_case_recv_rows(world_size, max_tokens_per_rank);
     size_t cursor = 0;
     auto take = [&cursor](size_t bytes) {
       const size_t offset = cursor;
       cursor = align_up(cursor + bytes, kRegionAlignment);
       return offset;
     };
-    l.send_tokens = take(static_cast<size_t>(max_tokens_per_rank) * hidden * 2);
-    l.recv_counts = take(sizeof(int32_t) * world_size * l.experts_per_rank);
-    l.recv_sources = take(sizeof(int32_t) * kSourceFields * l.max_recv_rows);
+    l.counts = take(sizeof(int32_t) * world_size * world_size);
+    l.recv_origin = take(sizeof(int32_t) * kOriginFields * l.max_recv_rows);
+    l.recv_ids = take(sizeof(int32_t) * top_k * l.max_recv_rows);
+    l.recv_weights = take(sizeof(float) * top_k * l.max_recv_rows);
     l.recv_tokens = take(l.max_recv_rows * hidden * 2);
-    l.combine_rows = take(static_cast<size_t>(max_tokens_per_rank) * top_k * hidden * 2);
-    l.arrivals = take(sizeof(uint32_t) * l.experts_per_rank);
+    l.combine_rows = take(static_cast<size_t>(world_size) * max_tokens_per_rank * hidden * 2);
     l.signals = take(sizeof(uint64_t) * kSignalSlots);
     l.total_bytes = cursor;
     return l;
   }
 };
 
-// Canonical order of the rows an owner receives: by local expert, then source rank, then the
-// slot's rank inside its expert at that source (slot order). The first row of (source rank, local
-// expert): rows of earlier local experts from every source (expert_prefix, the exclusive prefix
-// over local experts of the rows each receives), then this expert's rows from earlier sources.
-// counts: the owner's recv_counts [world][experts_per_rank].
-MEGAMOE_HOST_DEVICE inline long ep_segment_base(const int32_t* counts, const int32_t* expert_prefix, int experts_per_rank,
-                                                int source_rank, int local_expert) {
-  long base = expert_prefix[local_expert];
-  for (int s = 0; s < source_rank; ++s) base += counts[s * experts_per_rank + local_expert];
-  return base;
-}
-
-// The expert slot `slot` of a source's routing [tokens, top_k] sends its row to, or -1 when it
-// sends none: an id of -1 (not routed), an id outside [0, E), or an id an earlier slot of the same
+// The expert slot `slot` of a source's routing [tokens, top_k] is routed to, or -1 when it routes
+// nowhere: an id of -1 (not routed), an id outside [0, E), or an id an earlier slot of the same
 // token already holds. `invalid` is set for the last two, which the caller reports.
 MEGAMOE_HOST_DEVICE inline int ep_slot_expert(const int32_t* topk_ids, int top_k, int num_experts, long slot,
                                               bool* invalid) {
@@ -106,6 +100,30 @@ MEGAMOE_HOST_DEVICE inline int ep_slot_expert(const int32_t* topk_ids, int top_k
     }
   }
   return id;
+}
+
+// The ranks a source token sends its row to (bit r: rank r owns one of its routed experts), and in
+// `invalid` how many of its slots hold a bad id.
+MEGAMOE_HOST_DEVICE inline uint64_t ep_token_destinations(const int32_t* topk_ids, int top_k, int num_experts,
+                                                          int experts_per_rank, long token, int* invalid) {
+  uint64_t ranks = 0;
+  *invalid = 0;
+  for (int j = 0; j < top_k; ++j) {
+    bool bad = false;
+    const int expert = ep_slot_expert(topk_ids, top_k, num_experts, token * top_k + j, &bad);
+    *invalid += bad;
+    if (expert >= 0) ranks |= uint64_t{1} << (expert / experts_per_rank);
+  }
+  return ranks;
+}
+
+// Slot j of the token as the owner `rank` sees it: its local expert id, or -1 when the slot routes
+// nowhere or to another rank.
+MEGAMOE_HOST_DEVICE inline int ep_local_slot_expert(const int32_t* topk_ids, int top_k, int num_experts,
+                                                    int experts_per_rank, long token, int j, int rank) {
+  bool bad = false;
+  const int expert = ep_slot_expert(topk_ids, top_k, num_experts, token * top_k + j, &bad);
+  return expert >= 0 && expert / experts_per_rank == rank ? expert % experts_per_rank : -1;
 }
 
 }  // namespace megamoe::layout

@@ -12,11 +12,9 @@
 namespace megamoe::layout {
 namespace {
 
-TEST(EpBufferLayout, WorstCaseCountsEveryRowARankCanReceive) {
-  // 2 ranks, 128 experts each, k=8: a token can send all 8 rows to one rank.
-  EXPECT_EQ(EpBufferLayout::worst_case_recv_rows(2, 128, 8, 4096), 2u * 4096 * 8);
-  // 64 ranks with 4 experts each: at most 4 rows of a token land on one rank.
-  EXPECT_EQ(EpBufferLayout::worst_case_recv_rows(64, 4, 8, 128), 64u * 128 * 4);
+TEST(EpBufferLayout, WorstCaseIsOneRowPerSourceToken) {
+  EXPECT_EQ(EpBufferLayout::worst_case_recv_rows(2, 4096), 2u * 4096);
+  EXPECT_EQ(EpBufferLayout::worst_case_recv_rows(64, 128), 64u * 128);
 }
 
 TEST(EpBufferLayout, RegionsAreAlignedDisjointAndSized) {
@@ -24,21 +22,21 @@ TEST(EpBufferLayout, RegionsAreAlignedDisjointAndSized) {
   EXPECT_EQ(l.experts_per_rank, 128);
   const size_t rows = l.max_recv_rows;
   const std::vector<std::pair<size_t, size_t>> regions = {
-      {l.send_tokens, 4096ull * 7168 * 2},
-      {l.recv_counts, 4 * 2 * 128},
-      {l.recv_sources, 16 * rows},
+      {l.counts, 4 * 2 * 2},
+      {l.recv_origin, 8 * rows},
+      {l.recv_ids, 4 * 8 * rows},
+      {l.recv_weights, 4 * 8 * rows},
       {l.recv_tokens, rows * 7168 * 2},
-      {l.combine_rows, 4096ull * 8 * 7168 * 2},
-      {l.arrivals, 4 * 128},
+      {l.combine_rows, 2ull * 4096 * 7168 * 2},
       {l.signals, 8 * EpBufferLayout::kSignalSlots}};
   test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
 }
 
-// The dispatch kernels' per-slot rule and canonical placement, run on the CPU in slot order,
-// against the CPU model of dispatch: the counts, the invalid ids and each slot's position in its
-// owner's buffer. (The kernels rank slots tile by tile; the GPU test checks that they land in the
-// same places.)
-TEST(EpDispatchIndexing, SlotRuleAndSegmentBasesReproducePlanDispatch) {
+// The dispatch kernels' per-token rules (destinations, local slot ids) and canonical placement
+// (tokens ranked in source order per destination, after the rows of earlier sources), run on the
+// CPU, against the CPU model of dispatch. (The kernels rank tokens tile by tile; the GPU test checks
+// that rows land in the same places.)
+TEST(EpDispatchIndexing, TokenRulesAndPlacementReproducePlanDispatch) {
   test::SeededRng rng;
   for (int world : {1, 2, 4}) {
     const int E = 16, k = 4, epr = E / world;
@@ -54,39 +52,37 @@ TEST(EpDispatchIndexing, SlotRuleAndSegmentBasesReproducePlanDispatch) {
     }
     const ref::DispatchPlan plan = ref::plan_dispatch(ref::EpTopology{world, E}, k, routing);
 
-    // Count phase on every source rank: counts[owner][src * epr + local].
-    std::vector<std::vector<int32_t>> slot_rank(world), counts(world, std::vector<int32_t>(world * epr, 0));
+    // Count phase: counts[owner][src], each token's rank among its source's rows to that owner.
+    std::vector<std::vector<int32_t>> counts(world, std::vector<int32_t>(world, 0));
+    std::vector<std::vector<uint64_t>> destinations(world);
     long invalid = 0;
     for (int src = 0; src < world; ++src) {
-      for (size_t s = 0; s < ids[src].size(); ++s) {
-        bool bad = false;
-        const int e = ep_slot_expert(ids[src].data(), k, E, static_cast<long>(s), &bad);
+      for (int t = 0; t < routing[src].num_tokens; ++t) {
+        int bad = 0;
+        const uint64_t ranks = ep_token_destinations(ids[src].data(), k, E, epr, t, &bad);
         invalid += bad;
-        slot_rank[src].push_back(e < 0 ? -1 : counts[e / epr][src * epr + e % epr]++);
+        destinations[src].push_back(ranks);
+        for (int owner = 0; owner < world; ++owner) counts[owner][src] += (ranks >> owner) & 1;
       }
     }
     EXPECT_EQ(invalid, plan.invalid_ids);
-    // Publish phase: every used slot lands at its canonical position.
+    // Push phase: a token's row lands after the rows of earlier sources and earlier tokens.
     for (int owner = 0; owner < world; ++owner) {
-      std::vector<int32_t> expert_prefix(epr, 0);
       long total = 0;
-      for (int l = 0; l < epr; ++l) {
-        expert_prefix[l] = static_cast<int32_t>(total);
-        for (int src = 0; src < world; ++src) total += counts[owner][src * epr + l];
-      }
-      std::vector<ref::DispatchSource> received(total, {-1, -1, -1});
+      for (int src = 0; src < world; ++src) total += counts[owner][src];
+      std::vector<ref::ReceivedRow> received(total, {-1, -1, {}});
+      long base = 0;
       for (int src = 0; src < world; ++src) {
-        for (size_t s = 0; s < ids[src].size(); ++s) {
-          const int e = ids[src][s];
-          if (slot_rank[src][s] < 0 || e / epr != owner) continue;
-          const long position =
-              ep_segment_base(counts[owner].data(), expert_prefix.data(), epr, src, e % epr) + slot_rank[src][s];
-          received[position] = {src, static_cast<int32_t>(s / k), static_cast<int32_t>(s % k)};
+        long rank_in_source = 0;
+        for (int t = 0; t < routing[src].num_tokens; ++t) {
+          if (!((destinations[src][t] >> owner) & 1)) continue;
+          ref::ReceivedRow& row = received[base + rank_in_source++];
+          row = {src, t, {}};
+          for (int j = 0; j < k; ++j) row.local_ids.push_back(ep_local_slot_expert(ids[src].data(), k, E, epr, t, j, owner));
         }
+        base += counts[owner][src];
       }
-      std::vector<ref::DispatchSource> expected;
-      for (int l = 0; l < epr; ++l) expected.insert(expected.end(), plan.received[owner][l].begin(), plan.received[owner][l].end());
-      ASSERT_EQ(received, expected) << "world " << world << " owner " << owner;
+      ASSERT_EQ(received, plan.received[owner]) << "world " << world << " owner " << owner;
     }
   }
 }
