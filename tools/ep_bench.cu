@@ -152,9 +152,27 @@ int run(int argc, char** argv) {
     const double ms = max_over_ranks(rendezvous, "peercopy-ms", median(times));
     peer_gbps = kPeerCopyBytes / (ms * 1e-3) / 1e9;
   }
+  // What one cross-rank barrier costs on its own (a one-block launch, back to back): dispatch runs
+  // two and combine one, so this is the floor under their latency at small batches.
+  double barrier_us = 0;
+  {
+    constexpr int kBarriers = 100;
+    Events ev(2);
+    std::vector<float> times;
+    for (int i = 0; i < kWarmup + kTimed; ++i) {
+      ep.synchronize_ranks(stream);
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
+      for (int b = 0; b < kBarriers; ++b) ep.synchronize_ranks(stream);
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
+      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (i >= kWarmup) times.push_back(ev.ms(0, 1) / kBarriers);
+    }
+    barrier_us = 1e3 * max_over_ranks(rendezvous, "barrier-ms", median(times));
+  }
   if (rank == 0) {
-    std::printf("megamoe-ep-bench: %s %s on %d ranks; peer copy %.0f GB/s one way (measured now)\n",
-                workload_name.c_str(), to_string(precision), world, peer_gbps);
+    std::printf("megamoe-ep-bench: %s %s on %d ranks; peer copy %.0f GB/s one way, cross-rank barrier %.1f us "
+                "(measured now)\n",
+                workload_name.c_str(), to_string(precision), world, peer_gbps, barrier_us);
     std::printf("  %6s | %11s | %10s | %11s | %10s | %9s | %11s | %11s | %10s | %9s\n", "tokens", "dispatch us",
                 "disp GB/s", "combine us", "comb GB/s", "% of peer", "EP total us", "baseline us", "EP/base",
                 "EP vs base");
@@ -266,6 +284,7 @@ int run(int argc, char** argv) {
                        .set("dispatch_gbps", d_gbps)
                        .set("combine_gbps", c_gbps)
                        .set("peer_copy_gbps", peer_gbps)
+                       .set("barrier_us", barrier_us)
                        .set("baseline_us", b_us)
                        .set("baseline", "NCCL all-gather -> local experts (MoeLayer) -> reduce-scatter")
                        .set("rel_diff_ep_vs_baseline", agreement));

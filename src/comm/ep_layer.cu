@@ -53,6 +53,8 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
   tile_counts_ = cuda_alloc<int32_t>(static_cast<size_t>(kernels::ep_dispatch_tiles(max_tokens_per_rank)) * world);
   dest_base_ = cuda_alloc<int32_t>(world);
   recv_total_ = cuda_alloc<int32_t>(1);
+  barriers_passed_ = cuda_alloc<uint64_t>(1);
+  MEGAMOE_CUDA_CHECK(cudaMemset(barriers_passed_, 0, sizeof(uint64_t)));
   tickets_ = cuda_alloc<uint32_t>(3);
   MEGAMOE_CUDA_CHECK(cudaMemset(tickets_, 0, 3 * sizeof(uint32_t)));
   expert_rows_ = cuda_alloc<uint16_t>(layout_.max_recv_rows * spec.hidden);
@@ -62,7 +64,8 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
 
 EpLayer::~EpLayer() {
   for (void* p : {static_cast<void*>(token_dest_), static_cast<void*>(tile_counts_), static_cast<void*>(dest_base_),
-                  static_cast<void*>(recv_total_), static_cast<void*>(tickets_), expert_rows_,
+                  static_cast<void*>(recv_total_), static_cast<void*>(tickets_), static_cast<void*>(barriers_passed_),
+                  expert_rows_,
                   static_cast<void*>(error_flags_)}) {
     cudaFree(p);
   }
@@ -71,9 +74,9 @@ EpLayer::~EpLayer() {
 namespace {
 
 kernels::RankBarrierParams barrier_params(const SymmetricMemory& buffer, const layout::EpBufferLayout& layout,
-                                          const FileRendezvous& rendezvous) {
+                                          const FileRendezvous& rendezvous, uint64_t* passed) {
   return kernels::RankBarrierParams{buffer.device_peer_table(), layout.signals, rendezvous.rank(),
-                                    rendezvous.world_size(), kBarrierTimeoutCycles};
+                                    rendezvous.world_size(), kBarrierTimeoutCycles, passed};
 }
 
 // Blocks of the row-moving launches: enough to keep every SM's NVLink writes in flight.
@@ -83,7 +86,7 @@ int row_blocks(int num_sms, long rows) { return static_cast<int>(std::clamp<long
 
 void EpLayer::synchronize_ranks(cudaStream_t stream) {
   kernels::rank_barrier_kernel<<<1, 32 * ((rendezvous_.world_size() + 31) / 32), 0, stream>>>(
-      barrier_params(*buffer_, layout_, rendezvous_), ++barrier_epoch_);
+      barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_));
   MEGAMOE_CHECK_LAUNCH("rank_barrier_kernel");
 }
 
@@ -98,9 +101,7 @@ void EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
   kernels::EpDispatchParams d{};
   d.peer_bases = buffer_->device_peer_table();
   d.layout = layout_;
-  d.barrier = barrier_params(*buffer_, layout_, rendezvous_);
-  d.count_epoch = ++barrier_epoch_;
-  d.push_epoch = ++barrier_epoch_;
+  d.barrier = barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_);
   d.rank = rendezvous_.rank();
   d.num_tokens = inputs.num_tokens;
   d.num_experts = spec_.num_experts;
@@ -134,8 +135,7 @@ void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
   kernels::EpCombineParams c{};
   c.peer_bases = buffer_->device_peer_table();
   c.layout = layout_;
-  c.barrier = barrier_params(*buffer_, layout_, rendezvous_);
-  c.push_epoch = ++barrier_epoch_;
+  c.barrier = barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_);
   c.rank = rendezvous_.rank();
   c.num_tokens = inputs.num_tokens;
   c.recv_total = recv_total_;

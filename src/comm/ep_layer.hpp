@@ -69,7 +69,7 @@ class EpLayer {
   std::unique_ptr<SymmetricMemory> buffer_;
   std::unique_ptr<MoeLayer> local_experts_;
   int num_sms_ = 0;
-  uint64_t barrier_epoch_ = 0;            // barriers run so far, the same count on every rank
+  uint64_t* barriers_passed_ = nullptr;   // device [1]: barriers run so far, the same count on every rank
   int32_t* token_dest_ = nullptr;         // [max_tokens, world] position of each token's row per owner
   int32_t* tile_counts_ = nullptr;        // [dispatch tiles, world] count -> push scratch
   int32_t* dest_base_ = nullptr;          // [world]

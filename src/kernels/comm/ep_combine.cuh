@@ -1,7 +1,8 @@
 // Expert-parallel combine roles.
 //   push (owner): each received row's output (the local experts' weighted partial sum for that
-//   token) goes back to its source rank's combine_rows[owner][token] (NVLink writes); the last
-//   block runs the cross-rank barrier, after which every partial sum for this rank has arrived.
+//   token) goes back to its source rank's combine_rows[owner][token] (NVLink writes); rows this
+//   rank sent to itself stay where the local pass wrote them. The last block runs the cross-rank
+//   barrier, after which every partial sum for this rank has arrived.
 //   reduce (source): y[t] = sum over the ranks its row went to, in rank order, of their partial
 //   sums, accumulated in fp32 and rounded once to bf16 (deterministic); 0 for a token routed nowhere.
 #pragma once
@@ -21,11 +22,10 @@ struct EpCombineParams {
   void* const* peer_bases;
   layout::EpBufferLayout layout;
   RankBarrierParams barrier;
-  uint64_t push_epoch;
   int rank;
   int num_tokens;
   const int32_t* recv_total;    // owner: rows received in this call
-  const uint4* expert_rows;     // owner: [received rows, H] bf16 partial sums of the local experts
+  const uint4* expert_rows;     // [received rows, H] bf16 partial sums of the local experts
   const int32_t* token_dest;    // source: [T, world], -1 where no row went
   __nv_bfloat16* y;             // source: [T, H]
   uint32_t* ticket;             // zero between calls
@@ -40,12 +40,13 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_combine_push_kernel(EpCombin
   const int vectors = p.layout.hidden / 8;
   for (long row = blockIdx.x; row < total; row += gridDim.x) {
     const int2 origin = origins[row];  // (source rank, token)
+    if (origin.x == p.rank) continue;  // the reduce reads it in place
     uint4* const to = ep_detail::region<uint4>(p.peer_bases[origin.x], p.layout.combine_rows) +
                       (static_cast<long>(p.rank) * p.layout.max_tokens_per_rank + origin.y) * vectors;
     ep_detail::block_copy_row(p.expert_rows + row * vectors, &to, 1, vectors);
   }
   if (!ep_detail::last_block_to_finish(p.ticket)) return;
-  cross_rank_barrier(p.barrier, p.push_epoch);
+  cross_rank_barrier(p.barrier);
 }
 
 __global__ void __launch_bounds__(256) ep_reduce_kernel(EpCombineParams p) {
@@ -59,9 +60,11 @@ __global__ void __launch_bounds__(256) ep_reduce_kernel(EpCombineParams p) {
   const __nv_bfloat16* rows = ep_detail::region<const __nv_bfloat16>(p.peer_bases[p.rank], p.layout.combine_rows);
   float sum[8] = {};
   for (int r = 0; r < world; ++r) {
-    if (p.token_dest[static_cast<long>(token) * world + r] < 0) continue;
-    const long row = static_cast<long>(r) * p.layout.max_tokens_per_rank + token;
-    const uint4 raw = *reinterpret_cast<const uint4*>(rows + row * H + column);
+    const long position = p.token_dest[static_cast<long>(token) * world + r];
+    if (position < 0) continue;
+    const uint4 raw = r == p.rank ? p.expert_rows[(position * H + column) / 8]
+                                  : *reinterpret_cast<const uint4*>(
+                                        rows + (static_cast<long>(r) * p.layout.max_tokens_per_rank + token) * H + column);
     const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

@@ -31,8 +31,6 @@ struct EpDispatchParams {
   void* const* peer_bases;        // [world]
   layout::EpBufferLayout layout;
   RankBarrierParams barrier;
-  uint64_t count_epoch;           // the barriers this call's count and push launches run
-  uint64_t push_epoch;
   int rank;
   int num_tokens;
   int num_experts;
@@ -107,7 +105,7 @@ __global__ void __launch_bounds__(kDispatchTileTokens) ep_count_kernel(EpDispatc
       ep_detail::region<int32_t>(p.peer_bases[peer], p.layout.counts)[p.rank * world + owner] = running;
     }
   }
-  cross_rank_barrier(p.barrier, p.count_epoch);
+  cross_rank_barrier(p.barrier);
   // Every source's row of the count matrix has arrived here.
   if (threadIdx.x < world) {
     const int owner = threadIdx.x;
@@ -159,7 +157,7 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams
     __syncthreads();
   }
   if (!ep_detail::last_block_to_finish(&p.tickets[1])) return;
-  cross_rank_barrier(p.barrier, p.push_epoch);
+  cross_rank_barrier(p.barrier);
 }
 
 }  // namespace megamoe::kernels

@@ -40,10 +40,12 @@ __device__ __forceinline__ void block_copy_row(const uint4* from, uint4* const* 
 }
 
 // True (in every thread) in the block that finishes last; what any block wrote before the call,
-// to this GPU or a peer, is visible to that block afterwards. The ticket is zero between launches.
+// to this GPU or a peer, is ordered before what that block does afterwards (a system-scope
+// release by it, such as a barrier arrival, then publishes those writes to the peers: the fences
+// here only need GPU scope). The ticket is zero between launches.
 __device__ __forceinline__ bool last_block_to_finish(uint32_t* ticket) {
   __shared__ bool last;
-  __threadfence_system();
+  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
   __syncthreads();

@@ -1,7 +1,8 @@
 // Cross-rank barrier role: every rank adds one to its own slot in every peer's signal array
 // (release, system scope) and waits until each peer has done the same to it (acquire). Counters
 // only grow, so the n-th barrier waits for n arrivals from each rank and nothing needs cleaning
-// between calls. One block runs it (the last block of a dispatch or combine launch, or a launch of
+// between calls; n is counted on the device (every rank runs the same sequence of barriers), so a
+// captured CUDA graph replays correctly. One block runs it (the last block of a dispatch or combine launch, or a launch of
 // its own): no grid-wide wait, so it is safe when other work holds SMs. A peer that never arrives
 // ends in a diagnostic and a trap, not a hang.
 //
@@ -23,13 +24,17 @@ struct RankBarrierParams {
   int rank;
   int world_size;
   long long timeout_cycles;
+  uint64_t* passed;          // device, this rank only: barriers run so far
 };
 
-// Every thread of one block calls it (blockDim.x >= world_size); `epoch`: this is the epoch-th
-// barrier since the buffer was zeroed. Writes made before the call by any thread of the block (or
-// made visible to it) are visible to every peer's block after its return, and conversely.
-__device__ __forceinline__ void cross_rank_barrier(const RankBarrierParams& p, uint64_t epoch) {
+// Every thread of one block calls it (blockDim.x >= world_size), one block per launch. Writes made
+// before the call by any thread of the block (or made visible to it) are visible to every peer's
+// block after its return, and conversely.
+__device__ __forceinline__ void cross_rank_barrier(const RankBarrierParams& p) {
   const int peer = threadIdx.x;
+  __shared__ uint64_t epoch;
+  __syncthreads();
+  if (peer == 0) epoch = ++*p.passed;
   __syncthreads();
   if (peer < p.world_size) {
     __threadfence_system();
@@ -51,6 +56,6 @@ __device__ __forceinline__ void cross_rank_barrier(const RankBarrierParams& p, u
   __syncthreads();
 }
 
-__global__ void rank_barrier_kernel(RankBarrierParams p, uint64_t epoch) { cross_rank_barrier(p, epoch); }
+__global__ void rank_barrier_kernel(RankBarrierParams p) { cross_rank_barrier(p); }
 
 }  // namespace megamoe::kernels
