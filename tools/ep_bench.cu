@@ -4,8 +4,9 @@
 // Measures, per token count per rank: dispatch and combine time and their NVLink GB/s (rows that
 // cross to another rank, H x 2 bytes each), the whole staged EP forward, and the staged NCCL
 // baseline (all-gather tokens -> local experts over all tokens -> reduce-scatter), each the
-// slowest rank's median; and, in the same run, the one-way peer copy bandwidth. The EP output is
-// checked against the baseline's.
+// slowest rank's median; and, in the same run, the one-way peer copy bandwidth and the cost of one
+// cross-rank barrier. Each timed phase starts after a device barrier, so that no rank's timing
+// includes a late peer. The EP output is checked against the baseline's.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
