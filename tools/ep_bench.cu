@@ -24,6 +24,7 @@
 #include "bench_json.hpp"
 #include "bench_stats.hpp"
 #include "comm/ep_layer.hpp"
+#include "device_timing.hpp"
 #include "kernels/cuda_check.hpp"
 #include "megamoe/error.hpp"
 #include "plan/workloads.hpp"
@@ -155,21 +156,14 @@ int run(int argc, char** argv) {
   }
   // What one cross-rank barrier costs on its own (a one-block launch, back to back): dispatch runs
   // two and combine one, so this is the floor under their latency at small batches.
-  double barrier_us = 0;
-  {
-    constexpr int kBarriers = 100;
-    Events ev(2);
-    std::vector<float> times;
-    for (int i = 0; i < kWarmup + kTimed; ++i) {
-      ep.synchronize_ranks(stream);
-      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
-      for (int b = 0; b < kBarriers; ++b) ep.synchronize_ranks(stream);
-      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
-      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-      if (i >= kWarmup) times.push_back(ev.ms(0, 1) / kBarriers);
-    }
-    barrier_us = 1e3 * max_over_ranks(rendezvous, "barrier-ms", median(times));
-  }
+  constexpr int kBarriers = 100;
+  const double barrier_ms = bench::median_ms(
+      stream, bench::Replays{kWarmup, kTimed},
+      [&] {
+        for (int b = 0; b < kBarriers; ++b) ep.synchronize_ranks(stream);
+      },
+      [&] { ep.synchronize_ranks(stream); });
+  const double barrier_us = 1e3 * max_over_ranks(rendezvous, "barrier-ms", barrier_ms / kBarriers);
   if (rank == 0) {
     std::printf("megamoe-ep-bench: %s %s on %d ranks; peer copy %.0f GB/s one way, cross-rank barrier %.1f us "
                 "(measured now)\n",
@@ -203,7 +197,7 @@ int run(int argc, char** argv) {
     // before), so that a phase's first cross-rank barrier does not also time a late peer (its host,
     // or its local experts finishing later than ours).
     Events ev(4);
-    std::vector<float> dispatch_ms, combine_ms, total_ms;
+    std::vector<float> dispatch_ms, combine_ms;
     for (int i = 0; i < kWarmup + kTimed; ++i) {
       ep.synchronize_ranks(stream);
       MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
@@ -220,14 +214,9 @@ int run(int argc, char** argv) {
       combine_ms.push_back(ev.ms(2, 3));
     }
     // The whole forward as a user calls it.
-    for (int i = 0; i < kWarmup + kTimed; ++i) {
-      ep.synchronize_ranks(stream);
-      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
-      ep.forward(stream, inputs, MoeOutputs{y_ep});
-      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
-      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-      if (i >= kWarmup) total_ms.push_back(ev.ms(0, 1));
-    }
+    const double total_ms = bench::median_ms(
+        stream, bench::Replays{kWarmup, kTimed}, [&] { ep.forward(stream, inputs, MoeOutputs{y_ep}); },
+        [&] { ep.synchronize_ranks(stream); });
     // Bytes that crossed NVLink: token rows other ranks pushed here; as many partial sums go back.
     const comm::EpLayer::Delivered delivered = ep.last_delivered(stream);
     long remote_rows = 0;
@@ -265,7 +254,7 @@ int run(int argc, char** argv) {
     const double agreement = max_over_ranks(rendezvous, key + "-agree", ref::relative_l2(da, db));
     const double d_us = 1e3 * max_over_ranks(rendezvous, key + "-dispatch", median(dispatch_ms));
     const double c_us = 1e3 * max_over_ranks(rendezvous, key + "-combine", median(combine_ms));
-    const double t_us = 1e3 * max_over_ranks(rendezvous, key + "-total", median(total_ms));
+    const double t_us = 1e3 * max_over_ranks(rendezvous, key + "-total", total_ms);
     const double b_us = 1e3 * max_over_ranks(rendezvous, key + "-baseline", median(baseline_ms));
     const double bytes = max_over_ranks(rendezvous, key + "-bytes", remote_bytes);
     const double d_gbps = bytes / (d_us * 1e-6) / 1e9, c_gbps = bytes / (c_us * 1e-6) / 1e9;
