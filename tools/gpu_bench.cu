@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bench_json.hpp"
+#include "buffer_reader.cuh"
 #include "dense_gemm_rate.hpp"
 #include "device_timing.hpp"
 #include "kernels/cuda_check.hpp"
@@ -33,38 +34,6 @@ namespace {
 
 constexpr Replays kReplays{10, 100};
 constexpr int kCheckedTokens = 32;  // rows compared with the CPU reference per token count
-
-// Reads a large buffer once per launch; the XOR keeps the loads alive.
-__global__ void hbm_read_kernel(const uint4* data, size_t count, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = data[i];
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9E3779B9u) sink[0] = acc;  // practically never true; the compiler cannot know
-}
-
-// One pass of hbm_read_kernel over a buffer of its own: the HBM bandwidth measurement (2 GiB) and
-// the L2 scrub before each timed replay (see run_gpu).
-class BufferReader {
- public:
-  BufferReader(cudaStream_t stream, size_t bytes, int num_sms)
-      : stream_(stream), num_sms_(num_sms), buffer_(bytes), sink_(sizeof(uint32_t)) {
-    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(buffer_.as<void>(), 0x5A, buffer_.bytes(), stream));
-  }
-  void operator()() {
-    hbm_read_kernel<<<num_sms_ * 8, 512, 0, stream_>>>(buffer_.as<uint4>(), buffer_.bytes() / sizeof(uint4),
-                                                       sink_.as<uint32_t>());
-    MEGAMOE_CHECK_LAUNCH("hbm_read_kernel");
-  }
-  size_t bytes() const { return buffer_.bytes(); }
-
- private:
-  cudaStream_t stream_;
-  int num_sms_;
-  DeviceBuffer buffer_, sink_;
-};
 
 // The nodes of a captured forward in launch order (one captured stream makes a chain).
 std::vector<cudaGraphNode_t> graph_chain(cudaGraph_t graph) {
