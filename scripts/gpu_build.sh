@@ -1,6 +1,7 @@
 # Sourced by the GPU-machine scripts (gpu_check.sh, gpu2_check.sh): sets root, out and build, and
-# gpu_build LOG configures and builds every target there from the carried .deps (those machines
-# have no network), appending to LOG; it returns non-zero (after printing the errors) on failure.
+# gpu_build LOG [TARGET ...] configures and builds every target there (or only the TARGETs) from the
+# carried .deps (those machines have no network), appending to LOG; it returns non-zero (after
+# printing the errors) on failure.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${OUT:-$root/gpu-logs}
 build=$root/build-gpu
@@ -9,12 +10,15 @@ export PATH="$PATH:/usr/local/cuda/bin"
 
 gpu_build() {
   local log=$1
+  shift
+  local targets=()
+  [ $# -gt 0 ] && targets=(--target "$@")
   if [ ! -f "$root/.deps/cutlass/include/cute/tensor.hpp" ]; then
     echo "missing .deps/cutlass: run scripts/deps.sh here and carry .deps" | tee -a "$log"
     return 1
   fi
   if cmake -S "$root" -B "$build" -G Ninja -DMEGAMOE_REQUIRE_CUDA=ON >>"$log" 2>&1 &&
-     cmake --build "$build" --parallel "$(nproc)" >>"$log" 2>&1; then
+     cmake --build "$build" --parallel "$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
     return 0
   fi
   grep -E "error|FAILED" "$log" | head -40
