@@ -8,8 +8,9 @@
 //   rows   weights [E][rows][K] (what the layer uses): a stage is 256 rows of 128 bytes at a
 //          stride of K bytes
 //   tiles  each stage's 256 x 128 bytes stored contiguously (32 KiB)
-// L2 is scrubbed before each timed call. Prints one line per case: µs, GB/s of the whole grid
-// and per CTA.
+// L2 is scrubbed before each timed call. A last case streams weights that fit in L2, every tile
+// read by many CTAs: what the L2 delivers to the SMs through TMA. Prints one line per case: µs,
+// GB/s of the whole grid and per CTA.
 #include <cute/tensor.hpp>
 
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -66,6 +67,7 @@ template <class Tma>
 __global__ void __launch_bounds__(64, 1)
     tma_stream_kernel(CUTE_GRID_CONSTANT const Tma tma, WeightOrder order, Shape3 shape, int tiles, int stages,
                       int consumer_spin_cycles) {
+  // Work beyond the weights' own tiles wraps around to the first (the L2-resident case).
   extern __shared__ char smem_raw[];
   SmemStorage& smem = *reinterpret_cast<SmemStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   if (threadIdx.x == 0) {
@@ -94,7 +96,9 @@ __global__ void __launch_bounds__(64, 1)
                    : tma.get_tma_tensor(make_shape(tile_rows, block_bytes, shape.experts * channel_blocks * k_blocks));
     Tensor g = local_tile(m, BoxShape{}, make_coord(_, _, _));  // (256, 128, m, k, z)
     auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int weight_tiles = shape.experts * channel_blocks;
+    for (int work = blockIdx.x; work < tiles; work += gridDim.x) {
+      const int tile = work % weight_tiles;
       const int expert = tile / channel_blocks, channel_block = tile % channel_blocks;
       for (int kb = 0; kb < k_blocks; ++kb) {
         ptx::wait_parity(&smem.empty[stage], phase ^ 1);
@@ -122,10 +126,10 @@ __global__ void __launch_bounds__(64, 1)
 }
 
 template <class Tma>
-double time_case(const Tma& tma, WeightOrder order, const Shape3& shape, int grid, int stages, int spin,
+double time_case(const Tma& tma, WeightOrder order, const Shape3& shape, int grid, int stages, int spin, bool wrap,
                  BufferReader& scrub, cudaStream_t stream, long long* bytes) {
   const int total_tiles = shape.experts * (shape.rows / kTileRows);
-  const int tiles = std::min(total_tiles, grid * kTilesPerCta);
+  const int tiles = wrap ? grid * kTilesPerCta : std::min(total_tiles, grid * kTilesPerCta);
   *bytes = static_cast<long long>(tiles) * shape.k_bytes * kTileRows;
   const int smem_bytes = static_cast<int>(sizeof(SmemStorage)) + 1024;
   auto* kernel = &tma_stream_kernel<Tma>;
@@ -139,8 +143,10 @@ double time_case(const Tma& tma, WeightOrder order, const Shape3& shape, int gri
       scrub);
 }
 
+// `wrap`: every CTA streams kTilesPerCta tiles even when the weights hold fewer (they are then
+// read again, from L2 when they fit there).
 void run_shape(const Shape3& shape, const std::vector<int>& grids, const std::vector<int>& stage_counts,
-               const std::vector<int>& spins, BufferReader& scrub, cudaStream_t stream) {
+               const std::vector<int>& spins, bool wrap, BufferReader& scrub, cudaStream_t stream) {
   const size_t elements = static_cast<size_t>(shape.experts) * shape.rows * shape.k_bytes;
   DeviceBuffer weights(elements);
   MEGAMOE_CUDA_CHECK(cudaMemsetAsync(weights.as<void>(), 0x3C, elements, stream));
@@ -162,8 +168,8 @@ void run_shape(const Shape3& shape, const std::vector<int>& grids, const std::ve
         for (const int spin : spins) {
           long long bytes = 0;
           const double ms = order == WeightOrder::rows
-                                ? time_case(tma_rows, order, shape, grid, stages, spin, scrub, stream, &bytes)
-                                : time_case(tma_tiles, order, shape, grid, stages, spin, scrub, stream, &bytes);
+                                ? time_case(tma_rows, order, shape, grid, stages, spin, wrap, scrub, stream, &bytes)
+                                : time_case(tma_tiles, order, shape, grid, stages, spin, wrap, scrub, stream, &bytes);
           const double gbps = bytes / (ms * 1e-3) / 1e9;
           std::printf("  %-6s %5d %6d %6d %10.1f %10.0f %12.1f\n", order == WeightOrder::rows ? "rows" : "tiles", grid,
                       stages, spin, ms * 1e3, gbps, gbps / grid);
@@ -197,8 +203,10 @@ int main(int argc, char** argv) {
     const int sms = prop.multiProcessorCount;
     std::printf("%s, %d SMs; L2 scrubbed before each call; median of %d calls\n", prop.name, sms, kCalls.timed);
     // qwen35-a3b's FC1 (2I x H) and FC2 (H x I) weights.
-    run_shape({"fc1-like", 1024, 2048, 256}, {1, 8, 32, sms}, {2, 3, 4, 6}, {0, 600}, scrub, stream);
-    run_shape({"fc2-like", 2048, 512, 256}, {32, sms}, {3, 6}, {0}, scrub, stream);
+    run_shape({"fc1-like", 1024, 2048, 256}, {1, 8, 32, sms}, {2, 3, 4, 6}, {0, 600}, false, scrub, stream);
+    run_shape({"fc2-like", 2048, 512, 256}, {32, sms}, {3, 6}, {0}, false, scrub, stream);
+    // 16 MB of weights, each tile read by ~33 CTAs: all but the first read hit L2.
+    run_shape({"l2-resident", 1024, 2048, 8}, {sms}, {4, 6}, {0}, true, scrub, stream);
     MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "megamoe-tma-probe: %s\n", e.what());
