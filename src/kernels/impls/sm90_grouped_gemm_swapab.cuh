@@ -76,8 +76,13 @@ struct GroupedGemmConfig {
   using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
                                                       cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kBlockK>>,
                                                       cute::GMMA::Major::K, cute::GMMA::Major::K>());
-  // Two math warpgroups side by side on M; each thread's fragment covers 2 x m64 rows.
-  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  // Two math warpgroups side by side on M; each thread's fragment covers 2 x m64 rows. The M
+  // permutation gives warpgroup w the rows [128 w, 128 w + 128) (row = atom row + 128 w + 64 m
+  // for m64 block m), so both of its m64 blocks lie in one 128-row weight scale block.
+  using PermutationM = cute::Layout<cute::Shape<cute::_64, cute::_2, cute::_2>, cute::Stride<cute::_1, cute::_128, cute::_64>>;
+  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{},
+                                                 cute::Tile<PermutationM, cute::Underscore, cute::Underscore>{}));
+  static_assert(kBlockM == 256 && kQuantBlock == 128, "PermutationM assumes 256 rows and 128-row scale blocks");
 
   static constexpr uint32_t kStageTxBytes =
       static_cast<uint32_t>((kBlockM + kBlockN) * kBlockK * sizeof(Element) + (kFp8 ? kBlockN * sizeof(float) : 0));
@@ -87,7 +92,7 @@ struct GroupedGemmConfig {
     alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutB>> b;
     alignas(128) float token_scales[kStages * kScaleStageStride];
     float weight_scales[kStages][kWeightScaleRows];
-    float amax_exchange[layout::kGemmConsumerWarps][kBlockN];
+    float amax_exchange[layout::kGemmConsumerWarps + 1][kBlockN];  // per-warp partials, then per-token amax
     uint64_t full[kStages];
     uint64_t empty[kStages];
   };
@@ -142,7 +147,10 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
       for (int v0 = 0; v0 < 2; ++v0) {
         const float gate = acc(cute::make_coord(v0, 0, v2), m, 0);
         const float up = acc(cute::make_coord(v0, 1, v2), m, 0);
-        h[m][v0][v2] = gate / (1.0f + expf(-gate)) * up;
+        // Hardware exp2 and reciprocal (~2 ulp) instead of expf and an IEEE division, whose slow
+        // paths were a third of this epilogue's instructions; fp32 rounding of h is below what
+        // the bf16 or E4M3 output keeps. exp(-gate) = inf gives a reciprocal of 0: silu -> -0.
+        h[m][v0][v2] = gate * __frcp_rn(1.0f + __expf(-gate)) * up;
       }
 
   auto channel_of = [&](int m) {
@@ -167,19 +175,28 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
         }
     }
   } else {
+    // Each token's amax over the tile's 128 channels, in three steps: within a warp (lanes with
+    // equal lane % 4 hold the same columns, 8 rows each), then one thread per column over the 8
+    // warps' partials, then every thread reads the amaxes of its own columns (2 x N/8 values;
+    // each reading all 8 partials itself was 8 x as many shared loads).
     const int warp = consumer_thread / 32, lane = consumer_thread % 32;
-    float amax[2][kColGroups];
+    constexpr int kTokenAmaxRow = layout::kGemmConsumerWarps;
 #pragma unroll
     for (int v2 = 0; v2 < kColGroups; ++v2)
 #pragma unroll
       for (int v0 = 0; v0 < 2; ++v0) {
         float a = fmaxf(fabsf(h[0][v0][v2]), fabsf(h[1][v0][v2]));
-        // Lanes with equal lane % 4 hold the same columns (8 rows each).
 #pragma unroll
         for (int offset = 4; offset < 32; offset *= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
-        amax[v0][v2] = a;
         if (lane < 4) smem.amax_exchange[warp][column(v0, v2)] = a;
       }
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
+    if (consumer_thread < Config::kBlockN) {
+      float a = smem.amax_exchange[0][consumer_thread];
+#pragma unroll
+      for (int w = 1; w < layout::kGemmConsumerWarps; ++w) a = fmaxf(a, smem.amax_exchange[w][consumer_thread]);
+      smem.amax_exchange[kTokenAmaxRow][consumer_thread] = a;
+    }
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
     uint8_t* out = static_cast<uint8_t*>(p.out);
 #pragma unroll
@@ -187,10 +204,7 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
 #pragma unroll
       for (int v0 = 0; v0 < 2; ++v0) {
         const int col = column(v0, v2);
-        float a = amax[v0][v2];
-#pragma unroll
-        for (int w = 0; w < layout::kGemmConsumerWarps; ++w) a = fmaxf(a, smem.amax_exchange[w][col]);
-        const BlockScale s = block_scale(a, p.ue8m0);
+        const BlockScale s = block_scale(smem.amax_exchange[kTokenAmaxRow][col], p.ue8m0);
         if (col >= tile.valid_rows) continue;
         const size_t row = static_cast<size_t>(tile.pool_row + col);
 #pragma unroll
@@ -274,9 +288,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   using SharedStorage = typename Config::SharedStorage;
   constexpr int kStages = Config::kStages;
   extern __shared__ char smem_raw[];
+  // Aligned by an offset from smem_raw rather than by rounding an integer address, so that the
+  // compiler still knows every access below is to shared memory (LDS, 32-bit addresses) instead
+  // of emitting generic loads with 64-bit address arithmetic.
+  const uint32_t misalignment = ptx::smem_address(smem_raw) % layout::kGemmSmemAlignmentSlack;
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + layout::kGemmSmemAlignmentSlack - 1) &
-      ~uintptr_t(layout::kGemmSmemAlignmentSlack - 1));
+      smem_raw + (misalignment == 0 ? 0 : layout::kGemmSmemAlignmentSlack - misalignment));
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -378,36 +395,43 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     warpgroup_commit_batch();
   };
-  // After the block's batch has completed: fold it into `acc` (fp8; in bf16 it is `acc`) and hand
-  // the stage back.
-  auto finish_block = [&](auto& block, int stage) {
-    warpgroup_fence_operand(block);
-    if constexpr (Config::kFp8) {
-      // A warp's rows share their weight scale block, so the lane that hands the stage back reads
-      // the two scales and broadcasts them: the producer's cp.async that later rewrites them is
-      // then ordered after the read by that lane's own arrival (a read by the other lanes would be
-      // ordered by the __syncwarp alone, which compute-sanitizer racecheck does not follow).
-      float weight_scale[2];
-      CUTE_UNROLL
-      for (int m = 0; m < 2; ++m) {
-        const float mine = lane == 0 ? smem.weight_scales[stage][base_row[m] / Config::kQuantBlock] : 0.0f;
-        weight_scale[m] = __shfl_sync(0xffffffffu, mine, 0);
-      }
-      const float* token_scale = smem.token_scales + stage * Config::kScaleStageStride;
-      CUTE_UNROLL
-      for (int v2 = 0; v2 < Config::kBlockN / 8; ++v2)
-        CUTE_UNROLL
-        for (int v0 = 0; v0 < 2; ++v0) {
-          const float ts = token_scale[base_col + 8 * v2 + v0];
-          CUTE_UNROLL
-          for (int m = 0; m < 2; ++m)
-            CUTE_UNROLL
-            for (int v1 = 0; v1 < 2; ++v1)
-              acc(make_coord(v0, v1, v2), m, 0) += block(make_coord(v0, v1, v2), m, 0) * (weight_scale[m] * ts);
-        }
+  // fp8: the scales of one K block as this thread applies them, weight scale times token scale
+  // for each of its (N/8) x 2 (v2, v0) columns (both m64 blocks of a warpgroup share the weight
+  // scale, see PermutationM). Read from shared memory as soon as the stage is full, so that the
+  // reads overlap the wgmma batch instead of following it.
+  constexpr int kColGroups = Config::kBlockN / 8;
+  using BlockScales = float[kColGroups][2];
+  auto read_block_scales = [&](int stage, BlockScales& scales) {
+    // The lane that hands the stage back reads the weight scale and broadcasts it: the
+    // producer's cp.async that later rewrites it is then ordered after the read by that lane's
+    // own arrival (a read by the other lanes would be ordered by the __syncwarp alone, which
+    // compute-sanitizer racecheck does not follow).
+    const float mine = lane == 0 ? smem.weight_scales[stage][base_row[0] / Config::kQuantBlock] : 0.0f;
+    const float weight_scale = __shfl_sync(0xffffffffu, mine, 0);
+    const float* token_scale = smem.token_scales + stage * Config::kScaleStageStride;
+    CUTE_UNROLL
+    for (int v2 = 0; v2 < kColGroups; ++v2) {
+      // Columns base_col + 8 v2 + {0, 1}: base_col is even, so one 8-byte load.
+      const float2 ts = *reinterpret_cast<const float2*>(token_scale + base_col + 8 * v2);
+      scales[v2][0] = weight_scale * ts.x;
+      scales[v2][1] = weight_scale * ts.y;
     }
+  };
+  // After the block's batch has completed its reads of the stage.
+  auto release_stage = [&](int stage) {
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
+  };
+  auto promote = [&](auto& block, const BlockScales& scales) {
+    CUTE_UNROLL
+    for (int v2 = 0; v2 < kColGroups; ++v2)
+      CUTE_UNROLL
+      for (int v0 = 0; v0 < 2; ++v0)
+        CUTE_UNROLL
+        for (int m = 0; m < 2; ++m)
+          CUTE_UNROLL
+          for (int v1 = 0; v1 < 2; ++v1)
+            acc(make_coord(v0, v1, v2), m, 0) += block(make_coord(v0, v1, v2), m, 0) * scales[v2][v0];
   };
 
   pipeline::PipelineState<kStages> state;
@@ -418,10 +442,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     clear(acc);
     for (int kb = 0; kb < k_blocks; ++kb) {
       ptx::wait_parity(&smem.full[state.stage], state.phase);
-      auto& block = Config::kFp8 ? partial : acc;
-      issue_block(block, state.stage, !Config::kFp8);
-      warpgroup_wait<0>();
-      finish_block(block, state.stage);
+      if constexpr (Config::kFp8) {
+        BlockScales scales;
+        read_block_scales(state.stage, scales);
+        issue_block(partial, state.stage, false);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(partial);
+        release_stage(state.stage);
+        promote(partial, scales);
+      } else {
+        issue_block(acc, state.stage, true);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc);
+        release_stage(state.stage);
+      }
       state.advance();
     }
 
