@@ -153,25 +153,26 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
         h[m][v0][v2] = gate * __frcp_rn(1.0f + __expf(-gate)) * up;
       }
 
-  auto channel_of = [&](int m) {
+  int channel[2];  // the output channel of this thread's gate rows in each m64 block
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
     const int packed_row = tile.channel_block * Config::kBlockM + base_row[m];
-    return layout::original_w13_row(packed_row, p.out_channels);  // a gate row: the channel itself
-  };
+    channel[m] = layout::original_w13_row(packed_row, p.out_channels);  // a gate row: the channel itself
+  }
   auto column = [&](int v0, int v2) { return base_col + 8 * v2 + v0; };
 
   if constexpr (!Config::kFp8) {
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      const int channel = channel_of(m);
-      if (channel >= p.out_channels) continue;
+      if (channel[m] >= p.out_channels) continue;
 #pragma unroll
       for (int v2 = 0; v2 < kColGroups; ++v2)
 #pragma unroll
         for (int v0 = 0; v0 < 2; ++v0) {
           const int col = column(v0, v2);
           if (col < tile.valid_rows)
-            out[static_cast<size_t>(tile.pool_row + col) * p.out_channels + channel] = __float2bfloat16_rn(h[m][v0][v2]);
+            out[static_cast<size_t>(tile.pool_row + col) * p.out_channels + channel[m]] = __float2bfloat16_rn(h[m][v0][v2]);
         }
     }
   } else {
@@ -207,8 +208,9 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
         const BlockScale s = block_scale(smem.amax_exchange[kTokenAmaxRow][col], p.ue8m0);
         if (col >= tile.valid_rows) continue;
         const size_t row = static_cast<size_t>(tile.pool_row + col);
+        uint8_t* token_out = out + row * p.out_channels;  // one address per token, two stores
 #pragma unroll
-        for (int m = 0; m < 2; ++m) out[row * p.out_channels + channel_of(m)] = encode_e4m3(h[m][v0][v2] * s.factor);
+        for (int m = 0; m < 2; ++m) token_out[channel[m]] = encode_e4m3(h[m][v0][v2] * s.factor);
         if (consumer_thread < 4) p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + row] = s.scale;
       }
     // The exchange buffer is rewritten by the next tile's epilogue.
@@ -242,6 +244,18 @@ template <class Config, class Params, class Accumulators>
 __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
                                              const int (&base_row)[2], int base_col, const Fc2TileSlots<Config>& slots) {
   constexpr int kColGroups = Config::kBlockN / 8;
+  // Per m64 block, once per tile: slot store: this lane holds rows r and r + 8, its neighbour
+  // (lane ^ 4) rows r + 1 and r + 9 (or r - 1 and r + 7); one exchange gives each a pair of
+  // adjacent channels, so one warp store writes whole 32-byte sectors of four slot rows.
+  int row[2], pair_channel[2];
+  bool odd[2], stored[2];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    row[m] = tile.channel_block * Config::kBlockM + base_row[m];
+    odd[m] = row[m] & 1;
+    pair_channel[m] = odd[m] ? row[m] + 7 : row[m];
+    stored[m] = pair_channel[m] < p.out_channels;
+  }
 #pragma unroll
   for (int v2 = 0; v2 < kColGroups; ++v2)
 #pragma unroll
@@ -249,31 +263,26 @@ __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile&
       const int col = base_col + 8 * v2 + v0;
       const bool valid = col < tile.valid_rows;  // the same in lanes whose lane / 4 differ
       const int slot = slots.slot[v2][v0];
+      if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) {
+        if (!valid) continue;
+        const float weight = p.routed_weights[slot];
+        float* y_row = p.y_accumulator + static_cast<size_t>(slot / p.top_k) * p.out_channels;
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        const int row = tile.channel_block * Config::kBlockM + base_row[m];
-        if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) {
-          if (!valid) continue;
-          const float weight = p.routed_weights[slot];
+        for (int m = 0; m < 2; ++m)
 #pragma unroll
           for (int v1 = 0; v1 < 2; ++v1) {
-            const int channel = row + 8 * v1;
-            if (channel >= p.out_channels) continue;
-            atomicAdd(p.y_accumulator + static_cast<size_t>(slot / p.top_k) * p.out_channels + channel,
-                      weight * acc(cute::make_coord(v0, v1, v2), m, 0));
+            const int channel = row[m] + 8 * v1;
+            if (channel < p.out_channels) atomicAdd(y_row + channel, weight * acc(cute::make_coord(v0, v1, v2), m, 0));
           }
-        } else {
-          // This lane holds rows r and r + 8, its neighbour (lane ^ 4) rows r + 1 and r + 9 (or
-          // r - 1 and r + 7): one exchange gives each a pair of adjacent channels, so one warp
-          // store writes whole 32-byte sectors of four slot rows.
+      } else {
+        __nv_bfloat16* slot_row = static_cast<__nv_bfloat16*>(p.out) + static_cast<size_t>(slot) * p.out_channels;
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
           const float at_r = acc(cute::make_coord(v0, 0, v2), m, 0), at_r8 = acc(cute::make_coord(v0, 1, v2), m, 0);
-          const bool odd = row & 1;
-          const float received = __shfl_xor_sync(0xffffffffu, odd ? at_r : at_r8, 4);
-          const int channel = odd ? row + 7 : row;
-          if (!valid || channel >= p.out_channels) continue;
-          const __nv_bfloat162 pair = odd ? __floats2bfloat162_rn(received, at_r8) : __floats2bfloat162_rn(at_r, received);
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) +
-                                             static_cast<size_t>(slot) * p.out_channels + channel) = pair;
+          const float received = __shfl_xor_sync(0xffffffffu, odd[m] ? at_r : at_r8, 4);
+          const __nv_bfloat162 pair =
+              odd[m] ? __floats2bfloat162_rn(received, at_r8) : __floats2bfloat162_rn(at_r, received);
+          if (valid && stored[m]) *reinterpret_cast<__nv_bfloat162*>(slot_row + pair_channel[m]) = pair;
         }
       }
     }
