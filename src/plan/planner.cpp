@@ -14,7 +14,6 @@ namespace megamoe::plan {
 namespace {
 
 constexpr int kWgmmaRowsPerWarpgroup = 64;  // wgmma M is fixed at 64 per instruction
-constexpr int kConsumerWarpgroups = 2;
 constexpr int kMinTokenTile = 16;
 
 int next_pow2(int v) {
@@ -53,16 +52,17 @@ GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int rows_per_exper
   c.reasons.push_back(fp8 ? "block_k=128: one FP8 scale block per K step, so promotion happens once per stage"
                           : "block_k=64: one 128-byte swizzled row of bf16 per K step");
   c.swap_ab = true;
-  c.math_warpgroups = kConsumerWarpgroups;
+  c.math_warpgroups = layout::kGemmMathWarpgroups;
   c.channel_tile = layout::kGemmChannelTile;
   c.token_tile = token_tile_for_rows(rows_per_expert);
   c.block_m = c.channel_tile;
   c.block_n = c.token_tile;
-  c.reasons.push_back(format("swapAB: expert channels on wgmma M (%lld rows: 2 math warpgroups x 2 x m%lld), tokens "
-                             "on N, so small batches pad N instead of M=64",
-                             c.channel_tile, kWgmmaRowsPerWarpgroup));
+  c.reasons.push_back(format("swapAB: expert channels on wgmma M (%lld rows: %lld math warpgroups x %lld x m64), "
+                             "tokens on N, so small batches pad N instead of M=64",
+                             c.channel_tile, c.math_warpgroups,
+                             c.channel_tile / (c.math_warpgroups * kWgmmaRowsPerWarpgroup)));
   c.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert, within [16, 64] (two fp32 "
-                             "accumulator sets of 128 x 64 per warpgroup are the register budget)",
+                             "accumulator sets of 256 channels x 64 tokens per CTA are the register budget)",
                              c.token_tile, rows_per_expert));
   c.stage_bytes = layout::gemm_stage_bytes(c.token_tile, fp8);
   const int fixed_bytes = layout::gemm_fixed_bytes();

@@ -1,13 +1,13 @@
 // Persistent, warp-specialized grouped GEMM for the MoE expert layers (sm_90a), swapAB form:
 //   out^T[channels, tokens] = W_e[channels, K] * X_pool[tokens, K]^T   for each expert e
-// Expert channels sit on wgmma M (256 per tile: two math warpgroups, each 2 x m64), the expert's
+// Expert channels sit on wgmma M (256 per tile: 4 x m64 over the math warpgroups), the expert's
 // tokens on N (16/32/64), so a handful of tokens per expert pads N instead of M=64.
 //
-// Roles (one CTA per SM, 384 threads):
+// Roles (one CTA per SM, 128 + 128 x kGemmMathWarpgroups threads):
 //   warpgroup 0, thread 0   producer: TMA loads of the weight tile, the token tile and (fp8) the
 //                           tokens' per-128 scales, plus cp.async of the weight tile's two block
 //                           scales, into a ring of stages (full/empty mbarriers)
-//   warpgroups 1-2          consumers: wgmma mainloop with per-K-block FP8 scale promotion, then
+//   warpgroups 1..          consumers: wgmma mainloop with per-K-block FP8 scale promotion, then
 //                           the epilogue in registers (FC1: SwiGLU + requant; FC2: slot store or
 //                           atomic combine)
 // Both roles walk the same GroupedTileScheduler sequence.
@@ -42,6 +42,18 @@ enum class NamedBarrier : uint32_t {
   kEpilogueExchange = 1,  // 0 is __syncthreads
 };
 
+// Register budget per thread. A CTA holds the registers it launched with (__launch_bounds__ caps
+// them at what kGemmThreads threads can have: 168 for 384 threads, 96 for 640); setmaxnreg.inc only
+// takes what setmaxnreg.dec released, and waits forever for the rest. The producer needs addresses
+// and pipeline state; the math warpgroups split what it gives up.
+inline constexpr uint32_t kGemmThreads = 128 * (1 + layout::kGemmMathWarpgroups);
+inline constexpr uint32_t kLaunchRegisters = 64 * 1024 / kGemmThreads / 8 * 8;
+inline constexpr uint32_t kProducerRegisters = layout::kGemmMathWarpgroups == 2 ? 56 : 32;
+inline constexpr uint32_t kConsumerRegisters = layout::kGemmMathWarpgroups == 2 ? 224 : 112;
+static_assert(128 * kProducerRegisters + 128 * layout::kGemmMathWarpgroups * kConsumerRegisters <=
+                  kLaunchRegisters * kGemmThreads,
+              "the math warpgroups would wait forever for registers the producer never released");
+
 template <class Element_, int kTokenTile, GemmOp kOp>
 struct GroupedGemmConfig {
   using Element = Element_;
@@ -51,9 +63,13 @@ struct GroupedGemmConfig {
   static constexpr int kBlockN = kTokenTile;
   static constexpr int kBlockK = layout::kGemmKBytes / static_cast<int>(sizeof(Element));
   static constexpr int kStages = layout::gemm_stages(kTokenTile, kFp8, layout::kSm90SmemPerBlockOptin);
-  static constexpr int kThreads = 384;
-  static constexpr int kConsumerThreads = 256;
+  static constexpr int kMathWarpgroups = layout::kGemmMathWarpgroups;
+  static constexpr int kThreads = kGemmThreads;
+  static constexpr int kConsumerThreads = 128 * kMathWarpgroups;
   static constexpr int kQuantBlock = 128;
+  static constexpr int kMBlocks = kBlockM / (64 * kMathWarpgroups);  // m64 blocks per math warpgroup
+  static_assert(kMBlocks >= 1 && 64 * kMBlocks <= kQuantBlock,
+                "a math warpgroup's rows must lie in one weight scale block");
 
   static_assert(kTokenTile % 16 == 0 && kTokenTile <= layout::kGemmMaxTokenTile, "token tile 16, 32 or 64");
   static_assert(kStages >= 3, "at least 3 stages to hide TMA latency");
@@ -76,13 +92,15 @@ struct GroupedGemmConfig {
   using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
                                                       cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kBlockK>>,
                                                       cute::GMMA::Major::K, cute::GMMA::Major::K>());
-  // Two math warpgroups side by side on M; each thread's fragment covers 2 x m64 rows. The M
-  // permutation gives warpgroup w the rows [128 w, 128 w + 128) (row = atom row + 128 w + 64 m
-  // for m64 block m), so both of its m64 blocks lie in one 128-row weight scale block.
-  using PermutationM = cute::Layout<cute::Shape<cute::_64, cute::_2, cute::_2>, cute::Stride<cute::_1, cute::_128, cute::_64>>;
-  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{},
-                                                 cute::Tile<PermutationM, cute::Underscore, cute::Underscore>{}));
-  static_assert(kBlockM == 256 && kQuantBlock == 128, "PermutationM assumes 256 rows and 128-row scale blocks");
+  // The math warpgroups side by side on M; each thread's fragment covers kMBlocks x m64 rows. The
+  // M permutation gives warpgroup w the rows [64 kMBlocks w, 64 kMBlocks (w + 1)) (row = atom row
+  // + 64 kMBlocks w + 64 m for m64 block m), so all of its rows share one weight scale block.
+  using PermutationM = cute::Layout<cute::Shape<cute::_64, cute::Int<kMathWarpgroups>, cute::Int<kMBlocks>>,
+                                    cute::Stride<cute::_1, cute::Int<64 * kMBlocks>, cute::_64>>;
+  using TiledMma =
+      decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::Int<kMathWarpgroups>, cute::_1, cute::_1>>{},
+                                    cute::Tile<PermutationM, cute::Underscore, cute::Underscore>{}));
+  static_assert(cute::size(PermutationM{}) == kBlockM, "the permutation covers the channel tile");
 
   static constexpr uint32_t kStageTxBytes =
       static_cast<uint32_t>((kBlockM + kBlockN) * kBlockK * sizeof(Element) + (kFp8 ? kBlockN * sizeof(float) : 0));
@@ -123,11 +141,6 @@ struct GroupedGemmParams {
   int top_k;
 };
 
-// Register budget per thread: the producer needs addresses and pipeline state only.
-inline constexpr uint32_t kProducerRegisters = 56;
-inline constexpr uint32_t kConsumerRegisters = 224;
-static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 64 * 1024 - 1024, "register file budget");
-
 namespace gemm_detail {
 
 // FC1 epilogue: SwiGLU on the gate/up rows r and r+8 that the interleave-by-8 packing put in the
@@ -135,12 +148,13 @@ namespace gemm_detail {
 // rows are exactly 128 channels; the amax is reduced over both warpgroups through shared memory).
 template <class Config, class Params, class Accumulators>
 __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
-                                                    const int (&base_row)[2], int base_col,
+                                                    const int (&base_row)[Config::kMBlocks], int base_col,
                                                     typename Config::SharedStorage& smem, int consumer_thread) {
   constexpr int kColGroups = Config::kBlockN / 8;
-  float h[2][2][kColGroups];  // [m][v0][v2]
+  constexpr int kMBlocks = Config::kMBlocks;
+  float h[kMBlocks][2][kColGroups];  // [m][v0][v2]
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+  for (int m = 0; m < kMBlocks; ++m)
 #pragma unroll
     for (int v2 = 0; v2 < kColGroups; ++v2)
 #pragma unroll
@@ -153,9 +167,9 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
         h[m][v0][v2] = gate * __frcp_rn(1.0f + __expf(-gate)) * up;
       }
 
-  int channel[2];  // the output channel of this thread's gate rows in each m64 block
+  int channel[kMBlocks];  // the output channel of this thread's gate rows in each m64 block
 #pragma unroll
-  for (int m = 0; m < 2; ++m) {
+  for (int m = 0; m < kMBlocks; ++m) {
     const int packed_row = tile.channel_block * Config::kBlockM + base_row[m];
     channel[m] = layout::original_w13_row(packed_row, p.out_channels);  // a gate row: the channel itself
   }
@@ -164,7 +178,7 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
   if constexpr (!Config::kFp8) {
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
 #pragma unroll
-    for (int m = 0; m < 2; ++m) {
+    for (int m = 0; m < kMBlocks; ++m) {
       if (channel[m] >= p.out_channels) continue;
 #pragma unroll
       for (int v2 = 0; v2 < kColGroups; ++v2)
@@ -177,16 +191,18 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
     }
   } else {
     // Each token's amax over the tile's 128 channels, in three steps: within a warp (lanes with
-    // equal lane % 4 hold the same columns, 8 rows each), then one thread per column over the 8
+    // equal lane % 4 hold the same columns, 8 rows each), then one thread per column over the
     // warps' partials, then every thread reads the amaxes of its own columns (2 x N/8 values;
-    // each reading all 8 partials itself was 8 x as many shared loads).
+    // each reading all partials itself was one shared load per warp and value).
     const int warp = consumer_thread / 32, lane = consumer_thread % 32;
     constexpr int kTokenAmaxRow = layout::kGemmConsumerWarps;
 #pragma unroll
     for (int v2 = 0; v2 < kColGroups; ++v2)
 #pragma unroll
       for (int v0 = 0; v0 < 2; ++v0) {
-        float a = fmaxf(fabsf(h[0][v0][v2]), fabsf(h[1][v0][v2]));
+        float a = fabsf(h[0][v0][v2]);
+#pragma unroll
+        for (int m = 1; m < kMBlocks; ++m) a = fmaxf(a, fabsf(h[m][v0][v2]));
 #pragma unroll
         for (int offset = 4; offset < 32; offset *= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
         if (lane < 4) smem.amax_exchange[warp][column(v0, v2)] = a;
@@ -210,7 +226,7 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
         const size_t row = static_cast<size_t>(tile.pool_row + col);
         uint8_t* token_out = out + row * p.out_channels;  // one address per token, two stores
 #pragma unroll
-        for (int m = 0; m < 2; ++m) token_out[channel[m]] = encode_e4m3(h[m][v0][v2] * s.factor);
+        for (int m = 0; m < kMBlocks; ++m) token_out[channel[m]] = encode_e4m3(h[m][v0][v2] * s.factor);
         if (consumer_thread < 4) p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + row] = s.scale;
       }
     // The exchange buffer is rewritten by the next tile's epilogue.
@@ -242,15 +258,17 @@ struct Fc2TileSlots {
 // or is weighted and added into the fp32 output accumulator (fast combine).
 template <class Config, class Params, class Accumulators>
 __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
-                                             const int (&base_row)[2], int base_col, const Fc2TileSlots<Config>& slots) {
+                                             const int (&base_row)[Config::kMBlocks], int base_col,
+                                             const Fc2TileSlots<Config>& slots) {
   constexpr int kColGroups = Config::kBlockN / 8;
   // Per m64 block, once per tile: slot store: this lane holds rows r and r + 8, its neighbour
   // (lane ^ 4) rows r + 1 and r + 9 (or r - 1 and r + 7); one exchange gives each a pair of
   // adjacent channels, so one warp store writes whole 32-byte sectors of four slot rows.
-  int row[2], pair_channel[2];
-  bool odd[2], stored[2];
+  constexpr int kMBlocks = Config::kMBlocks;
+  int row[kMBlocks], pair_channel[kMBlocks];
+  bool odd[kMBlocks], stored[kMBlocks];
 #pragma unroll
-  for (int m = 0; m < 2; ++m) {
+  for (int m = 0; m < kMBlocks; ++m) {
     row[m] = tile.channel_block * Config::kBlockM + base_row[m];
     odd[m] = row[m] & 1;
     pair_channel[m] = odd[m] ? row[m] + 7 : row[m];
@@ -268,7 +286,7 @@ __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile&
         const float weight = p.routed_weights[slot];
         float* y_row = p.y_accumulator + static_cast<size_t>(slot / p.top_k) * p.out_channels;
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+        for (int m = 0; m < kMBlocks; ++m)
 #pragma unroll
           for (int v1 = 0; v1 < 2; ++v1) {
             const int channel = row[m] + 8 * v1;
@@ -277,7 +295,7 @@ __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile&
       } else {
         __nv_bfloat16* slot_row = static_cast<__nv_bfloat16*>(p.out) + static_cast<size_t>(slot) * p.out_channels;
 #pragma unroll
-        for (int m = 0; m < 2; ++m) {
+        for (int m = 0; m < kMBlocks; ++m) {
           const float at_r = acc(cute::make_coord(v0, 0, v2), m, 0), at_r8 = acc(cute::make_coord(v0, 1, v2), m, 0);
           const float received = __shfl_xor_sync(0xffffffffu, odd[m] ? at_r : at_r8, 4);
           const __nv_bfloat162 pair =
@@ -377,17 +395,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int consumer_thread = threadIdx.x - 128;
   typename Config::TiledMma mma;
   ThrMMA thr_mma = mma.get_thread_slice(consumer_thread);
-  Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, 2, MMA_K, S)
+  Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, kMBlocks, MMA_K, S)
   Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA, 1, MMA_K, S)
   using TileMN = Shape<Int<Config::kBlockM>, Int<Config::kBlockN>>;
-  Tensor acc = partition_fragment_C(mma, TileMN{});                // (MMA=(2,2,N/8), 2, 1)
+  Tensor acc = partition_fragment_C(mma, TileMN{});                // (MMA=(2,2,N/8), kMBlocks, 1)
   // fp8: each K block accumulates unscaled into `partial`, then is promoted into `acc` with its
   // weight scale times each token's scale.
   Tensor partial = partition_fragment_C(mma, TileMN{});
   // Tile coordinates of this thread's fragment: element (v0, v1, v2) of m-block m sits at row
   // base_row[m] + 8 v1 and column base_col + 8 v2 + v0 (the sm90 GMMA accumulator layout).
   Tensor coords = thr_mma.partition_C(make_identity_tensor(TileMN{}));
-  const int base_row[2] = {get<0>(coords(make_coord(0, 0, 0), 0, 0)), get<0>(coords(make_coord(0, 0, 0), 1, 0))};
+  static_assert(decltype(size<1>(acc))::value == Config::kMBlocks, "one fragment mode per m64 block");
+  int base_row[Config::kMBlocks];
+  CUTE_UNROLL
+  for (int m = 0; m < Config::kMBlocks; ++m) base_row[m] = get<0>(coords(make_coord(0, 0, 0), m, 0));
   const int base_col = get<1>(coords(make_coord(0, 0, 0), 0, 0));
   const int lane = consumer_thread % 32;
 
@@ -405,7 +426,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     warpgroup_commit_batch();
   };
   // fp8: the scales of one K block as this thread applies them, weight scale times token scale
-  // for each of its (N/8) x 2 (v2, v0) columns (both m64 blocks of a warpgroup share the weight
+  // for each of its (N/8) x 2 (v2, v0) columns (all m64 blocks of a warpgroup share the weight
   // scale, see PermutationM). Read from shared memory as soon as the stage is full, so that the
   // reads overlap the wgmma batch instead of following it.
   constexpr int kColGroups = Config::kBlockN / 8;
@@ -437,7 +458,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       CUTE_UNROLL
       for (int v0 = 0; v0 < 2; ++v0)
         CUTE_UNROLL
-        for (int m = 0; m < 2; ++m)
+        for (int m = 0; m < Config::kMBlocks; ++m)
           CUTE_UNROLL
           for (int v1 = 0; v1 < 2; ++v1)
             acc(make_coord(v0, v1, v2), m, 0) += block(make_coord(v0, v1, v2), m, 0) * scales[v2][v0];

@@ -6,11 +6,15 @@
 
 namespace megamoe::layout {
 
-inline constexpr int kGemmChannelTile = 256;          // 2 math warpgroups x 2 x m64
+inline constexpr int kGemmChannelTile = 256;          // 4 x m64, over the math warpgroups
 inline constexpr int kGemmKBytes = 128;               // one 128-byte swizzle row of K per stage
 inline constexpr int kGemmMaxTokenTile = 64;
 inline constexpr int kGemmMaxStages = 8;
-inline constexpr int kGemmConsumerWarps = 8;
+// Math warpgroups per CTA, each owning kGemmChannelTile / kGemmMathWarpgroups consecutive rows
+// (2: two m64 blocks each, 224 registers per thread; 4: one, 112 registers). Four would give each
+// SM sub-partition four consumer warps to hide latency with; bench/NOTES.md has where that stands.
+inline constexpr int kGemmMathWarpgroups = 2;
+inline constexpr int kGemmConsumerWarps = 4 * kGemmMathWarpgroups;
 inline constexpr int kGemmExchangeBytes = (kGemmConsumerWarps + 1) * kGemmMaxTokenTile * 4;  // FC1 token amaxes
 inline constexpr int kGemmBarrierBytes = 1024;         // mbarriers and per-stage weight scales
 inline constexpr int kGemmSmemAlignmentSlack = 1024;  // dynamic smem is re-aligned to 1 KiB
