@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kernels/combine/bf16x8.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/routing/valid_tokens.cuh"
 
@@ -27,7 +28,7 @@ struct CombineParams {
 
 template <bool kDeterministic>
 __global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
-  constexpr int kVector = 8;
+  constexpr int kVector = Bf16x8Sum::kChannels;
   const int vectors_per_token = p.hidden / kVector;
   const long index = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
   ptx::wait_for_prerequisite_grids();
@@ -36,31 +37,21 @@ __global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
   const int token = static_cast<int>(index / vectors_per_token);
   const int column = static_cast<int>(index % vectors_per_token) * kVector;
 
-  float sum[kVector] = {};
+  Bf16x8Sum sum;
   if constexpr (kDeterministic) {
     for (int j = 0; j < p.top_k; ++j) {
       const size_t slot = static_cast<size_t>(token) * p.top_k + j;
       if (p.routed_ids[slot] < 0) continue;
       const float w = p.routed_weights[slot];
-      const uint4 raw = *reinterpret_cast<const uint4*>(p.slot_outputs + slot * p.hidden + column);
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int i = 0; i < kVector / 2; ++i) {
-        const float2 v = __bfloat1622float2(pairs[i]);
-        sum[2 * i] += w * v.x;
-        sum[2 * i + 1] += w * v.y;
-      }
+      sum.add(*reinterpret_cast<const uint4*>(p.slot_outputs + slot * p.hidden + column), w);
     }
   } else {
     const float4* acc = reinterpret_cast<const float4*>(p.y_accumulator + static_cast<size_t>(token) * p.hidden + column);
     const float4 lo = acc[0], hi = acc[1];
-    sum[0] = lo.x, sum[1] = lo.y, sum[2] = lo.z, sum[3] = lo.w, sum[4] = hi.x, sum[5] = hi.y, sum[6] = hi.z, sum[7] = hi.w;
+    float* s = sum.sum;
+    s[0] = lo.x, s[1] = lo.y, s[2] = lo.z, s[3] = lo.w, s[4] = hi.x, s[5] = hi.y, s[6] = hi.z, s[7] = hi.w;
   }
-  uint4 packed;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-  for (int i = 0; i < kVector / 2; ++i) pairs[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
-  reinterpret_cast<uint4*>(p.y + static_cast<size_t>(token) * p.hidden + column)[0] = packed;
+  reinterpret_cast<uint4*>(p.y + static_cast<size_t>(token) * p.hidden + column)[0] = sum.rounded();
 }
 
 }  // namespace megamoe::kernels

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "kernels/combine/bf16x8.cuh"
 #include "kernels/comm/ep_rows.cuh"
 #include "kernels/comm/rank_barrier.cuh"
 #include "kernels/layout/ep_buffers.hpp"
@@ -58,26 +59,15 @@ __global__ void __launch_bounds__(256) ep_reduce_kernel(EpCombineParams p) {
   const int token = static_cast<int>(index / (H / 8));
   const int column = static_cast<int>(index % (H / 8)) * 8;
   const __nv_bfloat16* rows = ep_detail::region<const __nv_bfloat16>(p.peer_bases[p.rank], p.layout.combine_rows);
-  float sum[8] = {};
+  Bf16x8Sum sum;
   for (int r = 0; r < world; ++r) {
     const long position = p.token_dest[static_cast<long>(token) * world + r];
     if (position < 0) continue;
-    const uint4 raw = r == p.rank ? p.expert_rows[(position * H + column) / 8]
-                                  : *reinterpret_cast<const uint4*>(
-                                        rows + (static_cast<long>(r) * p.layout.max_tokens_per_rank + token) * H + column);
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = __bfloat1622float2(pairs[i]);
-      sum[2 * i] += v.x;
-      sum[2 * i + 1] += v.y;
-    }
+    sum.add(r == p.rank ? p.expert_rows[(position * H + column) / 8]
+                        : *reinterpret_cast<const uint4*>(
+                              rows + (static_cast<long>(r) * p.layout.max_tokens_per_rank + token) * H + column));
   }
-  uint4 packed;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p.y + static_cast<long>(token) * H + column) = packed;
+  *reinterpret_cast<uint4*>(p.y + static_cast<long>(token) * H + column) = sum.rounded();
 }
 
 }  // namespace megamoe::kernels
