@@ -132,7 +132,7 @@ struct GroupedGemmParams {
   GroupedTileScheduler scheduler;
   // Epilogue.
   int out_channels;              // I (fc1) or H (fc2)
-  void* out;                     // fc1: [pool_rows, I]; fc2 slot store: fp32 [T*k, H]
+  void* out;                     // fc1: [pool_rows, I] (fp8 or bf16); fc2 slot store: bf16 [T*k, H]
   float* out_scales;             // fc1 fp8: [I/128, pool_rows]
   bool ue8m0;
   const int32_t* pool_slot;      // fc2
@@ -145,7 +145,7 @@ namespace gemm_detail {
 
 // FC1 epilogue: SwiGLU on the gate/up rows r and r+8 that the interleave-by-8 packing put in the
 // same thread, then bf16, or E4M3 with one scale per token per 128 channels (the CTA's 256 packed
-// rows are exactly 128 channels; the amax is reduced over both warpgroups through shared memory).
+// rows are exactly 128 channels; the amax is reduced over the math warpgroups through shared memory).
 template <class Config, class Params, class Accumulators>
 __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
                                                     const int (&base_row)[Config::kMBlocks], int base_col,
@@ -224,7 +224,7 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
         const BlockScale s = block_scale(smem.amax_exchange[kTokenAmaxRow][col], p.ue8m0);
         if (col >= tile.valid_rows) continue;
         const size_t row = static_cast<size_t>(tile.pool_row + col);
-        uint8_t* token_out = out + row * p.out_channels;  // one address per token, two stores
+        uint8_t* token_out = out + row * p.out_channels;  // one address per token, a store per m64 block
 #pragma unroll
         for (int m = 0; m < kMBlocks; ++m) token_out[channel[m]] = encode_e4m3(h[m][v0][v2] * s.factor);
         if (consumer_thread < 4) p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + row] = s.scale;
