@@ -1,0 +1,111 @@
+// Epilogue role of the FC1 grouped GEMM: SwiGLU in registers, then bf16 or per-token-per-128
+// E4M3 requantization of the FC2 input.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/epilogue/gemm_op.hpp"
+#include "kernels/layout/gemm_smem.hpp"
+#include "kernels/layout/weight_layout.hpp"
+#include "kernels/ptx/sync.cuh"
+#include "kernels/quant/fp8_block_scale.cuh"
+#include "kernels/scheduler/grouped_tile_scheduler.cuh"
+
+namespace megamoe::kernels::gemm_detail {
+
+// FC1 epilogue: SwiGLU on the gate/up rows r and r+8 that the interleave-by-8 packing put in the
+// same thread, then bf16, or E4M3 with one scale per token per 128 channels (the CTA's 256 packed
+// rows are exactly 128 channels; the amax is reduced over the math warpgroups through shared memory).
+template <class Config, class Params, class Accumulators>
+__device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
+                                                    const int (&base_row)[Config::kMBlocks], int base_col,
+                                                    typename Config::SharedStorage& smem, int consumer_thread) {
+  constexpr int kColGroups = Config::kBlockN / 8;
+  constexpr int kMBlocks = Config::kMBlocks;
+  float h[kMBlocks][2][kColGroups];  // [m][v0][v2]
+#pragma unroll
+  for (int m = 0; m < kMBlocks; ++m)
+#pragma unroll
+    for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+      for (int v0 = 0; v0 < 2; ++v0) {
+        const float gate = acc(cute::make_coord(v0, 0, v2), m, 0);
+        const float up = acc(cute::make_coord(v0, 1, v2), m, 0);
+        // Hardware exp2 and reciprocal (~2 ulp) instead of expf and an IEEE division, whose slow
+        // paths were a third of this epilogue's instructions; fp32 rounding of h is below what
+        // the bf16 or E4M3 output keeps. exp(-gate) = inf gives a reciprocal of 0: silu -> -0.
+        h[m][v0][v2] = gate * __frcp_rn(1.0f + __expf(-gate)) * up;
+      }
+
+  int channel[kMBlocks];  // the output channel of this thread's gate rows in each m64 block
+#pragma unroll
+  for (int m = 0; m < kMBlocks; ++m) {
+    const int packed_row = tile.channel_block * Config::kBlockM + base_row[m];
+    channel[m] = layout::original_w13_row(packed_row, p.out_channels);  // a gate row: the channel itself
+  }
+  auto column = [&](int v0, int v2) { return base_col + 8 * v2 + v0; };
+
+  if constexpr (!Config::kFp8) {
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+#pragma unroll
+    for (int m = 0; m < kMBlocks; ++m) {
+      if (channel[m] >= p.out_channels) continue;
+#pragma unroll
+      for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+        for (int v0 = 0; v0 < 2; ++v0) {
+          const int col = column(v0, v2);
+          if (col < tile.valid_rows)
+            out[static_cast<size_t>(tile.pool_row + col) * p.out_channels + channel[m]] = __float2bfloat16_rn(h[m][v0][v2]);
+        }
+    }
+  } else {
+    // Each token's amax over the tile's 128 channels, in three steps: within a warp (lanes with
+    // equal lane % 4 hold the same columns, 8 rows each), then one thread per column over the
+    // warps' partials, then every thread reads the amaxes of its own columns (2 x N/8 values;
+    // each reading all partials itself was one shared load per warp and value).
+    const int warp = consumer_thread / 32, lane = consumer_thread % 32;
+    constexpr int kTokenAmaxRow = layout::kGemmConsumerWarps;
+#pragma unroll
+    for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+      for (int v0 = 0; v0 < 2; ++v0) {
+        float a = fabsf(h[0][v0][v2]);
+#pragma unroll
+        for (int m = 1; m < kMBlocks; ++m) a = fmaxf(a, fabsf(h[m][v0][v2]));
+#pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+        if (lane < 4) smem.amax_exchange[warp][column(v0, v2)] = a;
+      }
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
+    if (consumer_thread < Config::kBlockN) {
+      float a = smem.amax_exchange[0][consumer_thread];
+#pragma unroll
+      for (int w = 1; w < layout::kGemmConsumerWarps; ++w) a = fmaxf(a, smem.amax_exchange[w][consumer_thread]);
+      smem.amax_exchange[kTokenAmaxRow][consumer_thread] = a;
+    }
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
+    uint8_t* out = static_cast<uint8_t*>(p.out);
+#pragma unroll
+    for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+      for (int v0 = 0; v0 < 2; ++v0) {
+        const int col = column(v0, v2);
+        const BlockScale s = block_scale(smem.amax_exchange[kTokenAmaxRow][col], p.ue8m0);
+        if (col >= tile.valid_rows) continue;
+        const size_t row = static_cast<size_t>(tile.pool_row + col);
+        uint8_t* token_out = out + row * p.out_channels;  // one address per token, a store per m64 block
+#pragma unroll
+        for (int m = 0; m < kMBlocks; ++m) token_out[channel[m]] = encode_e4m3(h[m][v0][v2] * s.factor);
+        if (consumer_thread < 4) p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + row] = s.scale;
+      }
+    // The exchange buffer is rewritten by the next tile's epilogue.
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
+  }
+}
+
+}  // namespace megamoe::kernels::gemm_detail

@@ -1,0 +1,86 @@
+// Epilogue role of the FC2 grouped GEMM: each routed row's expert output to its slot row (the
+// deterministic combine reduces them later) or, weighted, into the fp32 output accumulator.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cuda_bf16.h>
+
+#include "kernels/epilogue/gemm_op.hpp"
+#include "kernels/scheduler/grouped_tile_scheduler.cuh"
+
+namespace megamoe::kernels::gemm_detail {
+
+// The slot (token * k + j) of each pool row whose column this thread holds in an FC2 tile. Loaded
+// when the tile starts, so that the global round trip overlaps the mainloop instead of delaying
+// the epilogue, during which no stage is released and the weight stream stalls.
+template <class Config>
+struct Fc2TileSlots {
+  static constexpr int kColGroups = Config::kBlockN / 8;
+  int slot[kColGroups][2];  // [v2][v0]; 0 for padding columns
+
+  template <class Params>
+  __device__ __forceinline__ void load(const Params& p, const GroupedTile& tile, int base_col) {
+#pragma unroll
+    for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+      for (int v0 = 0; v0 < 2; ++v0) {
+        const int col = base_col + 8 * v2 + v0;
+        slot[v2][v0] = col < tile.valid_rows ? p.pool_slot[tile.pool_row + col] : 0;
+      }
+  }
+};
+
+// FC2 epilogue: each routed row's expert output goes to its bf16 slot row (deterministic combine)
+// or is weighted and added into the fp32 output accumulator (fast combine).
+template <class Config, class Params, class Accumulators>
+__device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
+                                             const int (&base_row)[Config::kMBlocks], int base_col,
+                                             const Fc2TileSlots<Config>& slots) {
+  constexpr int kColGroups = Config::kBlockN / 8;
+  // Per m64 block, once per tile: slot store: this lane holds rows r and r + 8, its neighbour
+  // (lane ^ 4) rows r + 1 and r + 9 (or r - 1 and r + 7); one exchange gives each a pair of
+  // adjacent channels, so one warp store writes whole 32-byte sectors of four slot rows.
+  constexpr int kMBlocks = Config::kMBlocks;
+  int row[kMBlocks], pair_channel[kMBlocks];
+  bool odd[kMBlocks], stored[kMBlocks];
+#pragma unroll
+  for (int m = 0; m < kMBlocks; ++m) {
+    row[m] = tile.channel_block * Config::kBlockM + base_row[m];
+    odd[m] = row[m] & 1;
+    pair_channel[m] = odd[m] ? row[m] + 7 : row[m];
+    stored[m] = pair_channel[m] < p.out_channels;
+  }
+#pragma unroll
+  for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+    for (int v0 = 0; v0 < 2; ++v0) {
+      const int col = base_col + 8 * v2 + v0;
+      const bool valid = col < tile.valid_rows;  // the same in lanes whose lane / 4 differ
+      const int slot = slots.slot[v2][v0];
+      if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) {
+        if (!valid) continue;
+        const float weight = p.routed_weights[slot];
+        float* y_row = p.y_accumulator + static_cast<size_t>(slot / p.top_k) * p.out_channels;
+#pragma unroll
+        for (int m = 0; m < kMBlocks; ++m)
+#pragma unroll
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int channel = row[m] + 8 * v1;
+            if (channel < p.out_channels) atomicAdd(y_row + channel, weight * acc(cute::make_coord(v0, v1, v2), m, 0));
+          }
+      } else {
+        __nv_bfloat16* slot_row = static_cast<__nv_bfloat16*>(p.out) + static_cast<size_t>(slot) * p.out_channels;
+#pragma unroll
+        for (int m = 0; m < kMBlocks; ++m) {
+          const float at_r = acc(cute::make_coord(v0, 0, v2), m, 0), at_r8 = acc(cute::make_coord(v0, 1, v2), m, 0);
+          const float received = __shfl_xor_sync(0xffffffffu, odd[m] ? at_r : at_r8, 4);
+          const __nv_bfloat162 pair =
+              odd[m] ? __floats2bfloat162_rn(received, at_r8) : __floats2bfloat162_rn(at_r, received);
+          if (valid && stored[m]) *reinterpret_cast<__nv_bfloat162*>(slot_row + pair_channel[m]) = pair;
+        }
+      }
+    }
+}
+
+}  // namespace megamoe::kernels::gemm_detail

@@ -1,0 +1,15 @@
+// What a grouped GEMM does with its accumulators, and the named barriers of its math warpgroups
+// (every one of them synchronizes an epilogue step).
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe::kernels {
+
+enum class GemmOp { fc1_swiglu, fc2_slot_store, fc2_atomic_combine };
+
+enum class NamedBarrier : uint32_t {
+  kEpilogueExchange = 1,  // 0 is __syncthreads
+};
+
+}  // namespace megamoe::kernels
