@@ -163,8 +163,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
   }
   __syncthreads();
-  // Everything above overlaps the previous kernel; the tile counts and the pool are its output.
-  ptx::wait_for_prerequisite_grids();
+  // The next kernel may launch as soon as every CTA of this one runs: it too reads only weights
+  // and routing results before its own dependency wait (see the producer below).
   ptx::allow_dependent_launch();
   if (threadIdx.x < 32) p.scheduler.prefetch_to_l1(threadIdx.x);
 
@@ -184,42 +184,71 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     Tensor gB = local_tile(mB, make_shape(Int<Config::kBlockN>{}, Int<Config::kBlockK>{}), make_coord(_, _));  // (BN,BK,n,k)
     auto [tBgB, tBsB] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
 
+    // A stage is full once its weight block (with, for fp8, its two block scales) and its token
+    // block (with their scales) have landed; the two halves are issued separately.
+    auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
+      if constexpr (Config::kFp8) {
+        // The weight tile's block scales travel with the stage (a load per K block in the math
+        // warps was a dependent global round trip per block: with the tile search, a third of
+        // FC1 at one token).
+        // A last channel block with fewer rows repeats its last scale row; those rows are padding.
+        const int scale_rows = p.a_rows / Config::kQuantBlock;
+        for (int r = 0; r < Config::kWeightScaleRows; ++r) {
+          const int row = min(tile.channel_block * Config::kWeightScaleRows + r, scale_rows - 1);
+          ptx::cp_async_4(&smem.weight_scales[stage][r],
+                          p.weight_scales + (static_cast<size_t>(tile.expert) * scale_rows + row) * k_blocks + kb);
+        }
+        ptx::cp_async_mbarrier_arrive_noinc(&smem.full[stage]);
+      }
+      ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::kStageTxBytes);
+      copy(p.tma_a.with(smem.full[stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
+    };
+    auto load_tokens = [&](const GroupedTile& tile, int kb, int stage) {
+      const int token_block = tile.pool_row / Config::kBlockN;
+      copy(p.tma_b.with(smem.full[stage]), tBgB(_, token_block, kb), tBsB(_, stage));
+      if constexpr (Config::kFp8) {
+        Tensor sS = make_tensor(make_smem_ptr(smem.token_scales), typename Config::SmemLayoutScales{});  // (BN,1,S)
+        Tensor mS = p.tma_token_scales.get_tma_tensor(make_shape(p.pool_rows, k_blocks));
+        Tensor gS = local_tile(mS, make_shape(Int<Config::kBlockN>{}, _1{}), make_coord(_, _));  // (BN,1,n,kb)
+        auto [tSgS, tSsS] =
+            tma_partition(p.tma_token_scales, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sS), group_modes<0, 2>(gS));
+        copy(p.tma_token_scales.with(smem.full[stage]), tSgS(_, token_block, kb), tSsS(_, stage));
+      }
+    };
+
+    // Weights and routing results do not depend on the previous kernel: the routing was complete
+    // before this grid could launch (the router and the gather each wait for their predecessor
+    // before releasing the next kernel, and this kernel releases its successor only after every
+    // CTA has started). So the first kStages weight blocks stream in before the dependency wait,
+    // overlapping the previous kernel's tail; only the token blocks (the previous kernel's output)
+    // wait for it.
+    int prefetched = 0;
+    for (int linear = blockIdx.x; linear < num_tiles && prefetched < kStages; linear += gridDim.x) {
+      const GroupedTile tile = p.scheduler.tile(linear);
+      for (int kb = 0; kb < k_blocks && prefetched < kStages; ++kb) load_weights(tile, kb, prefetched++);
+    }
+    ptx::wait_for_prerequisite_grids();
+
     pipeline::PipelineState<kStages> state;
+    int issued = 0;
     for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
       const GroupedTile tile = p.scheduler.tile(linear);
-      const int token_block = tile.pool_row / Config::kBlockN;
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
-        if constexpr (Config::kFp8) {
-          // The weight tile's block scales travel with the stage (a load per K block in the math
-          // warps was a dependent global round trip per block: with the tile search, a third of
-          // FC1 at one token).
-          // A last channel block with fewer rows repeats its last scale row; those rows are padding.
-          const int scale_rows = p.a_rows / Config::kQuantBlock;
-          for (int r = 0; r < Config::kWeightScaleRows; ++r) {
-            const int row = min(tile.channel_block * Config::kWeightScaleRows + r, scale_rows - 1);
-            ptx::cp_async_4(&smem.weight_scales[state.stage][r],
-                            p.weight_scales + (static_cast<size_t>(tile.expert) * scale_rows + row) * k_blocks + kb);
-          }
-          ptx::cp_async_mbarrier_arrive_noinc(&smem.full[state.stage]);
+      for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
+        if (issued >= prefetched) {
+          ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
+          load_weights(tile, kb, state.stage);
         }
-        ptx::mbarrier_arrive_expect_tx(&smem.full[state.stage], Config::kStageTxBytes);
-        copy(p.tma_a.with(smem.full[state.stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, state.stage));
-        copy(p.tma_b.with(smem.full[state.stage]), tBgB(_, token_block, kb), tBsB(_, state.stage));
-        if constexpr (Config::kFp8) {
-          Tensor sS = make_tensor(make_smem_ptr(smem.token_scales), typename Config::SmemLayoutScales{});  // (BN,1,S)
-          Tensor mS = p.tma_token_scales.get_tma_tensor(make_shape(p.pool_rows, k_blocks));
-          Tensor gS = local_tile(mS, make_shape(Int<Config::kBlockN>{}, _1{}), make_coord(_, _));  // (BN,1,n,kb)
-          auto [tSgS, tSsS] =
-              tma_partition(p.tma_token_scales, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sS), group_modes<0, 2>(gS));
-          copy(p.tma_token_scales.with(smem.full[state.stage]), tSgS(_, token_block, kb), tSsS(_, state.stage));
-        }
+        load_tokens(tile, kb, state.stage);
         state.advance();
       }
     }
     return;
   }
 
+  // The math warpgroups read the previous kernel's output only through the stages, and FC2's
+  // epilogue reads the gather's slot table, complete before this grid launched; they wait all the
+  // same, so that no write of this kernel can overtake a read of the previous one.
+  ptx::wait_for_prerequisite_grids();
   // ------------------------------------------------------------------ consumers
   ptx::setmaxnreg_increase<kConsumerRegisters>();
   const int consumer_thread = threadIdx.x - 128;
