@@ -179,10 +179,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if (threadIdx.x != 0) return;
     Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k, p.num_experts));
     Tensor gA = local_tile(mA, typename Config::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,E)
-    auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+    // (Named tensors rather than structured bindings: the loaders below capture them.)
+    const auto a_slices = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+    Tensor tAgA = get<0>(a_slices);
+    Tensor tAsA = get<1>(a_slices);
     Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.pool_rows, p.k));
     Tensor gB = local_tile(mB, make_shape(Int<Config::kBlockN>{}, Int<Config::kBlockK>{}), make_coord(_, _));  // (BN,BK,n,k)
-    auto [tBgB, tBsB] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+    const auto b_slices = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+    Tensor tBgB = get<0>(b_slices);
+    Tensor tBsB = get<1>(b_slices);
 
     // A stage is full once its weight block (with, for fp8, its two block scales) and its token
     // block (with their scales) have landed; the two halves are issued separately.
