@@ -72,6 +72,25 @@ std::string node_name(cudaGraphNode_t node) {
   return scope == std::string::npos ? name : name.substr(scope + 2);
 }
 
+__global__ void empty_kernel() {}
+
+// What a replay costs before any of the forward's work: a graph of one empty kernel, timed like
+// the forward. Node 0 of the breakdown includes this much.
+template <class BeforeReplay>
+double time_empty_graph(cudaStream_t stream, BeforeReplay& before_replay) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  empty_kernel<<<1, 32, 0, stream>>>();
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const double us = 1e3 * median_ms(stream, kReplays, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return us;
+}
+
 // Where the forward's time goes, measured inside the graph: the graph cut after each node is timed
 // like the whole, and each node is charged the difference, launch gaps included.
 template <class BeforeReplay>
@@ -79,6 +98,9 @@ Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, BeforeReplay& b
   const std::vector<cudaGraphNode_t> chain = graph_chain(graph);
   Json nodes = Json::array();
   std::printf("    where the time goes at %d tokens (graph cut after each node):\n", tokens);
+  const double launch_floor_us = time_empty_graph(stream, before_replay);
+  std::printf("         graph of one empty kernel          %8.1f us  (launch floor, inside node 0)\n", launch_floor_us);
+  nodes.push(Json::object().set("node", "empty_kernel_graph").set("cumulative_us", launch_floor_us).set("added_us", 0.0));
   double previous_us = 0;
   for (size_t i = 0; i < chain.size(); ++i) {
     cudaGraph_t cut;
