@@ -7,6 +7,9 @@
 #     speed of light (DRAM / L2 / SM throughput), memory workload and warp stall reasons (cycles
 #     per issued instruction, averaged over all warps, spinning producers included), caches
 #     flushed before each kernel. MEGAMOE_DIAG_NCU_KERNELS narrows the kernels (a regex).
+# (3) With MEGAMOE_DIAG_NCU_SOURCE=1, also the full Nsight Compute set with source counters for the
+#     first launch of each kernel, exported per SASS line (ncu-source.csv: instructions executed and
+#     warp stall samples per line) next to the report (ncu-full.ncu-rep).
 # Writes diagnose.log and ncu.log to $OUT (or ./gpu-logs).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -39,4 +42,12 @@ ncu --cache-control all --clock-control none --launch-count 4 -k "regex:$kernels
   "$bench" --workload "$workload" --tokens "$ncu_tokens" >"$out/ncu.log" 2>&1 || status=1
 grep -E '^  [a-z].*\(|Duration|Throughput|Busy|Warp Cycles Per|stalled|Bandwidth' "$out/ncu.log" |
   sed -E 's/<.*>\(T2\)/<...>/; s/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | tee -a "$log"
+if [ "${MEGAMOE_DIAG_NCU_SOURCE:-0}" = 1 ]; then
+  echo "== ncu full set with source counters at $ncu_tokens tokens: $kernels" | tee -a "$log"
+  ncu --cache-control all --clock-control none --set full --import-source yes --launch-count 3 -k "regex:$kernels" \
+    -f -o "$out/ncu-full" "$bench" --workload "$workload" --tokens "$ncu_tokens" >>"$out/ncu.log" 2>&1 || status=1
+  ncu --import "$out/ncu-full.ncu-rep" --page source --csv >"$out/ncu-source.csv" 2>>"$out/ncu.log" || status=1
+  ncu --import "$out/ncu-full.ncu-rep" --page details --csv >"$out/ncu-details.csv" 2>>"$out/ncu.log" || status=1
+  echo "   $(wc -l <"$out/ncu-source.csv") source lines, $(wc -l <"$out/ncu-details.csv") detail lines" | tee -a "$log"
+fi
 exit $status
