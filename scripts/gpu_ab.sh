@@ -44,7 +44,7 @@ for case in ${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35
     echo "== ${names[$v]}: $workload $precision, $tokens tokens, L2 scrubbed" | tee -a "$log"
     "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown >"$log.part" 2>&1 ||
       status=1
-    grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||error|Error' "$log.part" | tee -a "$log"
+    grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||empty kernel|error|Error' "$log.part" | tee -a "$log"
     rm -f "$log.part"
   done
 done

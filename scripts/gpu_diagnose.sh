@@ -27,7 +27,7 @@ for tokens in ${MEGAMOE_DIAG_TOKENS:-1 128}; do
     [ "$l2" = warm ] && flag=(--warm-l2)
     echo "== $workload fp8_block, $tokens tokens, L2 $l2" | tee -a "$log"
     "$bench" --workload "$workload" --tokens "$tokens" --breakdown "${flag[@]}" >"$log.part" 2>&1 || status=1
-    grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \|' "$log.part" | tee -a "$log"
+    grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||empty kernel' "$log.part" | tee -a "$log"
     rm -f "$log.part"
   done
 done
