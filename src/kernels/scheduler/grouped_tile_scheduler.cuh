@@ -71,8 +71,9 @@ struct GroupedTileScheduler {
 // Padded segment offsets and token-tile prefix of every expert from the routing counters, by one
 // whole block (every thread must call it) once every counter is final. It moves the counters to
 // expert_rows and leaves them zero, so each forward (and each graph replay, whole or cut short)
-// starts from zero without a memset. The counters are read from L2: other blocks' atomics wrote them.
-template <int kThreads>
+// starts from zero without a memset. Global counters are read from L2 (other blocks' atomics wrote
+// them); kSharedCounts: the counters are this block's shared memory.
+template <int kThreads, bool kSharedCounts = false>
 __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int num_experts, int token_tile_rows,
                                                      int32_t* expert_rows, int32_t* expert_offsets,
                                                      int32_t* token_tile_prefix) {
@@ -82,7 +83,7 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
     const int e = base + threadIdx.x;
     int rows = 0;
     if (e < num_experts) {
-      rows = __ldcg(expert_counts + e);
+      rows = kSharedCounts ? expert_counts[e] : __ldcg(expert_counts + e);
       expert_counts[e] = 0;
       expert_rows[e] = rows;
     }
