@@ -6,7 +6,8 @@
 # each with megamoe-bench --breakdown for each WORKLOAD:TOKENS of MEGAMOE_AB_CASES (default
 # "qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35-a3b:2048"), the variants in turn for each case,
 # so that drift in the GPU's state affects all alike. Writes ab.log to $OUT and prints per-node
-# times.
+# times. With MEGAMOE_AB_TESTS set (a gtest filter of the layer suite), every variant also runs
+# those GPU tests, so that a wrong variant shows before a full gpu_check.sh is spent on it.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: gpu_ab.sh CHANGE.patch [CHANGE.patch ...]"; exit 2; }
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
@@ -28,7 +29,9 @@ for i in $(seq 1 $#); do
 done
 pids=()
 for v in "${!names[@]}"; do
-  (root=${roots[$v]} build=${roots[$v]}/build-gpu gpu_build "$scratch/build.${names[$v]}.log" megamoe-bench) &
+  targets=(megamoe-bench)
+  [ -n "${MEGAMOE_AB_TESTS:-}" ] && targets+=(test_api_moe_layer)
+  (root=${roots[$v]} build=${roots[$v]}/build-gpu gpu_build "$scratch/build.${names[$v]}.log" "${targets[@]}") &
   pids+=($!)
 done
 for v in "${!names[@]}"; do
@@ -48,4 +51,13 @@ for case in ${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35
     rm -f "$log.part"
   done
 done
+if [ -n "${MEGAMOE_AB_TESTS:-}" ]; then
+  for v in "${!names[@]}"; do
+    echo "== ${names[$v]}: layer tests $MEGAMOE_AB_TESTS" | tee -a "$log"
+    MEGAMOE_REQUIRE_GPU=1 "${roots[$v]}/build-gpu/tests/test_api_moe_layer" --gtest_brief=1 \
+      --gtest_filter="$MEGAMOE_AB_TESTS" >"$log.part" 2>&1 || status=1
+    grep -E '^\[  (PASSED|FAILED) |Failure|error' "$log.part" | head -20 | tee -a "$log"
+    rm -f "$log.part"
+  done
+fi
 exit $status
