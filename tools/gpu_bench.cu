@@ -72,21 +72,37 @@ std::string node_name(cudaGraphNode_t node) {
   return scope == std::string::npos ? name : name.substr(scope + 2);
 }
 
+// A graph of what `record` enqueues on `stream`.
+template <class Record>
+cudaGraph_t capture_graph(cudaStream_t stream, Record&& record) {
+  cudaGraph_t graph;
+  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  record();
+  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  return graph;
+}
+
+// Median microseconds of replays of `graph`, `before_replay` running outside the timed events.
+template <class BeforeReplay>
+double median_graph_us(cudaGraph_t graph, cudaStream_t stream, BeforeReplay& before_replay) {
+  cudaGraphExec_t exec;
+  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const double ms = median_ms(stream, kReplays, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
+  cudaGraphExecDestroy(exec);
+  return 1e3 * ms;
+}
+
 __global__ void empty_kernel() {}
 
 // What a replay costs before any of the forward's work: a graph of one empty kernel, timed like
 // the forward. Node 0 of the breakdown includes this much.
 template <class BeforeReplay>
 double time_empty_graph(cudaStream_t stream, BeforeReplay& before_replay) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  empty_kernel<<<1, 32, 0, stream>>>();
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
-  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const double us = 1e3 * median_ms(stream, kReplays, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
-  cudaGraphExecDestroy(exec);
+  cudaGraph_t graph = capture_graph(stream, [&] {
+    empty_kernel<<<1, 32, 0, stream>>>();
+    MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  });
+  const double us = median_graph_us(graph, stream, before_replay);
   cudaGraphDestroy(graph);
   return us;
 }
@@ -110,10 +126,7 @@ Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, BeforeReplay& b
       MEGAMOE_CUDA_CHECK(cudaGraphNodeFindInClone(&cloned, chain[j], cut));
       MEGAMOE_CUDA_CHECK(cudaGraphDestroyNode(cloned));
     }
-    cudaGraphExec_t exec;
-    MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, cut, 0));
-    const double us = 1e3 * median_ms(stream, kReplays, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
-    cudaGraphExecDestroy(exec);
+    const double us = median_graph_us(cut, stream, before_replay);
     cudaGraphDestroy(cut);
     const std::string name = node_name(chain[i]);
     std::printf("      %2zu %-34s +%8.1f us  (cumulative %8.1f us)\n", i, name.c_str(), us - previous_us, us);
@@ -230,14 +243,8 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(y_dev.as<void>(), 0xFF, x.size() * 2, stream));
     const MoeInputs inputs{tokens, x_dev.as<void>(), logits_dev.as<float>(), ids_dev.as<int32_t>(), weights_dev.as<float>()};
 
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    layer.forward(stream, inputs, MoeOutputs{y_dev.as<void>()});
-    MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    const double ms = median_ms(stream, kReplays, [&] { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, before_replay);
-    cudaGraphExecDestroy(exec);
+    cudaGraph_t graph = capture_graph(stream, [&] { layer.forward(stream, inputs, MoeOutputs{y_dev.as<void>()}); });
+    const double us = median_graph_us(graph, stream, before_replay);
     Json breakdown = Json::array();
     if (o.breakdown) breakdown = time_graph_prefixes(graph, stream, before_replay, tokens);
     cudaGraphDestroy(graph);
@@ -268,7 +275,6 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     const double baseline_rel_err = ref::relative_l2(y_device, exact.y);
 
     const plan::Floors floors = plan::routed_floors(spec, ids.data(), tokens, facts);
-    const double us = ms * 1e3;
     std::printf("  %6d | %9.1f | %9.1f | %9.2f | %9.1f | %11.2f | %9.2e | %11.1f | %10.2f | %9.2e\n", tokens, us,
                 floors.floor_us, us / floors.floor_us, floors.useful_flops / (us * 1e-6) / 1e12,
                 floors.weight_bytes / (us * 1e-6) / 1e12, rel_err, baseline_us, us / baseline_us, baseline_rel_err);
