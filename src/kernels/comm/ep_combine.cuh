@@ -15,6 +15,7 @@
 #include "kernels/comm/ep_rows.cuh"
 #include "kernels/comm/rank_barrier.cuh"
 #include "kernels/layout/ep_buffers.hpp"
+#include "kernels/pipeline/last_block.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 
 namespace megamoe::kernels {
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_combine_push_kernel(EpCombin
                       (static_cast<long>(p.rank) * p.layout.max_tokens_per_rank + origin.y) * vectors;
     ep_detail::block_copy_row(p.expert_rows + row * vectors, &to, 1, vectors);
   }
-  if (!ep_detail::last_block_to_finish(p.ticket)) return;
+  if (!last_block_to_finish(p.ticket)) return;
   cross_rank_barrier(p.barrier);
 }
 

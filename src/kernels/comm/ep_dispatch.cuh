@@ -20,6 +20,7 @@
 #include "kernels/comm/ep_rows.cuh"
 #include "kernels/comm/rank_barrier.cuh"
 #include "kernels/layout/ep_buffers.hpp"
+#include "kernels/pipeline/last_block.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 
 namespace megamoe::kernels {
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(kDispatchTileTokens) ep_count_kernel(EpDispatc
     for (int w = 0; w < kDispatchWarps; ++w) rows += warp_counts[w][threadIdx.x];
     p.tile_counts[blockIdx.x * world + threadIdx.x] = rows;
   }
-  if (!ep_detail::last_block_to_finish(&p.tickets[0])) return;
+  if (!last_block_to_finish(&p.tickets[0])) return;
 
   if (threadIdx.x < world) {
     const int owner = threadIdx.x;
@@ -156,7 +157,7 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams
     ep_detail::block_copy_row(p.x + token * vectors, rows_to, destinations, vectors);
     __syncthreads();
   }
-  if (!ep_detail::last_block_to_finish(&p.tickets[1])) return;
+  if (!last_block_to_finish(&p.tickets[1])) return;
   cross_rank_barrier(p.barrier);
 }
 

@@ -1,5 +1,5 @@
 // Row movement shared by the expert-parallel dispatch and combine roles: carving a rank's
-// symmetric buffer, copying a whole row with one block, and electing the last block of a launch.
+// symmetric buffer and copying a whole row with one block.
 #pragma once
 
 #include <cstdint>
@@ -37,22 +37,6 @@ __device__ __forceinline__ void block_copy_row(const uint4* from, uint4* const* 
       }
     }
   }
-}
-
-// True (in every thread) in the block that finishes last; what any block wrote before the call,
-// to this GPU or a peer, is ordered before what that block does afterwards (a system-scope
-// release by it, such as a barrier arrival, then publishes those writes to the peers: the fences
-// here only need GPU scope). The ticket is zero between launches.
-__device__ __forceinline__ bool last_block_to_finish(uint32_t* ticket) {
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return false;
-  __threadfence();
-  if (threadIdx.x == 0) *ticket = 0;
-  return true;
 }
 
 }  // namespace megamoe::kernels::ep_detail

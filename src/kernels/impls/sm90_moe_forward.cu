@@ -131,7 +131,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   // block clears them), so no memset node sits before the router and every kernel overlaps the
   // previous one's launch through programmatic dependent launch.
   routing.expert_counts = w.at<int32_t>(ws, w.expert_counts);
-  routing.blocks_done = w.at<int32_t>(ws, w.routing_blocks_done);
+  routing.blocks_done = w.at<uint32_t>(ws, w.routing_blocks_done);
   routing.expert_rows = w.at<int32_t>(ws, w.expert_rows);
   routing.token_tile_rows = f.token_tile;
   routing.expert_offsets = w.at<int32_t>(ws, w.expert_offsets);

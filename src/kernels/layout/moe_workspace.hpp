@@ -29,7 +29,7 @@ struct MoeWorkspaceLayout {
 
   // Byte offsets of each region. "slot" is t * k + j: token t's j-th routed expert.
   size_t expert_counts = 0;      // int32 [E]: the router's row counters, zero between forwards
-  size_t routing_blocks_done = 0;  // int32 [1]: router blocks finished, zero between forwards
+  size_t routing_blocks_done = 0;  // uint32 [1]: router blocks finished, zero between forwards
   size_t expert_rows = 0;        // int32 [E]: routed rows per expert in this forward
   size_t expert_offsets = 0;     // int32 [E+1]: first pool row of each expert, segments padded
   size_t token_tile_prefix = 0;  // int32 [E+1]: token tiles of the experts before each expert
@@ -80,7 +80,7 @@ struct MoeWorkspaceLayout {
       return offset;
     };
     l.expert_counts = take(sizeof(int32_t) * num_experts);
-    l.routing_blocks_done = take(sizeof(int32_t));
+    l.routing_blocks_done = take(sizeof(uint32_t));
     l.expert_rows = take(sizeof(int32_t) * num_experts);
     l.expert_offsets = take(sizeof(int32_t) * (num_experts + 1));
     l.token_tile_prefix = take(sizeof(int32_t) * (num_experts + 1));

@@ -16,6 +16,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "kernels/pipeline/last_block.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/routing/selection.hpp"
 #include "kernels/routing/routing_limits.hpp"
@@ -41,7 +42,7 @@ struct RoutingParams {
   const int32_t* topk_ids;    // [T, k] (precomputed)
   const float* topk_weights;  // [T, k] (precomputed)
   int32_t* expert_counts;     // [E] counters, zero on entry and on exit
-  int32_t* blocks_done;       // [1], zero on entry and on exit
+  uint32_t* blocks_done;      // [1], zero on entry and on exit
   int32_t* expert_rows;       // [E] out: routed rows per expert
   int token_tile_rows;        // each expert's segment is padded to this many rows
   int32_t* expert_offsets;    // [E+1] out: first pool row of each expert
@@ -281,14 +282,7 @@ __global__ void __launch_bounds__(kRouterThreads) route_and_count_kernel(Routing
   }
 
   // The last block to finish scans the counts: one launch fewer than a scan kernel of its own.
-  __shared__ bool last_block;
-  __threadfence();  // this block's count atomics before its arrival
-  __syncthreads();
-  if (threadIdx.x == 0) last_block = atomicAdd(p.blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!last_block) return;
-  __threadfence();  // every block's counts after their arrivals
-  if (threadIdx.x == 0) *p.blocks_done = 0;
+  if (!last_block_to_finish(p.blocks_done)) return;
   scan_expert_segments<kRouterThreads>(p.expert_counts, p.num_experts, p.token_tile_rows, p.expert_rows,
                                        p.expert_offsets, p.token_tile_prefix);
 }
