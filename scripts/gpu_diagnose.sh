@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run on the GPU machine after scripts/gpu_check.sh built build-gpu: where a forward's time goes.
+# Run on the GPU machine (device tool, .deps carried): builds megamoe-bench (nothing to do after
+# scripts/gpu_check.sh), then shows where a forward's time goes.
 # (1) The graph breakdown (megamoe-bench --breakdown) at each of MEGAMOE_DIAG_TOKENS (default
 #     "1 128") for each L2 mode in MEGAMOE_DIAG_L2 (default "scrubbed warm"): what each kernel
 #     costs, and what cold caches add to it.
@@ -12,12 +13,10 @@
 #     warp stall samples per line) next to the report (ncu-full.ncu-rep).
 # Writes diagnose.log and ncu.log to $OUT (or ./gpu-logs).
 set -uo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-out=${OUT:-$root/gpu-logs}
-bench=$root/build-gpu/megamoe-bench
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
+gpu_build "$out/build.log" megamoe-bench || exit 1
+bench=$build/megamoe-bench
 workload=${MEGAMOE_DIAG_WORKLOAD:-qwen35-a3b}
-mkdir -p "$out"
-[ -x "$bench" ] || { echo "missing $bench: run scripts/gpu_check.sh first"; exit 1; }
 log=$out/diagnose.log
 status=0
 
