@@ -55,9 +55,8 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
   recv_total_ = cuda_alloc<int32_t>(1);
   barriers_passed_ = cuda_alloc<uint64_t>(1);
   MEGAMOE_CUDA_CHECK(cudaMemset(barriers_passed_, 0, sizeof(uint64_t)));
-  tickets_ = cuda_alloc<uint32_t>(3);
-  MEGAMOE_CUDA_CHECK(cudaMemset(tickets_, 0, 3 * sizeof(uint32_t)));
-  expert_rows_ = cuda_alloc<uint16_t>(layout_.max_recv_rows * spec.hidden);
+  tickets_ = cuda_alloc<uint32_t>(2);
+  MEGAMOE_CUDA_CHECK(cudaMemset(tickets_, 0, 2 * sizeof(uint32_t)));
   error_flags_ = cuda_alloc<int32_t>(4);
   MEGAMOE_CUDA_CHECK(cudaMemset(error_flags_, 0, 4 * sizeof(int32_t)));
 }
@@ -65,7 +64,6 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int ma
 EpLayer::~EpLayer() {
   for (void* p : {static_cast<void*>(token_dest_), static_cast<void*>(tile_counts_), static_cast<void*>(dest_base_),
                   static_cast<void*>(recv_total_), static_cast<void*>(tickets_), static_cast<void*>(barriers_passed_),
-                  expert_rows_,
                   static_cast<void*>(error_flags_)}) {
     cudaFree(p);
   }
@@ -85,9 +83,9 @@ int row_blocks(int num_sms, long rows) { return static_cast<int>(std::clamp<long
 }  // namespace
 
 void EpLayer::synchronize_ranks(cudaStream_t stream) {
-  kernels::rank_barrier_kernel<<<1, 32 * ((rendezvous_.world_size() + 31) / 32), 0, stream>>>(
-      barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_));
-  MEGAMOE_CHECK_LAUNCH("rank_barrier_kernel");
+  kernels::launch_overlapping_previous(kernels::rank_barrier_kernel, 1, 32 * ((rendezvous_.world_size() + 31) / 32), 0,
+                                       stream, "rank_barrier_kernel",
+                                       barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_));
 }
 
 void EpLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
@@ -128,33 +126,25 @@ void EpLayer::compute(cudaStream_t stream) {
                   reinterpret_cast<const int32_t*>(buffer + layout_.recv_ids),
                   reinterpret_cast<const float*>(buffer + layout_.recv_weights)};
   local.num_valid_tokens = recv_total_;
-  local_experts_->forward(stream, local, MoeOutputs{expert_rows_});
+  local_experts_->forward(stream, local, MoeOutputs{static_cast<char*>(buffer_->local()) + layout_.partial_sums});
 }
 
 void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
+  // Every rank's local pass has written its partial sums before any rank reads them. The next
+  // call's dispatch rewrites peers' buffers only after its count barrier, which no rank passes
+  // before every rank has finished this reduction: no closing barrier is needed.
+  synchronize_ranks(stream);
+  if (inputs.num_tokens == 0) return;
   kernels::EpCombineParams c{};
   c.peer_bases = buffer_->device_peer_table();
   c.layout = layout_;
-  c.barrier = barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_);
-  c.rank = rendezvous_.rank();
   c.num_tokens = inputs.num_tokens;
-  c.recv_total = recv_total_;
-  c.expert_rows = static_cast<const uint4*>(expert_rows_);
   c.token_dest = token_dest_;
   c.y = static_cast<__nv_bfloat16*>(outputs.y);
-  c.ticket = tickets_ + 2;
-  // The received row count is on the device; the grid walks it whatever its size, and is sized for
-  // as many rows as this rank sends (ranks usually carry similar batches).
-  kernels::launch_overlapping_previous(kernels::ep_combine_push_kernel,
-                                       row_blocks(num_sms_, static_cast<long>(layout_.world_size) * inputs.num_tokens),
-                                       kernels::kEpRowThreads, 0, stream, "ep_combine_push_kernel", c);
-  // The next call's dispatch rewrites peers' buffers only after its count barrier, which no rank
-  // passes before every rank has finished this reduction: no closing barrier is needed.
-  if (inputs.num_tokens > 0) {
-    const long threads = static_cast<long>(inputs.num_tokens) * (spec_.hidden / 8);
-    kernels::launch_overlapping_previous(kernels::ep_reduce_kernel, static_cast<int>((threads + 255) / 256), 256, 0,
-                                         stream, "ep_reduce_kernel", c);
-  }
+  const long threads = static_cast<long>(inputs.num_tokens) * (spec_.hidden / 8);
+  kernels::launch_overlapping_previous(kernels::ep_reduce_kernel,
+                                       static_cast<int>((threads + kernels::kEpReduceThreads - 1) / kernels::kEpReduceThreads),
+                                       kernels::kEpReduceThreads, 0, stream, "ep_reduce_kernel", c);
 }
 
 long EpLayer::take_invalid_routing_ids(cudaStream_t stream) {

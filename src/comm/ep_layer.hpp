@@ -1,8 +1,8 @@
 // EpLayer: the MoE layer expert-parallel across the GPUs of one node, staged:
 //   dispatch (count exchange, then each token row pushed once to every rank owning one of its
 //   experts) -> all local experts of each received token through the single-GPU MoeLayer, which
-//   sums them with the routing weights -> combine (partial sums pushed back over NVLink, reduced in
-//   rank order). No host synchronization: the local pass takes the received row count from the
+//   sums them with the routing weights into the symmetric buffer -> combine (each source reads its
+//   tokens' partial sums from their owners over NVLink and adds them in rank order). No host synchronization: the local pass takes the received row count from the
 //   device (MoeInputs::num_valid_tokens), so a forward is CUDA-graph capturable.
 // One process per GPU (megamoe-run); every call is collective over the ranks.
 #pragma once
@@ -40,7 +40,7 @@ class EpLayer {
   void dispatch(cudaStream_t stream, const MoeInputs& inputs);
   // The local experts on the rows dispatch delivered (their count stays on the device).
   void compute(cudaStream_t stream);
-  // Pushes the partial sums back and reduces this rank's outputs.
+  // Reads this rank's tokens' partial sums from their owners and reduces them into y.
   void combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs);
 
   // Collective: returns (on the stream) once every rank has reached it; for benchmarks that time
@@ -74,8 +74,7 @@ class EpLayer {
   int32_t* tile_counts_ = nullptr;        // [dispatch tiles, world] count -> push scratch
   int32_t* dest_base_ = nullptr;          // [world]
   int32_t* recv_total_ = nullptr;         // [1] rows received in this call
-  uint32_t* tickets_ = nullptr;           // [3] last-block tickets: count, push, combine push
-  void* expert_rows_ = nullptr;           // bf16 [max_recv_rows, H] partial sums of the local experts
+  uint32_t* tickets_ = nullptr;           // [2] last-block tickets: count, push
   int32_t* error_flags_ = nullptr;
 };
 

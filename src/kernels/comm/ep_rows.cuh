@@ -1,5 +1,5 @@
-// Row movement shared by the expert-parallel dispatch and combine roles: carving a rank's
-// symmetric buffer and copying a whole row with one block.
+// Row movement of the expert-parallel roles: carving a rank's symmetric buffer, and copying a whole
+// row with one block.
 #pragma once
 
 #include <cstdint>

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/memory.cuh"
 
 namespace megamoe::kernels {
@@ -56,6 +57,12 @@ __device__ __forceinline__ void cross_rank_barrier(const RankBarrierParams& p) {
   __syncthreads();
 }
 
-__global__ void rank_barrier_kernel(RankBarrierParams p) { cross_rank_barrier(p); }
+// A barrier of its own launch: it may be launched overlapping the previous kernel, and arrives only
+// once that kernel's writes are visible.
+__global__ void rank_barrier_kernel(RankBarrierParams p) {
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
+  cross_rank_barrier(p);
+}
 
 }  // namespace megamoe::kernels

@@ -16,8 +16,9 @@
 //   recv_weights  fp32 [max_recv_rows][k]           the token's routing weights
 //   recv_tokens   bf16 [max_recv_rows][H]           the token rows, pushed by their sources, in
 //                                                   canonical order (source rank, then token)
-//   combine_rows  bf16 [world][max_tokens][H]       each owner's partial output for this rank's
-//                                                   tokens, pushed back by the owners
+//   partial_sums  bf16 [max_recv_rows][H]           the local pass's output: each received row's
+//                                                   weighted sum over this rank's experts, read by
+//                                                   the row's source rank in the combine
 //   signals       uint64 [kSignalSlots]             barrier arrivals, one slot per source rank
 #pragma once
 
@@ -44,7 +45,7 @@ struct EpBufferLayout {
   size_t recv_ids = 0;
   size_t recv_weights = 0;
   size_t recv_tokens = 0;
-  size_t combine_rows = 0;
+  size_t partial_sums = 0;
   size_t signals = 0;
   size_t total_bytes = 0;
 
@@ -73,7 +74,7 @@ struct EpBufferLayout {
     l.recv_ids = take(sizeof(int32_t) * top_k * l.max_recv_rows);
     l.recv_weights = take(sizeof(float) * top_k * l.max_recv_rows);
     l.recv_tokens = take(l.max_recv_rows * hidden * 2);
-    l.combine_rows = take(static_cast<size_t>(world_size) * max_tokens_per_rank * hidden * 2);
+    l.partial_sums = take(l.max_recv_rows * hidden * 2);
     l.signals = take(sizeof(uint64_t) * kSignalSlots);
     l.total_bytes = cursor;
     return l;

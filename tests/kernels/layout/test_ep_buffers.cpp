@@ -27,7 +27,7 @@ TEST(EpBufferLayout, RegionsAreAlignedDisjointAndSized) {
       {l.recv_ids, 4 * 8 * rows},
       {l.recv_weights, 4 * 8 * rows},
       {l.recv_tokens, rows * 7168 * 2},
-      {l.combine_rows, 2ull * 4096 * 7168 * 2},
+      {l.partial_sums, rows * 7168 * 2},
       {l.signals, 8 * EpBufferLayout::kSignalSlots}};
   test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
 }
