@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool, .deps carried) to compare changes against the tree as sent,
-# in one session on one GPU: variant A is this tree, variant B1, B2, ... a copy of it with the
-# patch given as the 1st, 2nd, ... argument applied (`git diff main > change.patch` on a checkout
-# of main; patches travel as untracked files). Builds megamoe-bench of every variant, then times
-# each with megamoe-bench --breakdown for each WORKLOAD:TOKENS of MEGAMOE_AB_CASES (default
+# in one session on one GPU (variants: scripts/gpu_variants.sh). Builds megamoe-bench of every
+# variant, then times each with megamoe-bench --breakdown for each WORKLOAD:TOKENS of MEGAMOE_AB_CASES (default
 # "qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35-a3b:2048"), the variants in turn for each case,
 # so that drift in the GPU's state affects all alike. Writes ab.log to $OUT and prints per-node
 # times. With MEGAMOE_AB_TESTS set (a gtest filter of the layer suite), every variant also runs
@@ -14,29 +12,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 log=$out/ab.log
 precision=${MEGAMOE_AB_PRECISION:-fp8_block}
 
-# The variants build side by side: each build is mostly one long nvcc compile of the kernels.
-names=(A)
-roots=("$root")
-scratch=$(mktemp -d)
-for i in $(seq 1 $#); do
-  patch_file=$(realpath "${!i}")
-  variant=$scratch/B$i
-  cp -r "$root" "$variant" && rm -rf "$variant/build-gpu"
-  (cd "$variant" && patch -p1 --quiet <"$patch_file") || { echo "B$i: $patch_file does not apply" | tee -a "$log"; exit 1; }
-  echo "B$i = A + $(basename "$patch_file")" | tee -a "$log"
-  names+=("B$i")
-  roots+=("$variant")
-done
-pids=()
-for v in "${!names[@]}"; do
-  targets=(megamoe-bench)
-  [ -n "${MEGAMOE_AB_TESTS:-}" ] && targets+=(test_api_moe_layer)
-  (root=${roots[$v]} build=${roots[$v]}/build-gpu gpu_build "$scratch/build.${names[$v]}.log" "${targets[@]}") &
-  pids+=($!)
-done
-for v in "${!names[@]}"; do
-  wait "${pids[$v]}" || { cat "$scratch/build.${names[$v]}.log" >>"$log"; echo "${names[$v]}: build failed" | tee -a "$log"; exit 1; }
-done
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_variants.sh"
+targets=megamoe-bench
+[ -n "${MEGAMOE_AB_TESTS:-}" ] && targets+=" test_api_moe_layer"
+build_variants "$targets" "$@"
 benches=()
 for v in "${!names[@]}"; do benches+=("${roots[$v]}/build-gpu/megamoe-bench"); done
 
