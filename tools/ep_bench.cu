@@ -1,17 +1,20 @@
 // megamoe-ep-bench: expert parallelism across the GPUs of one node, one process per GPU:
 //   megamoe-run -n 2 -- megamoe-ep-bench [--workload dsv3] [--tokens 128,4096]
-//                                        [--precision fp8_block|bf16] [--json PATH]
+//                                        [--precision fp8_block|bf16] [--json PATH] [--timeline]
 // Measures, per token count per rank: dispatch and combine time and their NVLink GB/s (rows that
 // cross to another rank, H x 2 bytes each), the whole staged EP forward, and the staged NCCL
 // baseline (all-gather tokens -> local experts over all tokens -> reduce-scatter), each the
 // slowest rank's median; and, in the same run, the one-way peer copy bandwidth and the cost of one
 // cross-rank barrier. Each timed phase starts after a device barrier, so that no rank's timing
-// includes a late peer. The EP output is checked against the baseline's.
+// includes a late peer. The EP output is checked against the baseline's. --timeline also prints,
+// per rank, when the first and the last block reached each point of a call (layout/ep_timeline.hpp),
+// from the global timer, median of the timed calls.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +29,7 @@
 #include "comm/ep_layer.hpp"
 #include "device_timing.hpp"
 #include "kernels/cuda_check.hpp"
+#include "kernels/layout/ep_timeline.hpp"
 #include "megamoe/error.hpp"
 #include "plan/workloads.hpp"
 #include "ref/moe_reference.hpp"
@@ -71,6 +75,41 @@ struct Events {
   }
 };
 
+// Runs `call` kTimed times with the EP timeline on and prints, for each point, the median time
+// from the first count block's start to the first and the last block reaching it.
+template <class Call>
+void print_timeline(comm::EpLayer& ep, cudaStream_t stream, int rank, int tokens, Call&& call) {
+  constexpr int kEvents = layout::kEpTimelineEvents;
+  unsigned long long* stamps = cuda_alloc<unsigned long long>(2 * kEvents);
+  std::vector<unsigned long long> reset(2 * kEvents), got(2 * kEvents);
+  for (int e = 0; e < kEvents; ++e) reset[2 * e] = ULLONG_MAX, reset[2 * e + 1] = 0;
+  std::vector<std::vector<float>> first(kEvents), last(kEvents);
+  ep.set_timeline(stamps);
+  for (int i = 0; i < kTimed; ++i) {
+    MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(stamps, reset.data(), reset.size() * sizeof reset[0], cudaMemcpyHostToDevice, stream));
+    call();
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(got.data(), stamps, got.size() * sizeof got[0], cudaMemcpyDeviceToHost));
+    const unsigned long long start = got[2 * layout::kCountStart];
+    for (int e = 0; e < kEvents; ++e) {
+      if (got[2 * e + 1] == 0) continue;  // not reached (no tokens to reduce)
+      first[e].push_back(static_cast<float>(got[2 * e] - start) / 1e3f);
+      last[e].push_back(static_cast<float>(got[2 * e + 1] - start) / 1e3f);
+    }
+  }
+  ep.set_timeline(nullptr);
+  cudaFree(stamps);
+  std::string text;
+  for (int e = 0; e < kEvents; ++e) {
+    if (first[e].empty()) continue;
+    char line[160];
+    std::snprintf(line, sizeof line, "timeline rank %d, %d tokens: %-22s first %8.1f us, last %8.1f us\n", rank, tokens,
+                  layout::kEpTimelineEventNames[e], median(first[e]), median(last[e]));
+    text += line;
+  }
+  std::fputs(text.c_str(), stdout);
+  std::fflush(stdout);
+}
+
 // The largest of every rank's value (the slowest rank decides).
 double max_over_ranks(const comm::FileRendezvous& rendezvous, const std::string& key, double value) {
   std::ostringstream text;
@@ -90,6 +129,7 @@ int run(int argc, char** argv) {
   std::string workload_name = "dsv3", json_path;
   std::vector<int> token_counts = {128, 4096};
   Precision precision = Precision::fp8_block;
+  bool timeline = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--workload" && i + 1 < argc) {
@@ -102,6 +142,8 @@ int run(int argc, char** argv) {
       precision = std::string(argv[++i]) == "bf16" ? Precision::bf16 : Precision::fp8_block;
     } else if (arg == "--json" && i + 1 < argc) {
       json_path = argv[++i];
+    } else if (arg == "--timeline") {
+      timeline = true;
     } else {
       throw Error(ErrorCode::invalid_argument, "unknown argument " + arg);
     }
@@ -197,22 +239,26 @@ int run(int argc, char** argv) {
     // before), so that a phase's first cross-rank barrier does not also time a late peer (its host,
     // or its local experts finishing later than ours).
     Events ev(4);
-    std::vector<float> dispatch_ms, combine_ms;
-    for (int i = 0; i < kWarmup + kTimed; ++i) {
+    auto staged_call = [&](bool record) {
       ep.synchronize_ranks(stream);
-      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
+      if (record) MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
       ep.dispatch(stream, inputs);
-      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
+      if (record) MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
       ep.compute(stream);
       ep.synchronize_ranks(stream);
-      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[2], stream));
+      if (record) MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[2], stream));
       ep.combine(stream, inputs, MoeOutputs{y_ep});
-      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[3], stream));
+      if (record) MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[3], stream));
       MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    };
+    std::vector<float> dispatch_ms, combine_ms;
+    for (int i = 0; i < kWarmup + kTimed; ++i) {
+      staged_call(true);
       if (i < kWarmup) continue;
       dispatch_ms.push_back(ev.ms(0, 1));
       combine_ms.push_back(ev.ms(2, 3));
     }
+    if (timeline) print_timeline(ep, stream, rank, tokens, [&] { staged_call(false); });
     // The whole forward as a user calls it.
     const double total_ms = bench::median_ms(
         stream, bench::Replays{kWarmup, kTimed}, [&] { ep.forward(stream, inputs, MoeOutputs{y_ep}); },

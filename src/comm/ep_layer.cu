@@ -8,6 +8,7 @@
 #include "kernels/comm/rank_barrier.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/launch.hpp"
+#include "kernels/layout/ep_timeline.hpp"
 #include "megamoe/error.hpp"
 
 namespace megamoe::comm {
@@ -77,15 +78,20 @@ kernels::RankBarrierParams barrier_params(const SymmetricMemory& buffer, const l
                                     rendezvous.world_size(), kBarrierTimeoutCycles, passed};
 }
 
+// A cross-rank barrier as a launch of its own (one block, a warp per 32 ranks).
+void launch_barrier(cudaStream_t stream, const kernels::RankBarrierParams& barrier, const kernels::Timeline& timeline,
+                    int started_event) {
+  kernels::launch_overlapping_previous(kernels::rank_barrier_kernel, 1, 32 * ((barrier.world_size + 31) / 32), 0,
+                                       stream, "rank_barrier_kernel", barrier, timeline, started_event);
+}
+
 // Blocks of the row-moving launches: enough to keep every SM's NVLink writes in flight.
 int row_blocks(int num_sms, long rows) { return static_cast<int>(std::clamp<long>(rows, 1, 8L * num_sms)); }
 
 }  // namespace
 
 void EpLayer::synchronize_ranks(cudaStream_t stream) {
-  kernels::launch_overlapping_previous(kernels::rank_barrier_kernel, 1, 32 * ((rendezvous_.world_size() + 31) / 32), 0,
-                                       stream, "rank_barrier_kernel",
-                                       barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_));
+  launch_barrier(stream, barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_), kernels::Timeline{}, 0);
 }
 
 void EpLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
@@ -112,6 +118,7 @@ void EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
   d.recv_total = recv_total_;
   d.error_flags = error_flags_;
   d.tickets = tickets_;
+  d.timeline = kernels::Timeline{timeline_stamps_};
   // A rank with no tokens still takes part: its counts (zeros) and barriers are owed to the peers.
   // Each launch overlaps the previous kernel's tail and waits for it before touching memory.
   kernels::launch_overlapping_previous(kernels::ep_count_kernel, kernels::ep_dispatch_tiles(inputs.num_tokens),
@@ -133,7 +140,8 @@ void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
   // Every rank's local pass has written its partial sums before any rank reads them. The next
   // call's dispatch rewrites peers' buffers only after its count barrier, which no rank passes
   // before every rank has finished this reduction: no closing barrier is needed.
-  synchronize_ranks(stream);
+  launch_barrier(stream, barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_),
+                 kernels::Timeline{timeline_stamps_}, layout::kCombineBarrierStart);
   if (inputs.num_tokens == 0) return;
   kernels::EpCombineParams c{};
   c.peer_bases = buffer_->device_peer_table();
@@ -141,6 +149,7 @@ void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
   c.num_tokens = inputs.num_tokens;
   c.token_dest = token_dest_;
   c.y = static_cast<__nv_bfloat16*>(outputs.y);
+  c.timeline = kernels::Timeline{timeline_stamps_};
   const long threads = static_cast<long>(inputs.num_tokens) * (spec_.hidden / 8);
   kernels::launch_overlapping_previous(kernels::ep_reduce_kernel,
                                        static_cast<int>((threads + kernels::kEpReduceThreads - 1) / kernels::kEpReduceThreads),

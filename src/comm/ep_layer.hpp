@@ -62,6 +62,11 @@ class EpLayer {
 
   const layout::EpBufferLayout& buffer_layout() const { return layout_; }
 
+  // Diagnosis (megamoe-ep-bench --timeline): later calls fold the global timer at the points of
+  // layout/ep_timeline.hpp into `stamps` (device, [kEpTimelineEvents][2]: earliest, latest ns;
+  // the caller resets them); null turns it off.
+  void set_timeline(unsigned long long* stamps) { timeline_stamps_ = stamps; }
+
  private:
   MoeSpec spec_;
   const FileRendezvous& rendezvous_;
@@ -76,6 +81,7 @@ class EpLayer {
   int32_t* recv_total_ = nullptr;         // [1] rows received in this call
   uint32_t* tickets_ = nullptr;           // [2] last-block tickets: count, push
   int32_t* error_flags_ = nullptr;
+  unsigned long long* timeline_stamps_ = nullptr;
 };
 
 }  // namespace megamoe::comm

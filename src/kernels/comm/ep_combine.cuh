@@ -18,6 +18,8 @@
 #include "kernels/combine/bf16x8.cuh"
 #include "kernels/comm/ep_rows.cuh"
 #include "kernels/layout/ep_buffers.hpp"
+#include "kernels/layout/ep_timeline.hpp"
+#include "kernels/pipeline/timeline.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 
 namespace megamoe::kernels {
@@ -28,6 +30,7 @@ struct EpCombineParams {
   int num_tokens;
   const int32_t* token_dest;  // [T, world]: position of the token's row in each owner, -1 where none went
   __nv_bfloat16* y;           // [T, H]
+  Timeline timeline;
 };
 
 constexpr int kEpReduceThreads = 256;
@@ -39,6 +42,7 @@ __global__ void __launch_bounds__(kEpReduceThreads) ep_reduce_kernel(EpCombinePa
   const long index = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
+  p.timeline.mark(layout::kReduceStart);
   if (index >= static_cast<long>(p.num_tokens) * vectors) return;
   const long token = index / vectors;
   const long vector = index % vectors;
@@ -63,6 +67,7 @@ __global__ void __launch_bounds__(kEpReduceThreads) ep_reduce_kernel(EpCombinePa
       if (present[i]) sum.add(partial[i]);
   }
   reinterpret_cast<uint4*>(p.y)[index] = sum.rounded();
+  p.timeline.mark(layout::kReduceDone);
 }
 
 }  // namespace megamoe::kernels

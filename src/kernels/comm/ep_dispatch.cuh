@@ -20,7 +20,9 @@
 #include "kernels/comm/ep_rows.cuh"
 #include "kernels/comm/rank_barrier.cuh"
 #include "kernels/layout/ep_buffers.hpp"
+#include "kernels/layout/ep_timeline.hpp"
 #include "kernels/pipeline/last_block.cuh"
+#include "kernels/pipeline/timeline.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 
 namespace megamoe::kernels {
@@ -45,6 +47,7 @@ struct EpDispatchParams {
   int32_t* recv_total;            // [1]: rows this rank receives in this call
   int32_t* error_flags;           // [0] += invalid ids
   uint32_t* tickets;              // [2] last-block tickets of count and push, zero between calls
+  Timeline timeline;
 };
 
 __host__ __device__ inline int ep_dispatch_tiles(int num_tokens) {
@@ -60,6 +63,7 @@ __global__ void __launch_bounds__(kDispatchTileTokens) ep_count_kernel(EpDispatc
   const bool real = token < p.num_tokens;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
+  p.timeline.mark(layout::kCountStart);
   uint64_t destinations = 0;
   if (real) {
     int invalid = 0;
@@ -106,7 +110,9 @@ __global__ void __launch_bounds__(kDispatchTileTokens) ep_count_kernel(EpDispatc
       ep_detail::region<int32_t>(p.peer_bases[peer], p.layout.counts)[p.rank * world + owner] = running;
     }
   }
+  p.timeline.mark(layout::kCountScanned);
   cross_rank_barrier(p.barrier);
+  p.timeline.mark(layout::kCountExchanged);
   // Every source's row of the count matrix has arrived here.
   if (threadIdx.x < world) {
     const int owner = threadIdx.x;
@@ -131,6 +137,7 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams
   const int vectors = p.layout.hidden / 8;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
+  p.timeline.mark(layout::kPushStart);
   for (long token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
     if (threadIdx.x == 0) destinations = 0;
     __syncthreads();
@@ -157,8 +164,10 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams
     ep_detail::block_copy_row(p.x + token * vectors, rows_to, destinations, vectors);
     __syncthreads();
   }
+  p.timeline.mark(layout::kPushRowsSent);
   if (!last_block_to_finish(&p.tickets[1])) return;
   cross_rank_barrier(p.barrier);
+  p.timeline.mark(layout::kPushDelivered);
 }
 
 }  // namespace megamoe::kernels

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "kernels/pipeline/timeline.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/memory.cuh"
 
@@ -58,11 +59,13 @@ __device__ __forceinline__ void cross_rank_barrier(const RankBarrierParams& p) {
 }
 
 // A barrier of its own launch: it may be launched overlapping the previous kernel, and arrives only
-// once that kernel's writes are visible.
-__global__ void rank_barrier_kernel(RankBarrierParams p) {
+// once that kernel's writes are visible. The timeline marks `started_event` and the event after it.
+__global__ void rank_barrier_kernel(RankBarrierParams p, Timeline timeline, int started_event) {
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
+  timeline.mark(started_event);
   cross_rank_barrier(p);
+  timeline.mark(started_event + 1);
 }
 
 }  // namespace megamoe::kernels
