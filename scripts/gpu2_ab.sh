@@ -3,7 +3,8 @@
 # nvidia-h200-x2, .deps carried), with the variants of scripts/gpu_variants.sh. Every variant runs
 # the two-GPU tests (CTest label gpu2) first, then megamoe-ep-bench on dsv3 at MEGAMOE_AB_TOKENS
 # tokens per rank (default 128,4096), the variants in turn for MEGAMOE_AB_ROUNDS rounds (default
-# 2) so that drift affects all alike. Writes ab2.log to $OUT.
+# 2) so that drift affects all alike, each run writing its JSON (ep.VARIANT.rROUND.json) next to
+# ab2.log in $OUT. MEGAMOE_AB_EP_ARGS adds arguments to every bench run (e.g. --timeline).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: gpu2_ab.sh CHANGE.patch [CHANGE.patch ...]"; exit 2; }
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
@@ -23,7 +24,8 @@ for round in $(seq 1 "${MEGAMOE_AB_ROUNDS:-2}"); do
     echo "== ${names[$v]}: megamoe-ep-bench dsv3, round $round" | tee -a "$log"
     build=${roots[$v]}/build-gpu
     "$build/megamoe-run" -n 2 --timeout 300 -- "$build/megamoe-ep-bench" --workload dsv3 \
-      --tokens "${MEGAMOE_AB_TOKENS:-128,4096}" >"$log.part" 2>&1 || status=1
+      --tokens "${MEGAMOE_AB_TOKENS:-128,4096}" --json "$out/ep.${names[$v]}.r$round.json" ${MEGAMOE_AB_EP_ARGS:-} \
+      >"$log.part" 2>&1 || status=1
     grep -E '^\[rank 0\] ' "$log.part" | tee -a "$log"
     rm -f "$log.part"
   done
