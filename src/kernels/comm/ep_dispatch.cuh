@@ -24,6 +24,7 @@
 #include "kernels/pipeline/last_block.cuh"
 #include "kernels/pipeline/timeline.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
+#include "kernels/ptx/memory.cuh"
 
 namespace megamoe::kernels {
 
@@ -63,6 +64,7 @@ __global__ void __launch_bounds__(kDispatchTileTokens) ep_count_kernel(EpDispatc
   const bool real = token < p.num_tokens;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
+  const uint64_t epoch = next_barrier_epoch(p.barrier);
   p.timeline.mark(layout::kCountStart);
   uint64_t destinations = 0;
   if (real) {
@@ -70,48 +72,63 @@ __global__ void __launch_bounds__(kDispatchTileTokens) ep_count_kernel(EpDispatc
     destinations = layout::ep_token_destinations(p.topk_ids, p.layout.top_k, p.num_experts, epr, token, &invalid);
     if (invalid > 0) atomicAdd(&p.error_flags[0], invalid);
   }
-  int32_t* mine = p.token_dest + token * world;
+  for (int r = 0; r < world; ++r) {
+    const uint32_t senders = __ballot_sync(0xffffffffu, (destinations >> r) & 1);
+    if (lane == 0) warp_counts[warp][r] = __popc(senders);
+  }
+  __syncthreads();
   for (int r = 0; r < world; ++r) {
     const bool sends = (destinations >> r) & 1;
     const uint32_t senders = __ballot_sync(0xffffffffu, sends);
-    if (lane == 0) warp_counts[warp][r] = __popc(senders);
-    if (real) mine[r] = sends ? __popc(senders & ((1u << lane) - 1u)) : -1;
-  }
-  __syncthreads();
-  if (real) {
-    for (int r = 0; r < world; ++r) {
-      if (mine[r] < 0) continue;
-      for (int w = 0; w < warp; ++w) mine[r] += warp_counts[w][r];
+    if (!real) continue;
+    int rank_in_tile = -1;
+    if (sends) {
+      rank_in_tile = __popc(senders & ((1u << lane) - 1u));
+      for (int w = 0; w < warp; ++w) rank_in_tile += warp_counts[w][r];
     }
+    p.token_dest[token * world + r] = rank_in_tile;
   }
+  // Threads below world: this tile's rows to owner threadIdx.x, then every tile's.
+  int rows = 0, running = 0;
   if (threadIdx.x < world) {
-    int rows = 0;
     for (int w = 0; w < kDispatchWarps; ++w) rows += warp_counts[w][threadIdx.x];
-    p.tile_counts[blockIdx.x * world + threadIdx.x] = rows;
   }
-  if (!last_block_to_finish(&p.tickets[0])) return;
-
-  if (threadIdx.x < world) {
-    const int owner = threadIdx.x;
-    constexpr int kBatch = 16;  // independent loads in flight
-    const int tiles = static_cast<int>(gridDim.x);
-    int running = 0;
-    for (int first = 0; first < tiles; first += kBatch) {
-      int rows[kBatch];
+  if (gridDim.x == 1) {
+    // One tile: its block is the last to finish by itself, and the prefix before it is zero,
+    // without the ticket, fences and counter round trips of the election.
+    if (threadIdx.x < world) {
+      p.tile_counts[threadIdx.x] = 0;
+      running = rows;
+    }
+  } else {
+    if (threadIdx.x < world) p.tile_counts[blockIdx.x * world + threadIdx.x] = rows;
+    if (!last_block_to_finish(&p.tickets[0])) return;
+    if (threadIdx.x < world) {
+      const int owner = threadIdx.x;
+      constexpr int kBatch = 16;  // independent loads in flight
+      const int tiles = static_cast<int>(gridDim.x);
+      for (int first = 0; first < tiles; first += kBatch) {
+        int tile_rows[kBatch];
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) rows[i] = first + i < tiles ? __ldcg(&p.tile_counts[(first + i) * world + owner]) : 0;
+        for (int i = 0; i < kBatch; ++i) {
+          tile_rows[i] = first + i < tiles ? __ldcg(&p.tile_counts[(first + i) * world + owner]) : 0;
+        }
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        if (first + i < tiles) p.tile_counts[(first + i) * world + owner] = running;
-        running += rows[i];
+        for (int i = 0; i < kBatch; ++i) {
+          if (first + i < tiles) p.tile_counts[(first + i) * world + owner] = running;
+          running += tile_rows[i];
+        }
       }
     }
+  }
+  if (threadIdx.x < world) {
+    const int owner = threadIdx.x;
     for (int peer = 0; peer < world; ++peer) {
       ep_detail::region<int32_t>(p.peer_bases[peer], p.layout.counts)[p.rank * world + owner] = running;
     }
   }
   p.timeline.mark(layout::kCountScanned);
-  cross_rank_barrier(p.barrier);
+  cross_rank_barrier(p.barrier, epoch);
   p.timeline.mark(layout::kCountExchanged);
   // Every source's row of the count matrix has arrived here.
   if (threadIdx.x < world) {
@@ -139,6 +156,8 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams
   ptx::allow_dependent_launch();
   p.timeline.mark(layout::kPushStart);
   for (long token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
+    // The row's loads are a token's longest wait: start them before its positions are known.
+    for (int v = threadIdx.x; v < vectors; v += blockDim.x) ptx::prefetch_l1(p.x + token * vectors + v);
     if (threadIdx.x == 0) destinations = 0;
     __syncthreads();
     if (threadIdx.x < world) {
@@ -164,9 +183,12 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams
     ep_detail::block_copy_row(p.x + token * vectors, rows_to, destinations, vectors);
     __syncthreads();
   }
+  // Loaded here rather than at the start, where the row loop's division calls would spill it; the
+  // election's fences wait as long.
+  const uint64_t epoch = next_barrier_epoch(p.barrier);
   p.timeline.mark(layout::kPushRowsSent);
   if (!last_block_to_finish(&p.tickets[1])) return;
-  cross_rank_barrier(p.barrier);
+  cross_rank_barrier(p.barrier, epoch);
   p.timeline.mark(layout::kPushDelivered);
 }
 

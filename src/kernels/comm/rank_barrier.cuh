@@ -29,16 +29,23 @@ struct RankBarrierParams {
   uint64_t* passed;          // device, this rank only: barriers run so far
 };
 
-// Every thread of one block calls it (blockDim.x >= world_size), one block per launch. Writes made
-// before the call by any thread of the block (or made visible to it) are visible to every peer's
-// block after its return, and conversely.
-__device__ __forceinline__ void cross_rank_barrier(const RankBarrierParams& p) {
+// The number of the next barrier, to be loaded by each thread below world_size of the block that
+// will run it, early in its launch (after the previous kernel's writes are visible): the load is
+// then off the barrier's critical path. Only barriers advance the count, and a launch runs at most
+// one.
+__device__ __forceinline__ uint64_t next_barrier_epoch(const RankBarrierParams& p) {
+  return threadIdx.x < p.world_size ? *p.passed + 1 : 0;
+}
+
+// Every thread of one block calls it (blockDim.x >= world_size), one block per launch, with the
+// epoch its thread loaded by next_barrier_epoch. Writes made before the call by any thread of the
+// block (or made visible to it) are visible to every peer's block after its return, and
+// conversely.
+__device__ __forceinline__ void cross_rank_barrier(const RankBarrierParams& p, uint64_t epoch) {
   const int peer = threadIdx.x;
-  __shared__ uint64_t epoch;
-  __syncthreads();
-  if (peer == 0) epoch = ++*p.passed;
   __syncthreads();
   if (peer < p.world_size) {
+    if (peer == 0) *p.passed = epoch;
     __threadfence_system();
     uint64_t* remote = reinterpret_cast<uint64_t*>(static_cast<char*>(p.peer_bases[peer]) + p.signals_offset);
     ptx::red_add_release_sys(remote + p.rank, 1);
@@ -63,8 +70,9 @@ __device__ __forceinline__ void cross_rank_barrier(const RankBarrierParams& p) {
 __global__ void rank_barrier_kernel(RankBarrierParams p, Timeline timeline, int started_event) {
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
+  const uint64_t epoch = next_barrier_epoch(p);
   timeline.mark(started_event);
-  cross_rank_barrier(p);
+  cross_rank_barrier(p, epoch);
   timeline.mark(started_event + 1);
 }
 
