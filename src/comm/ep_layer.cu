@@ -150,9 +150,9 @@ void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
   c.token_dest = token_dest_;
   c.y = static_cast<__nv_bfloat16*>(outputs.y);
   c.timeline = kernels::Timeline{timeline_stamps_};
-  const long chunks = (static_cast<long>(inputs.num_tokens) * (spec_.hidden / 8) + kernels::kEpReduceChunk - 1) /
-                     kernels::kEpReduceChunk;
-  kernels::launch_overlapping_previous(kernels::ep_reduce_kernel, static_cast<int>(std::min<long>(chunks, 4L * num_sms_)),
+  const long threads = static_cast<long>(inputs.num_tokens) * (spec_.hidden / 8);
+  kernels::launch_overlapping_previous(kernels::ep_reduce_kernel,
+                                       static_cast<int>((threads + kernels::kEpReduceThreads - 1) / kernels::kEpReduceThreads),
                                        kernels::kEpReduceThreads, 0, stream, "ep_reduce_kernel", c);
 }
 

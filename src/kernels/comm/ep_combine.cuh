@@ -34,54 +34,39 @@ struct EpCombineParams {
 };
 
 constexpr int kEpReduceThreads = 256;
-constexpr int kEpReduceVectorsPerThread = 4;  // a thread's vectors, with every owner's partial sum, in flight together
-constexpr int kEpReduceChunk = kEpReduceThreads * kEpReduceVectorsPerThread;
-constexpr int kEpReduceOwnersPerPass = 2;
 
-// Grid: any number of blocks; each takes chunks of kEpReduceChunk vectors of y in turn (a grid of
-// about one block per SM starts without a ramp of block launches), after a cross-rank barrier that
-// follows every rank's local pass.
+// Grid: one thread per 16-byte vector of y, after a cross-rank barrier that follows every rank's
+// local pass.
 __global__ void __launch_bounds__(kEpReduceThreads) ep_reduce_kernel(EpCombineParams p) {
   const int world = p.layout.world_size, vectors = p.layout.hidden / 8;
-  const long total = static_cast<long>(p.num_tokens) * vectors;
+  const long index = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
   p.timeline.mark(layout::kReduceStart);
-  for (long chunk = blockIdx.x * static_cast<long>(kEpReduceChunk); chunk < total;
-       chunk += static_cast<long>(gridDim.x) * kEpReduceChunk) {
-    Bf16x8Sum sum[kEpReduceVectorsPerThread];
-    for (int first = 0; first < world; first += kEpReduceOwnersPerPass) {
-      uint4 partial[kEpReduceVectorsPerThread][kEpReduceOwnersPerPass];
-      bool present[kEpReduceVectorsPerThread][kEpReduceOwnersPerPass];
+  if (index >= static_cast<long>(p.num_tokens) * vectors) return;
+  const long token = index / vectors;
+  const long vector = index % vectors;
+  const int32_t* positions = p.token_dest + token * world;
+  Bf16x8Sum sum;
+  // Every owner's partial sum in flight before the first addition (NVLink reads).
+  constexpr int kInFlight = 8;
+  for (int first = 0; first < world; first += kInFlight) {
+    uint4 partial[kInFlight];
+    bool present[kInFlight];
 #pragma unroll
-      for (int v = 0; v < kEpReduceVectorsPerThread; ++v) {
-        const long index = chunk + v * kEpReduceThreads + threadIdx.x;
-        const long token = index / vectors;
-#pragma unroll
-        for (int i = 0; i < kEpReduceOwnersPerPass; ++i) {
-          const int owner = first + i;
-          const long position = index < total && owner < world ? p.token_dest[token * world + owner] : -1;
-          present[v][i] = position >= 0;
-          if (present[v][i]) {
-            partial[v][i] = ep_detail::region<const uint4>(p.peer_bases[owner],
-                                                           p.layout.partial_sums)[position * vectors + index % vectors];
-          }
-        }
-      }
-      // In rank order per vector: deterministic.
-#pragma unroll
-      for (int v = 0; v < kEpReduceVectorsPerThread; ++v) {
-#pragma unroll
-        for (int i = 0; i < kEpReduceOwnersPerPass; ++i)
-          if (present[v][i]) sum[v].add(partial[v][i]);
+    for (int i = 0; i < kInFlight; ++i) {
+      const int owner = first + i;
+      const long position = owner < world ? positions[owner] : -1;
+      present[i] = position >= 0;
+      if (present[i]) {
+        partial[i] = ep_detail::region<const uint4>(p.peer_bases[owner], p.layout.partial_sums)[position * vectors + vector];
       }
     }
 #pragma unroll
-    for (int v = 0; v < kEpReduceVectorsPerThread; ++v) {
-      const long index = chunk + v * kEpReduceThreads + threadIdx.x;
-      if (index < total) reinterpret_cast<uint4*>(p.y)[index] = sum[v].rounded();
-    }
+    for (int i = 0; i < kInFlight; ++i)
+      if (present[i]) sum.add(partial[i]);
   }
+  reinterpret_cast<uint4*>(p.y)[index] = sum.rounded();
   p.timeline.mark(layout::kReduceDone);
 }
 
