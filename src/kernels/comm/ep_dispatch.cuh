@@ -150,6 +150,7 @@ __global__ void __launch_bounds__(kDispatchTileTokens) ep_count_kernel(EpDispatc
 __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams p) {
   __shared__ uint4* rows_to[layout::EpBufferLayout::kSignalSlots];
   __shared__ int destinations;
+  __shared__ int32_t row_positions[layout::EpBufferLayout::kSignalSlots];  // per owner, -1: no row
   const int world = p.layout.world_size, k = p.layout.top_k, epr = p.layout.experts_per_rank;
   const int vectors = p.layout.hidden / 8;
   ptx::wait_for_prerequisite_grids();
@@ -159,27 +160,33 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams
     // The row's loads are a token's longest wait: start them before its positions are known.
     for (int v = threadIdx.x; v < vectors; v += blockDim.x) ptx::prefetch_l1(p.x + token * vectors + v);
     if (threadIdx.x == 0) destinations = 0;
+    for (int owner = threadIdx.x; owner < world; owner += blockDim.x) row_positions[owner] = -1;
     __syncthreads();
-    if (threadIdx.x < world) {
-      const int owner = threadIdx.x;
+    // One thread per (owner, slot): the slot's local id and weight, and the owner's position of
+    // the row, are loaded side by side rather than in one thread's chain of dependent loads.
+    for (int item = threadIdx.x; item < world * k; item += blockDim.x) {
+      const int owner = item / k, j = item % k;
+      const int local_id = layout::ep_local_slot_expert(p.topk_ids, k, p.num_experts, epr, token, j, owner);
+      const float weight = p.topk_weights[token * k + j];
       int32_t* dest = p.token_dest + token * world + owner;
       const int rank_in_tile = *dest;
-      if (rank_in_tile >= 0) {
-        const long tile = token / kDispatchTileTokens;
-        const long position = p.dest_base[owner] + p.tile_counts[tile * world + owner] + rank_in_tile;
-        *dest = static_cast<int32_t>(position);
-        void* base = p.peer_bases[owner];
+      if (rank_in_tile < 0) continue;
+      const long tile = token / kDispatchTileTokens;
+      const long position = p.dest_base[owner] + p.tile_counts[tile * world + owner] + rank_in_tile;
+      void* base = p.peer_bases[owner];
+      ep_detail::region<int32_t>(base, p.layout.recv_ids)[position * k + j] = local_id;
+      ep_detail::region<float>(base, p.layout.recv_weights)[position * k + j] = weight;
+      if (j == 0) {
+        row_positions[owner] = static_cast<int32_t>(position);
         ep_detail::region<int2>(base, p.layout.recv_origin)[position] = make_int2(p.rank, static_cast<int>(token));
-        int32_t* ids = ep_detail::region<int32_t>(base, p.layout.recv_ids) + position * k;
-        float* weights = ep_detail::region<float>(base, p.layout.recv_weights) + position * k;
-        for (int j = 0; j < k; ++j) {
-          ids[j] = layout::ep_local_slot_expert(p.topk_ids, k, p.num_experts, epr, token, j, owner);
-          weights[j] = p.topk_weights[token * k + j];
-        }
         rows_to[atomicAdd(&destinations, 1)] = ep_detail::region<uint4>(base, p.layout.recv_tokens) + position * vectors;
       }
     }
     __syncthreads();
+    // After every slot has read its owner's rank in the tile: the combine reads positions.
+    for (int owner = threadIdx.x; owner < world; owner += blockDim.x) {
+      if (row_positions[owner] >= 0) p.token_dest[token * world + owner] = row_positions[owner];
+    }
     ep_detail::block_copy_row(p.x + token * vectors, rows_to, destinations, vectors);
     __syncthreads();
   }
