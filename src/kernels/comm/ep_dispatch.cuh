@@ -3,14 +3,15 @@
 // experts (layout/ep_buffers.hpp).
 //   1. count (source): one thread per token, in tiles of kDispatchTileTokens. Each token's
 //      destination ranks, its rank among the tile's rows to each destination (warp ballots) and the
-//      tile's rows per destination. The last block turns the tile counts into prefixes over tiles,
-//      writes this rank's row of the count matrix into every rank and runs the barrier; then,
+//      tile's rows per destination. The last block (a batch of one tile: its only block) turns the
+//      tile counts into prefixes over tiles, writes this rank's row of the count matrix into every
+//      rank and runs the barrier; then,
 //      from its own copy of the matrix, where this rank's rows start in each owner (after the rows
 //      of lower source ranks) and how many rows this rank receives in total.
-//   2. push (source): one block per token at a time. The token's position in each destination
-//      (base + tile prefix + rank in tile), its origin, its slots as the owner's local expert ids
-//      and its routing weights go into the owner's buffer, then the row itself: loaded once, written
-//      to every destination (NVLink writes). The last block runs the barrier: after it, every row
+//   2. push (source): one block per token at a time, one thread per (destination, slot). The
+//      token's position in each destination (base + tile prefix + rank in tile), its origin, its
+//      slots as the owner's local expert ids and its routing weights go into the owner's buffer,
+//      then the row itself: loaded once, written to every destination (NVLink writes). The last block runs the barrier: after it, every row
 //      sent to this rank has arrived.
 // Canonical order inside an owner: source rank, then token (the order of ref::plan_dispatch).
 #pragma once
