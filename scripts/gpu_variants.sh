@@ -4,14 +4,16 @@
 #   build_variants "TARGET ..." PATCH...
 # fills names[] and roots[] and builds the TARGETs of every variant side by side (each build is
 # mostly one long nvcc compile), appending to LOG=$log; it exits on a patch that does not apply or
-# a build that fails.
+# a build that fails. Variant Bi is built in $MEGAMOE_AB_SCRATCH/Bi/build-gpu (default: a fresh
+# temporary folder), so that a later command of the same device call can run its binaries.
 build_variants() {
   local targets=($1)
   shift
   names=(A)
   roots=("$root")
   local scratch
-  scratch=$(mktemp -d)
+  scratch=${MEGAMOE_AB_SCRATCH:-$(mktemp -d)}
+  mkdir -p "$scratch"
   for i in $(seq 1 $#); do
     local patch_file variant
     patch_file=$(realpath "${!i}")
