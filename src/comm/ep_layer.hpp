@@ -2,8 +2,9 @@
 //   dispatch (count exchange, then each token row pushed once to every rank owning one of its
 //   experts) -> all local experts of each received token through the single-GPU MoeLayer, which
 //   sums them with the routing weights into the symmetric buffer -> combine (each source reads its
-//   tokens' partial sums from their owners over NVLink and adds them in rank order). No host synchronization: the local pass takes the received row count from the
-//   device (MoeInputs::num_valid_tokens), so a forward is CUDA-graph capturable.
+//   tokens' partial sums from their owners over NVLink and adds them in rank order). No host
+//   synchronization: the local pass takes the received row count from the device
+//   (MoeInputs::num_valid_tokens), so a forward is CUDA-graph capturable.
 // One process per GPU (megamoe-run); every call is collective over the ranks.
 #pragma once
 

@@ -11,8 +11,8 @@
 //   2. push (source): one block per token at a time, one thread per (destination, slot). The
 //      token's position in each destination (base + tile prefix + rank in tile), its origin, its
 //      slots as the owner's local expert ids and its routing weights go into the owner's buffer,
-//      then the row itself: loaded once, written to every destination (NVLink writes). The last block runs the barrier: after it, every row
-//      sent to this rank has arrived.
+//      then the row itself: loaded once, written to every destination (NVLink writes). The last
+//      block runs the barrier: after it, every row sent to this rank has arrived.
 // Canonical order inside an owner: source rank, then token (the order of ref::plan_dispatch).
 #pragma once
 

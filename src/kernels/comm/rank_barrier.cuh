@@ -2,9 +2,9 @@
 // (release, system scope) and waits until each peer has done the same to it (acquire). Counters
 // only grow, so the n-th barrier waits for n arrivals from each rank and nothing needs cleaning
 // between calls; n is counted on the device (every rank runs the same sequence of barriers), so a
-// captured CUDA graph replays correctly. One block runs it (the last block of a dispatch or combine launch, or a launch of
-// its own): no grid-wide wait, so it is safe when other work holds SMs. A peer that never arrives
-// ends in a diagnostic and a trap, not a hang.
+// captured CUDA graph replays correctly. One block runs it (the last block of a dispatch launch, or
+// a launch of its own, as in the combine): no grid-wide wait, so it is safe when other work holds
+// SMs. A peer that never arrives ends in a diagnostic and a trap, not a hang.
 //
 // The arrivals double as the per-source completion counters of the data phases: when rank r's
 // slot here reaches an epoch, everything r wrote into this rank's buffer before arriving is
