@@ -2,8 +2,11 @@
 // experts and weights, counts rows per expert and gives each slot its rank inside its expert; the
 // last block to finish (or the only one) turns the counts into the padded expert segments the
 // GEMMs walk.
-// Arithmetic mirrors src/ref/routing.cpp: sanitized logits, scores in double rounded to float,
-// ties to the lower index, k passes of warp-wide argmax.
+// Selection mirrors src/ref/routing.cpp exactly: sanitized logits, deepseek scores in double
+// rounded to float, ties to the lower index, k passes of warp-wide argmax. Softmax weights are
+// computed in float (the reference's run in double): a softmax token's experts come from its
+// logits, so no choice depends on them, and the weights stay within ~1e-6 of the reference's,
+// where 256 double exps per token are a long FP64 chain per warp, on pipes a block's warps share.
 //
 // A small batch's routing time is one warp's chain of dependent instructions and memory round
 // trips (Nsight Compute: ~8 cycles per instruction, little of it instruction fetch), so selection
@@ -89,7 +92,7 @@ __device__ __forceinline__ Candidate warp_best(const Candidate& c) {
   return Candidate{top, top == 0u ? INT_MAX : static_cast<int>(index)};
 }
 
-__device__ __forceinline__ double warp_sum(double v) {
+__device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
@@ -179,12 +182,12 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
     }
     __syncwarp();
 
-    double softmax_max = 0.0, softmax_denominator = 1.0;
+    float softmax_max = 0.0f, softmax_denominator = 1.0f;
     if (softmax) {
       softmax_max = from_order_key(warp_best(lane_best(value, E, lane)).key);
-      double partial = 0.0;
+      float partial = 0.0f;
 #pragma unroll 4
-      for (int e = lane; e < E; e += 32) partial += exp(static_cast<double>(value[e]) - softmax_max);
+      for (int e = lane; e < E; e += 32) partial += expf(value[e] - softmax_max);
       softmax_denominator = warp_sum(partial);
     } else {
       // Keep the topk_group best groups (lane g scores group g); the rest become ineligible.
@@ -220,7 +223,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
     }
     double my_raw_weight = 0.0;
     if (my_id >= 0) {
-      my_raw_weight = softmax ? exp(static_cast<double>(score[my_id]) - softmax_max) / softmax_denominator
+      my_raw_weight = softmax ? static_cast<double>(expf(score[my_id] - softmax_max) / softmax_denominator)
                               : static_cast<double>(score[my_id]);
     }
     // The sum of the picked weights in slot order, as the reference adds them (the shuffles of a
