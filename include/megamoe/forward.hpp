@@ -22,6 +22,10 @@ struct MoeInputs {
   // The GPU forward reads it after the previous kernel on the stream finished; the CPU reference
   // does not take it.
   const int32_t* num_valid_tokens = nullptr;
+  // Optional, with num_valid_tokens: how many rows the caller expects to be real, 1 <= n <= T (0:
+  // T). Only the choice of tile shapes reads it, so a wrong guess costs speed, never correctness:
+  // a launch sized for 8192 rows that usually carries a few hundred then runs the small-batch tiles.
+  int expected_valid_tokens = 0;
 };
 
 struct MoeOutputs {

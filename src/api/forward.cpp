@@ -40,6 +40,16 @@ void validate_forward_args(const MoeSpec& spec, int capacity_tokens, const MoeIn
                                                   std::to_string(capacity_tokens) +
                                                   " tokens this layer was planned for; plan a larger max_tokens");
   }
+  if (inputs.expected_valid_tokens != 0) {
+    if (inputs.num_valid_tokens == nullptr) {
+      throw Error(ErrorCode::invalid_argument,
+                  "expected_valid_tokens is a hint for a device row count: set num_valid_tokens too, or leave it 0");
+    }
+    if (inputs.expected_valid_tokens < 0 || inputs.expected_valid_tokens > T) {
+      throw Error(ErrorCode::invalid_argument, "expected_valid_tokens=" + std::to_string(inputs.expected_valid_tokens) +
+                                                   " must lie in [0, num_tokens=" + std::to_string(T) + "]");
+    }
+  }
   if (T == 0) return;  // nothing is read or written
 
   const size_t H = static_cast<size_t>(spec.hidden);

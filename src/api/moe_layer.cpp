@@ -130,7 +130,8 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   f.intermediate = spec_.intermediate;
   f.fp8 = spec_.precision == Precision::fp8_block;
   f.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
-  f.token_tile = plan::choose_token_tile(spec_, std::max(inputs.num_tokens, 1));
+  const int planned_rows = inputs.expected_valid_tokens > 0 ? inputs.expected_valid_tokens : inputs.num_tokens;
+  f.token_tile = plan::choose_token_tile(spec_, std::max(planned_rows, 1));
   if (f.token_tile > impl_->workspace_layout.row_padding) {
     throw Error(ErrorCode::unsupported, "internal: token tile " + std::to_string(f.token_tile) +
                                             " exceeds the workspace padding " +

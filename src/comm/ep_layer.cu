@@ -108,6 +108,7 @@ void EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
   d.barrier = barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_);
   d.rank = rendezvous_.rank();
   d.num_tokens = inputs.num_tokens;
+  dispatched_tokens_ = inputs.num_tokens;
   d.num_experts = spec_.num_experts;
   d.topk_ids = inputs.topk_ids;
   d.topk_weights = inputs.topk_weights;
@@ -133,6 +134,10 @@ void EpLayer::compute(cudaStream_t stream) {
                   reinterpret_cast<const int32_t*>(buffer + layout_.recv_ids),
                   reinterpret_cast<const float*>(buffer + layout_.recv_weights)};
   local.num_valid_tokens = recv_total_;
+  // The launch is sized for every rank's worst case; its tiles for what arrives when the ranks carry
+  // batches like this one's (the count stays on the device).
+  local.expected_valid_tokens =
+      static_cast<int>(std::min<long>(layout_.max_recv_rows, static_cast<long>(rendezvous_.world_size()) * dispatched_tokens_));
   local_experts_->forward(stream, local, MoeOutputs{static_cast<char*>(buffer_->local()) + layout_.partial_sums});
 }
 

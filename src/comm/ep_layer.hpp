@@ -75,6 +75,7 @@ class EpLayer {
   std::unique_ptr<SymmetricMemory> buffer_;
   std::unique_ptr<MoeLayer> local_experts_;
   int num_sms_ = 0;
+  int dispatched_tokens_ = 0;             // this rank's batch in the last dispatch (plans the local tiles)
   uint64_t* barriers_passed_ = nullptr;   // device [1]: barriers run so far, the same count on every rank
   int32_t* token_dest_ = nullptr;         // [max_tokens, world] position of each token's row per owner
   int32_t* tile_counts_ = nullptr;        // [dispatch tiles, world] count -> push scratch

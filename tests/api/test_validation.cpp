@@ -118,6 +118,17 @@ TEST_F(ValidateForward, RejectsEachBadArgument) {
   MoeSpec bad = spec;
   bad.top_k = 0;
   check(ErrorCode::invalid_spec, bad, 8, inputs(), MoeOutputs{y});
+  // The planning hint: only with a device row count, and within [0, T].
+  const int32_t device_count = 2;
+  in = inputs();
+  in.expected_valid_tokens = 2;
+  check(ErrorCode::invalid_argument, spec, 8, in, MoeOutputs{y});
+  in.num_valid_tokens = &device_count;
+  EXPECT_EQ(error_of([&] { validate_forward_args(spec, 8, in, MoeOutputs{y}); }), std::nullopt);
+  in.expected_valid_tokens = kTokens + 1;
+  check(ErrorCode::invalid_argument, spec, 8, in, MoeOutputs{y});
+  in.expected_valid_tokens = -1;
+  check(ErrorCode::invalid_argument, spec, 8, in, MoeOutputs{y});
 }
 
 }  // namespace
