@@ -10,7 +10,8 @@
 //   warpgroups 1..          consumers: wgmma mainloop with per-K-block FP8 scale promotion, then
 //                           the epilogue in registers (FC1: SwiGLU + requant; FC2: slot store or
 //                           atomic combine)
-// Both roles walk the same GroupedTileScheduler sequence.
+// The producer claims the tiles (GroupedTileScheduler) and tags each stage with its tile, so the
+// consumers walk the same sequence without a claim of their own; a stage tagged -1 ends it.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -107,9 +108,13 @@ struct GroupedGemmConfig {
     alignas(128) float token_scales[kStages * kScaleStageStride];
     float weight_scales[kStages][kWeightScaleRows];
     float amax_exchange[layout::kGemmConsumerWarps + 1][kBlockN];  // per-warp partials, then per-token amax
+    int stage_tile[kStages];  // the tile whose K block the stage holds; -1: no tiles left
     uint64_t full[kStages];
     uint64_t empty[kStages];
   };
+  static_assert(kStages * (2 * sizeof(uint64_t) + kWeightScaleRows * sizeof(float) + sizeof(int)) <=
+                    layout::kGemmBarrierBytes,
+                "barriers, weight scales and tile tags outgrew what the planner's stage count leaves them");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + layout::kGemmSmemAlignmentSlack;
   static_assert(kSmemBytes <= layout::kSm90SmemPerBlockOptin, "shared memory over the sm_90 limit");
 };
@@ -171,7 +176,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (BM, BK, S)
   Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Config::SmemLayoutB{});  // (BN, BK, S)
   const int k_blocks = p.k / Config::kBlockK;
-  const int num_tiles = p.scheduler.num_tiles();
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
@@ -190,8 +194,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     Tensor tBsB = get<1>(b_slices);
 
     // A stage is full once its weight block (with, for fp8, its two block scales) and its token
-    // block (with their scales) have landed; the two halves are issued separately.
-    auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
+    // block (with their scales) have landed; the two halves are issued separately. Its tile tag is
+    // written before the first arrival, which orders it before the consumers' wait.
+    auto load_weights = [&](int linear, const GroupedTile& tile, int kb, int stage) {
+      smem.stage_tile[stage] = linear;
       if constexpr (Config::kFp8) {
         // The weight tile's block scales travel with the stage (a load per K block in the math
         // warps was a dependent global round trip per block: with the tile search, a third of
@@ -224,29 +230,38 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // Weights and routing results do not depend on the previous kernel: the routing was complete
     // before this grid could launch (the router and the gather each wait for their predecessor
     // before releasing the next kernel, and this kernel releases its successor only after every
-    // CTA has started). So the first kStages weight blocks stream in before the dependency wait,
-    // overlapping the previous kernel's tail; only the token blocks (the previous kernel's output)
-    // wait for it.
+    // CTA has started). So the first tile's first kStages weight blocks stream in before the
+    // dependency wait, overlapping the previous kernel's tail; only the token blocks (the previous
+    // kernel's output) wait for it.
+    const int num_tiles = p.scheduler.num_tiles();
+    int linear = blockIdx.x;
     int prefetched = 0;
-    for (int linear = blockIdx.x; linear < num_tiles && prefetched < kStages; linear += gridDim.x) {
-      const GroupedTile tile = p.scheduler.tile(linear);
-      for (int kb = 0; kb < k_blocks && prefetched < kStages; ++kb) load_weights(tile, kb, prefetched++);
+    if (linear < num_tiles) {
+      const GroupedTile first = p.scheduler.tile(linear);
+      for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(linear, first, prefetched, prefetched);
     }
     ptx::wait_for_prerequisite_grids();
 
     pipeline::PipelineState<kStages> state;
     int issued = 0;
-    for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+    while (linear < num_tiles) {
       const GroupedTile tile = p.scheduler.tile(linear);
+      // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
+      const int next = p.scheduler.claim_next_tile();
       for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
         if (issued >= prefetched) {
           ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
-          load_weights(tile, kb, state.stage);
+          load_weights(linear, tile, kb, state.stage);
         }
         load_tokens(tile, kb, state.stage);
         state.advance();
       }
+      linear = next;
     }
+    // The end tag: a stage with no bytes, full after its arrivals alone.
+    ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
+    smem.stage_tile[state.stage] = -1;
+    for (uint32_t a = 0; a < Config::kFullArrivals; ++a) ptx::mbarrier_arrive(&smem.full[state.stage]);
     return;
   }
 
@@ -329,13 +344,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   };
 
   pipeline::PipelineState<kStages> state;
-  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+  // The first stage of each tile names it. Lane 0, which hands stages back, reads the tag for its
+  // warp (as with the weight scale above, its own arrival then orders the read before any rewrite).
+  auto stage_tile = [&](int stage) { return __shfl_sync(0xffffffffu, lane == 0 ? smem.stage_tile[stage] : 0, 0); };
+  ptx::wait_parity(&smem.full[state.stage], state.phase);
+  for (int linear = stage_tile(state.stage); linear >= 0;) {
     const GroupedTile tile = p.scheduler.tile(linear);
     gemm_detail::Fc2TileSlots<Config> slots;
     if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, base_col);
     clear(acc);
     for (int kb = 0; kb < k_blocks; ++kb) {
-      ptx::wait_parity(&smem.full[state.stage], state.phase);
+      if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);  // K block 0's: before the tile
       if constexpr (Config::kFp8) {
         BlockScales scales;
         read_block_scales(state.stage, scales);
@@ -358,6 +377,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     } else {
       gemm_detail::fc2_epilogue<Config>(p, tile, acc, base_row, base_col, slots);
     }
+    ptx::wait_parity(&smem.full[state.stage], state.phase);
+    linear = stage_tile(state.stage);
   }
 }
 

@@ -65,7 +65,9 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
                                      w.at<int32_t>(f.workspace, w.expert_rows),
                                      f.num_experts,
                                      (g.a_rows + Config::kBlockM - 1) / Config::kBlockM,
-                                     Config::kBlockN};
+                                     Config::kBlockN,
+                                     w.at<uint32_t>(f.workspace, w.gemm_tiles_claimed) +
+                                         (Config::kGemmOp == GemmOp::fc1_swiglu ? 0 : 1)};
   p.out_channels = g.out_channels;
   p.out = g.out;
   p.out_scales = g.out_scales;
@@ -142,6 +144,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   routing.error_flags = w.at<int32_t>(ws, w.error_flags);
   routing.y_accumulator = f.deterministic ? nullptr : w.at<float>(ws, w.y_accumulator);
   routing.hidden = f.hidden;
+  routing.gemm = GemmTileCounters{w.at<uint32_t>(ws, w.gemm_tiles_claimed)};
   launch_overlapping_previous(route_and_count_kernel, blocks_for(T, kRouterWarps), kRouterThreads, 0, stream,
                               "route_and_count_kernel", routing);
 

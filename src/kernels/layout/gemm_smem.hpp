@@ -16,7 +16,7 @@ inline constexpr int kGemmMaxStages = 8;
 inline constexpr int kGemmMathWarpgroups = 2;
 inline constexpr int kGemmConsumerWarps = 4 * kGemmMathWarpgroups;
 inline constexpr int kGemmExchangeBytes = (kGemmConsumerWarps + 1) * kGemmMaxTokenTile * 4;  // FC1 token amaxes
-inline constexpr int kGemmBarrierBytes = 1024;         // mbarriers and per-stage weight scales
+inline constexpr int kGemmBarrierBytes = 1024;         // mbarriers, per-stage weight scales and tile tags
 inline constexpr int kGemmSmemAlignmentSlack = 1024;  // dynamic smem is re-aligned to 1 KiB
 inline constexpr int kSm90SmemPerBlockOptin = 232448;  // 227 KiB
 

@@ -56,6 +56,7 @@ struct RoutingParams {
   int32_t* error_flags;       // [0] += invalid ids
   float* y_accumulator;       // [T, hidden] zeroed here for the atomic combine, or null
   int hidden;
+  GemmTileCounters gemm;      // zeroed by the scan
 };
 
 inline constexpr int kRouterWarps = 8;
@@ -280,14 +281,14 @@ __global__ void __launch_bounds__(kRouterThreads) route_and_count_kernel(Routing
   if (one_block) {
     __syncthreads();
     scan_expert_segments<kRouterThreads, true>(block_counts, p.num_experts, p.token_tile_rows, p.expert_rows,
-                                               p.expert_offsets, p.token_tile_prefix);
+                                               p.expert_offsets, p.token_tile_prefix, p.gemm);
     return;
   }
 
   // The last block to finish scans the counts: one launch fewer than a scan kernel of its own.
   if (!last_block_to_finish(p.blocks_done)) return;
   scan_expert_segments<kRouterThreads>(p.expert_counts, p.num_experts, p.token_tile_rows, p.expert_rows,
-                                       p.expert_offsets, p.token_tile_prefix);
+                                       p.expert_offsets, p.token_tile_prefix, p.gemm);
 }
 
 }  // namespace megamoe::kernels

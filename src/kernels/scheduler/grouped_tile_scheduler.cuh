@@ -3,6 +3,11 @@
 // Work is (expert, channel block, token tile). Tiles are numbered expert by expert; inside an
 // expert the channel block is the slow index and the token tile the fast one, so CTAs running at
 // the same time read the same weight tile and all but the first find it in L2.
+//
+// CTA b takes tile b first; after that each CTA claims the next unclaimed tile when it starts one
+// (a global counter), so a CTA that started late (an SM still busy with the previous kernel) or
+// streams slowly takes fewer tiles, instead of a fixed round robin in which the CTA with one
+// tile more, or the slowest, sets the end of the whole grid.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +32,7 @@ struct GroupedTileScheduler {
   int num_experts;
   int channel_blocks;
   int token_tile_rows;
+  uint32_t* tiles_claimed;           // [1] tiles claimed past the first wave; zeroed by the routing scan
 
   // One warp starts every line of the per-expert arrays into this SM's L1 at once, so that the
   // binary search of tile() reads L1 instead of paying a chain of dependent L2 round trips (the
@@ -44,6 +50,11 @@ struct GroupedTileScheduler {
   }
 
   __device__ __forceinline__ int num_tiles() const { return token_tile_prefix[num_experts] * channel_blocks; }
+
+  // The tile this CTA takes after its current one (may be >= num_tiles(): none left).
+  __device__ __forceinline__ int claim_next_tile() const {
+    return static_cast<int>(gridDim.x + atomicAdd(tiles_claimed, 1u));
+  }
 
   __device__ __forceinline__ GroupedTile tile(int linear) const {
     // Last expert whose first tile is <= linear (binary search over the prefix of tiles).
@@ -68,15 +79,21 @@ struct GroupedTileScheduler {
   }
 };
 
+// Per-forward counters of the two grouped GEMMs, which the routing scan zeroes: the GEMMs launch
+// only after the routing is complete, and the previous forward's GEMMs are complete by then.
+struct GemmTileCounters {
+  uint32_t* tiles_claimed;  // [2]: FC1's, then FC2's GroupedTileScheduler::tiles_claimed
+};
+
 // Padded segment offsets and token-tile prefix of every expert from the routing counters, by one
 // whole block (every thread must call it) once every counter is final. It moves the counters to
 // expert_rows and leaves them zero, so each forward (and each graph replay, whole or cut short)
-// starts from zero without a memset. Global counters are read from L2 (other blocks' atomics wrote
-// them); kSharedCounts: the counters are this block's shared memory.
+// starts from zero without a memset, and zeroes the GEMMs' counters. Global counters are read from
+// L2 (other blocks' atomics wrote them); kSharedCounts: the counters are this block's shared memory.
 template <int kThreads, bool kSharedCounts = false>
 __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int num_experts, int token_tile_rows,
                                                      int32_t* expert_rows, int32_t* expert_offsets,
-                                                     int32_t* token_tile_prefix) {
+                                                     int32_t* token_tile_prefix, const GemmTileCounters& gemm) {
   __shared__ int32_t tiles[kThreads];
   int carry = 0;
   for (int base = 0; base < num_experts; base += kThreads) {
@@ -108,6 +125,8 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
   if (threadIdx.x == 0) {
     token_tile_prefix[num_experts] = carry;
     expert_offsets[num_experts] = carry * token_tile_rows;
+    gemm.tiles_claimed[0] = 0;
+    gemm.tiles_claimed[1] = 0;
   }
 }
 
