@@ -11,7 +11,8 @@
 //                           the epilogue in registers (FC1: SwiGLU + requant; FC2: slot store or
 //                           atomic combine)
 // The producer claims the tiles (GroupedTileScheduler) and tags each stage with its tile, so the
-// consumers walk the same sequence without a claim of their own; a stage tagged -1 ends it.
+// consumers walk the same sequence without a claim or a tile search of their own; a stage tagged
+// with expert -1 ends it.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -108,11 +109,11 @@ struct GroupedGemmConfig {
     alignas(128) float token_scales[kStages * kScaleStageStride];
     float weight_scales[kStages][kWeightScaleRows];
     float amax_exchange[layout::kGemmConsumerWarps + 1][kBlockN];  // per-warp partials, then per-token amax
-    int stage_tile[kStages];  // the tile whose K block the stage holds; -1: no tiles left
+    GroupedTile stage_tile[kStages];  // the tile whose K block the stage holds; expert -1: no tiles left
     uint64_t full[kStages];
     uint64_t empty[kStages];
   };
-  static_assert(kStages * (2 * sizeof(uint64_t) + kWeightScaleRows * sizeof(float) + sizeof(int)) <=
+  static_assert(kStages * (2 * sizeof(uint64_t) + kWeightScaleRows * sizeof(float) + sizeof(GroupedTile)) <=
                     layout::kGemmBarrierBytes,
                 "barriers, weight scales and tile tags outgrew what the planner's stage count leaves them");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + layout::kGemmSmemAlignmentSlack;
@@ -196,8 +197,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // A stage is full once its weight block (with, for fp8, its two block scales) and its token
     // block (with their scales) have landed; the two halves are issued separately. Its tile tag is
     // written before the first arrival, which orders it before the consumers' wait.
-    auto load_weights = [&](int linear, const GroupedTile& tile, int kb, int stage) {
-      smem.stage_tile[stage] = linear;
+    auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
+      smem.stage_tile[stage] = tile;
       if constexpr (Config::kFp8) {
         // The weight tile's block scales travel with the stage (a load per K block in the math
         // warps was a dependent global round trip per block: with the tile search, a third of
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     int prefetched = 0;
     if (linear < num_tiles) {
       const GroupedTile first = p.scheduler.tile(linear);
-      for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(linear, first, prefetched, prefetched);
+      for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(first, prefetched, prefetched);
     }
     ptx::wait_for_prerequisite_grids();
 
@@ -251,7 +252,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
         if (issued >= prefetched) {
           ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
-          load_weights(linear, tile, kb, state.stage);
+          load_weights(tile, kb, state.stage);
         }
         load_tokens(tile, kb, state.stage);
         state.advance();
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     // The end tag: a stage with no bytes, full after its arrivals alone.
     ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
-    smem.stage_tile[state.stage] = -1;
+    smem.stage_tile[state.stage].expert = -1;
     for (uint32_t a = 0; a < Config::kFullArrivals; ++a) ptx::mbarrier_arrive(&smem.full[state.stage]);
     return;
   }
@@ -346,10 +347,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   pipeline::PipelineState<kStages> state;
   // The first stage of each tile names it. Lane 0, which hands stages back, reads the tag for its
   // warp (as with the weight scale above, its own arrival then orders the read before any rewrite).
-  auto stage_tile = [&](int stage) { return __shfl_sync(0xffffffffu, lane == 0 ? smem.stage_tile[stage] : 0, 0); };
+  static_assert(sizeof(GroupedTile) % sizeof(int) == 0 && std::is_trivially_copyable_v<GroupedTile>,
+                "the tile tag travels as ints");
+  auto stage_tile = [&](int stage) {
+    constexpr int kWords = sizeof(GroupedTile) / sizeof(int);
+    const int* tag = reinterpret_cast<const int*>(&smem.stage_tile[stage]);
+    int words[kWords];
+    CUTE_UNROLL
+    for (int i = 0; i < kWords; ++i) words[i] = __shfl_sync(0xffffffffu, lane == 0 ? tag[i] : 0, 0);
+    GroupedTile tile;
+    memcpy(&tile, words, sizeof tile);
+    return tile;
+  };
   ptx::wait_parity(&smem.full[state.stage], state.phase);
-  for (int linear = stage_tile(state.stage); linear >= 0;) {
-    const GroupedTile tile = p.scheduler.tile(linear);
+  for (GroupedTile tile = stage_tile(state.stage); tile.expert >= 0;) {
     gemm_detail::Fc2TileSlots<Config> slots;
     if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, base_col);
     clear(acc);
@@ -378,7 +389,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       gemm_detail::fc2_epilogue<Config>(p, tile, acc, base_row, base_col, slots);
     }
     ptx::wait_parity(&smem.full[state.stage], state.phase);
-    linear = stage_tile(state.stage);
+    tile = stage_tile(state.stage);
   }
 }
 
