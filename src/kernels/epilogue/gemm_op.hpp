@@ -10,6 +10,7 @@ enum class GemmOp { fc1_swiglu, fc2_slot_store, fc2_atomic_combine };
 
 enum class NamedBarrier : uint32_t {
   kEpilogueExchange = 1,  // 0 is __syncthreads
+  kFc1TileStored = 2,     // every math thread has stored its part of an FC1 tile
 };
 
 }  // namespace megamoe::kernels

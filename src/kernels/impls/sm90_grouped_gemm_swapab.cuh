@@ -12,7 +12,8 @@
 //                           atomic combine)
 // The producer claims the tiles (GroupedTileScheduler) and tags each stage with its tile, so the
 // consumers walk the same sequence without a claim or a tile search of their own; a stage tagged
-// with expert -1 ends it.
+// with expert -1 ends it. FC1 waits for the gather's whole grid; FC2 waits per expert for FC1's
+// tiles of that expert (pipeline/fc1_handoff.cuh).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -31,6 +32,7 @@
 #include "kernels/epilogue/gemm_op.hpp"
 #include "kernels/layout/gemm_smem.hpp"
 #include "kernels/layout/weight_layout.hpp"
+#include "kernels/pipeline/fc1_handoff.cuh"
 #include "kernels/pipeline/pipeline_state.cuh"
 #include "kernels/ptx/cp_async.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
@@ -74,9 +76,11 @@ struct GroupedGemmConfig {
   static_assert(!(kFp8 && kBlockK != kQuantBlock), "fp8 promotion assumes one scale block per stage");
   static constexpr int kWeightScaleRows = kBlockM / kQuantBlock;  // weight scale blocks per stage
   static_assert(kQuantBlock % 64 == 0, "the rows of one m64 wgmma atom share a weight scale block");
-  // A stage is full after the producer's arrive.expect_tx and its bytes, and (fp8) the arrival
-  // made when its cp.async of the weight scales lands.
-  static constexpr uint32_t kFullArrivals = kFp8 ? 2 : 1;
+  // A stage is full after the producer's arrive.expect_tx and its bytes, (fp8) the arrival made
+  // when its cp.async of the weight scales lands, and the producer's arrival after it issued the
+  // token loads: that last one comes after the producer's acquire of FC1's tiles (FC2), so the
+  // math warps' wait orders their own reads of the routing tables after it as well.
+  static constexpr uint32_t kFullArrivals = kFp8 ? 3 : 2;
 
   using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kBlockK>>;
   using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
@@ -141,6 +145,8 @@ struct GroupedGemmParams {
   const float* routed_weights;   // fc2 atomic
   float* y_accumulator;          // fc2 atomic: fp32 [T, H]
   int top_k;
+  uint32_t* fc1_tiles_done;      // [E]: fc1 adds one per stored tile; fc2 waits for its expert's
+  int fc1_channel_blocks;        // fc1 tiles per token tile of an expert
 };
 
 
@@ -226,14 +232,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
             tma_partition(p.tma_token_scales, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sS), group_modes<0, 2>(gS));
         copy(p.tma_token_scales.with(smem.full[stage]), tSgS(_, token_block, kb), tSsS(_, stage));
       }
+      ptx::mbarrier_arrive(&smem.full[stage]);
     };
+    constexpr bool kWaitsForFc1 = Config::kGemmOp != GemmOp::fc1_swiglu;
 
     // Weights and routing results do not depend on the previous kernel: the routing was complete
     // before this grid could launch (the router and the gather each wait for their predecessor
     // before releasing the next kernel, and this kernel releases its successor only after every
     // CTA has started). So the first tile's first kStages weight blocks stream in before the
     // dependency wait, overlapping the previous kernel's tail; only the token blocks (the previous
-    // kernel's output) wait for it.
+    // kernel's output) wait for it: for the whole previous grid (FC1), or for the tile's expert
+    // (FC2).
     const int num_tiles = p.scheduler.num_tiles();
     int linear = blockIdx.x;
     int prefetched = 0;
@@ -241,7 +250,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       const GroupedTile first = p.scheduler.tile(linear);
       for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(first, prefetched, prefetched);
     }
-    ptx::wait_for_prerequisite_grids();
+    if constexpr (!kWaitsForFc1) ptx::wait_for_prerequisite_grids();
 
     pipeline::PipelineState<kStages> state;
     int issued = 0;
@@ -254,6 +263,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
           load_weights(tile, kb, state.stage);
         }
+        if (kWaitsForFc1 && kb == 0)
+          wait_for_fc1_tiles(p.fc1_tiles_done + tile.expert, p.fc1_channel_blocks * tile.expert_token_tiles);
         load_tokens(tile, kb, state.stage);
         state.advance();
       }
@@ -263,13 +274,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
     smem.stage_tile[state.stage].expert = -1;
     for (uint32_t a = 0; a < Config::kFullArrivals; ++a) ptx::mbarrier_arrive(&smem.full[state.stage]);
+    // FC2 reads what it needs of FC1 through the counters; this wait only makes FC2's completion
+    // imply FC1's, which the kernels after it (and the next forward) rely on.
+    if constexpr (kWaitsForFc1) ptx::wait_for_prerequisite_grids();
     return;
   }
 
-  // The math warpgroups read the previous kernel's output only through the stages, and FC2's
-  // epilogue reads the gather's slot table, complete before this grid launched; they wait all the
-  // same, so that no write of this kernel can overtake a read of the previous one.
-  ptx::wait_for_prerequisite_grids();
+  // The math warpgroups read the previous kernel's output only through the stages. FC1's wait all
+  // the same, so that no write of FC1 can overtake a read of the gather; FC2's writes (slot rows or
+  // the accumulator) are read by no kernel before it in this forward, and its reads of the gather's
+  // slot table follow the producer's acquire of FC1's tiles (the last arrival on each stage).
+  if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) ptx::wait_for_prerequisite_grids();
   // ------------------------------------------------------------------ consumers
   ptx::setmaxnreg_increase<kConsumerRegisters>();
   const int consumer_thread = threadIdx.x - 128;
@@ -385,6 +400,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
     if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
       gemm_detail::fc1_swiglu_epilogue<Config>(p, tile, acc, base_row, base_col, smem, consumer_thread);
+      publish_fc1_tile(p.fc1_tiles_done + tile.expert, static_cast<uint32_t>(NamedBarrier::kFc1TileStored),
+                       Config::kConsumerThreads, consumer_thread);
     } else {
       gemm_detail::fc2_epilogue<Config>(p, tile, acc, base_row, base_col, slots);
     }

@@ -76,6 +76,8 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
   p.routed_weights = w.at<float>(f.workspace, w.routed_weights);
   p.y_accumulator = w.at<float>(f.workspace, w.y_accumulator);
   p.top_k = f.top_k;
+  p.fc1_tiles_done = w.at<uint32_t>(f.workspace, w.fc1_tiles_done);
+  p.fc1_channel_blocks = (2 * f.intermediate + Config::kBlockM - 1) / Config::kBlockM;
 
   auto* kernel = &sm90_grouped_gemm_swapab_kernel<Config, Params>;
   static bool smem_configured = false;  // one instantiation, one attribute call
@@ -144,7 +146,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   routing.error_flags = w.at<int32_t>(ws, w.error_flags);
   routing.y_accumulator = f.deterministic ? nullptr : w.at<float>(ws, w.y_accumulator);
   routing.hidden = f.hidden;
-  routing.gemm = GemmTileCounters{w.at<uint32_t>(ws, w.gemm_tiles_claimed)};
+  routing.gemm = GemmTileCounters{w.at<uint32_t>(ws, w.gemm_tiles_claimed), w.at<uint32_t>(ws, w.fc1_tiles_done)};
   launch_overlapping_previous(route_and_count_kernel, blocks_for(T, kRouterWarps), kRouterThreads, 0, stream,
                               "route_and_count_kernel", routing);
 

@@ -20,6 +20,17 @@ __device__ __forceinline__ void red_add_release_gpu(uint32_t* address, uint32_t 
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* address) {
+  uint32_t value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+// Orders this thread's global accesses through the generic proxy (ld, st) with those through the
+// async proxy (TMA), both ways: data written with st.global and read by a TMA load elsewhere needs
+// one on each side of the release/acquire that hands it over.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 // Starts bringing the line holding `address` into this SM's L1; does not wait for it.
 __device__ __forceinline__ void prefetch_l1(const void* address) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(address));

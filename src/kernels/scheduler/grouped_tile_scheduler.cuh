@@ -23,6 +23,7 @@ struct GroupedTile {
   int token_tile;       // within the expert
   int pool_row;         // first pool row of the tile
   int valid_rows;       // rows of the tile that hold routed tokens (the rest is padding)
+  int expert_token_tiles;  // token tiles of the expert
 };
 
 struct GroupedTileScheduler {
@@ -75,6 +76,7 @@ struct GroupedTileScheduler {
     t.pool_row = expert_offsets[expert] + t.token_tile * token_tile_rows;
     const int remaining = expert_rows[expert] - t.token_tile * token_tile_rows;
     t.valid_rows = remaining < token_tile_rows ? remaining : token_tile_rows;
+    t.expert_token_tiles = tiles_of_expert;
     return t;
   }
 };
@@ -82,7 +84,8 @@ struct GroupedTileScheduler {
 // Per-forward counters of the two grouped GEMMs, which the routing scan zeroes: the GEMMs launch
 // only after the routing is complete, and the previous forward's GEMMs are complete by then.
 struct GemmTileCounters {
-  uint32_t* tiles_claimed;  // [2]: FC1's, then FC2's GroupedTileScheduler::tiles_claimed
+  uint32_t* tiles_claimed;   // [2]: FC1's, then FC2's GroupedTileScheduler::tiles_claimed
+  uint32_t* fc1_tiles_done;  // [E]: FC1 tiles stored per expert (pipeline/fc1_handoff.cuh)
 };
 
 // Padded segment offsets and token-tile prefix of every expert from the routing counters, by one
@@ -103,6 +106,7 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
       rows = kSharedCounts ? expert_counts[e] : __ldcg(expert_counts + e);
       expert_counts[e] = 0;
       expert_rows[e] = rows;
+      gemm.fc1_tiles_done[e] = 0;
     }
     const int my_tiles = (rows + token_tile_rows - 1) / token_tile_rows;
     tiles[threadIdx.x] = my_tiles;
