@@ -145,7 +145,7 @@ struct GroupedGemmParams {
   const float* routed_weights;   // fc2 atomic
   float* y_accumulator;          // fc2 atomic: fp32 [T, H]
   int top_k;
-  uint32_t* fc1_tiles_done;      // [E]: fc1 adds one per stored tile; fc2 waits for its expert's
+  uint32_t* fc1_tiles_done;      // [E+1]: fc1 adds one per stored tile (its expert's, all); fc2 waits
   int fc1_channel_blocks;        // fc1 tiles per token tile of an expert
 };
 
@@ -254,6 +254,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
     pipeline::PipelineState<kStages> state;
     int issued = 0;
+    Fc1Progress fc1{p.fc1_tiles_done, p.num_experts,
+                     static_cast<uint32_t>(p.fc1_channel_blocks * p.scheduler.token_tiles())};
     while (linear < num_tiles) {
       const GroupedTile tile = p.scheduler.tile(linear);
       // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
@@ -263,8 +265,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
           load_weights(tile, kb, state.stage);
         }
-        if (kWaitsForFc1 && kb == 0)
-          wait_for_fc1_tiles(p.fc1_tiles_done + tile.expert, p.fc1_channel_blocks * tile.expert_token_tiles);
+        if (kWaitsForFc1 && kb == 0) fc1.wait_for_expert(tile.expert, p.fc1_channel_blocks * tile.expert_token_tiles);
         load_tokens(tile, kb, state.stage);
         state.advance();
       }
@@ -400,7 +401,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
     if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
       gemm_detail::fc1_swiglu_epilogue<Config>(p, tile, acc, base_row, base_col, smem, consumer_thread);
-      publish_fc1_tile(p.fc1_tiles_done + tile.expert, static_cast<uint32_t>(NamedBarrier::kFc1TileStored),
+      publish_fc1_tile(p.fc1_tiles_done, tile.expert, p.num_experts, static_cast<uint32_t>(NamedBarrier::kFc1TileStored),
                        Config::kConsumerThreads, consumer_thread);
     } else {
       gemm_detail::fc2_epilogue<Config>(p, tile, acc, base_row, base_col, slots);

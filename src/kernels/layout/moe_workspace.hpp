@@ -34,7 +34,7 @@ struct MoeWorkspaceLayout {
   size_t expert_offsets = 0;     // int32 [E+1]: first pool row of each expert, segments padded
   size_t token_tile_prefix = 0;  // int32 [E+1]: token tiles of the experts before each expert
   size_t gemm_tiles_claimed = 0; // uint32 [2]: tiles FC1 / FC2 claimed past their first wave
-  size_t fc1_tiles_done = 0;     // uint32 [E]: FC1 tiles stored per expert, which FC2 waits for
+  size_t fc1_tiles_done = 0;     // uint32 [E+1]: FC1 tiles stored per expert, then in all; FC2 waits on them
   size_t routed_ids = 0;         // int32 [T*k]: expert of each slot, -1 when unused
   size_t routed_weights = 0;     // fp32 [T*k]: routing weight of each slot
   size_t slot_rank = 0;          // int32 [T*k]: position of the slot inside its expert's segment
@@ -87,7 +87,7 @@ struct MoeWorkspaceLayout {
     l.expert_offsets = take(sizeof(int32_t) * (num_experts + 1));
     l.token_tile_prefix = take(sizeof(int32_t) * (num_experts + 1));
     l.gemm_tiles_claimed = take(sizeof(uint32_t) * 2);
-    l.fc1_tiles_done = take(sizeof(uint32_t) * num_experts);
+    l.fc1_tiles_done = take(sizeof(uint32_t) * (num_experts + 1));
     l.routed_ids = take(sizeof(int32_t) * slots);
     l.routed_weights = take(sizeof(float) * slots);
     l.slot_rank = take(sizeof(int32_t) * slots);

@@ -16,25 +16,40 @@ namespace megamoe::kernels {
 
 // By every math thread of the CTA after its last store of the tile. The stores are generic and
 // FC2 reads them with TMA loads (async proxy), hence the proxy fence before the release.
-__device__ __forceinline__ void publish_fc1_tile(uint32_t* expert_tiles_done, uint32_t barrier_id,
-                                                 uint32_t math_threads, int math_thread) {
+// `tiles_done` is [E + 1]: per expert, then all of FC1's.
+__device__ __forceinline__ void publish_fc1_tile(uint32_t* tiles_done, int expert, int num_experts,
+                                                 uint32_t barrier_id, uint32_t math_threads, int math_thread) {
   ptx::fence_proxy_async_global();
   ptx::named_barrier_sync(barrier_id, math_threads);
-  if (math_thread == 0) ptx::red_add_release_gpu(expert_tiles_done, 1u);
+  if (math_thread == 0) {
+    ptx::red_add_release_gpu(tiles_done + expert, 1u);
+    ptx::red_add_release_gpu(tiles_done + num_experts, 1u);
+  }
 }
 
-// By FC2's producer thread before the tile's first token load. FC1's CTAs were all running before
-// FC2 could launch and never wait for FC2, so the count arrives; a wait past kWaitTimeoutCycles
-// (a lost publication) traps instead of hanging.
-__device__ __forceinline__ void wait_for_fc1_tiles(const uint32_t* expert_tiles_done, uint32_t tiles) {
-  if (ptx::ld_acquire_gpu(expert_tiles_done) < tiles) {
-    const long long start = clock64();
-    while (ptx::ld_acquire_gpu(expert_tiles_done) < tiles) {
-      if (clock64() - start > ptx::kWaitTimeoutCycles) __trap();
-      __nanosleep(64);
+// FC2's producer thread, before each tile's first token load. FC1's CTAs were all running before
+// FC2 could launch and never wait for FC2, so the counts arrive; a wait past kWaitTimeoutCycles (a
+// lost publication) traps instead of hanging. Once all of FC1 is seen stored, the remaining tiles
+// skip the acquire and the proxy fence (a fence per tile cost FC2 ~4% at 8192 tokens).
+struct Fc1Progress {
+  const uint32_t* tiles_done;  // [E + 1], as published above
+  int num_experts;
+  uint32_t all_tiles;          // FC1's tiles in this forward
+  bool complete = false;
+
+  __device__ __forceinline__ void wait_for_expert(int expert, uint32_t expert_tiles) {
+    if (complete) return;
+    if (ptx::ld_acquire_gpu(tiles_done + num_experts) >= all_tiles) {
+      complete = true;
+    } else if (ptx::ld_acquire_gpu(tiles_done + expert) < expert_tiles) {
+      const long long start = clock64();
+      while (ptx::ld_acquire_gpu(tiles_done + expert) < expert_tiles) {
+        if (clock64() - start > ptx::kWaitTimeoutCycles) __trap();
+        __nanosleep(64);
+      }
     }
+    ptx::fence_proxy_async_global();
   }
-  ptx::fence_proxy_async_global();
-}
+};
 
 }  // namespace megamoe::kernels

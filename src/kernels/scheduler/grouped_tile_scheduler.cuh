@@ -50,7 +50,8 @@ struct GroupedTileScheduler {
     touch(expert_rows, num_experts);
   }
 
-  __device__ __forceinline__ int num_tiles() const { return token_tile_prefix[num_experts] * channel_blocks; }
+  __device__ __forceinline__ int token_tiles() const { return token_tile_prefix[num_experts]; }
+  __device__ __forceinline__ int num_tiles() const { return token_tiles() * channel_blocks; }
 
   // The tile this CTA takes after its current one (may be >= num_tiles(): none left).
   __device__ __forceinline__ int claim_next_tile() const {
@@ -85,7 +86,7 @@ struct GroupedTileScheduler {
 // only after the routing is complete, and the previous forward's GEMMs are complete by then.
 struct GemmTileCounters {
   uint32_t* tiles_claimed;   // [2]: FC1's, then FC2's GroupedTileScheduler::tiles_claimed
-  uint32_t* fc1_tiles_done;  // [E]: FC1 tiles stored per expert (pipeline/fc1_handoff.cuh)
+  uint32_t* fc1_tiles_done;  // [E+1]: FC1 tiles stored per expert, then in all (pipeline/fc1_handoff.cuh)
 };
 
 // Padded segment offsets and token-tile prefix of every expert from the routing counters, by one
@@ -131,6 +132,7 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
     expert_offsets[num_experts] = carry * token_tile_rows;
     gemm.tiles_claimed[0] = 0;
     gemm.tiles_claimed[1] = 0;
+    gemm.fc1_tiles_done[num_experts] = 0;
   }
 }
 

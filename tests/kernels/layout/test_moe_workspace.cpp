@@ -36,7 +36,7 @@ TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
         {l.expert_offsets, 4 * 257},
         {l.token_tile_prefix, 4 * 257},
         {l.gemm_tiles_claimed, 8},
-        {l.fc1_tiles_done, 4 * 256},
+        {l.fc1_tiles_done, 4 * 257},
         {l.routed_ids, 4 * slots},
         {l.routed_weights, 4 * slots},
         {l.slot_rank, 4 * slots},
