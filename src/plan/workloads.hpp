@@ -18,6 +18,6 @@ const std::vector<Workload>& named_workloads();
 // Throws megamoe::Error(invalid_argument) listing the known names.
 const Workload& find_workload(const std::string& name);
 
-inline const std::vector<int> kTokenBuckets = {1, 16, 128, 512, 2048, 8192};
+inline const std::vector<int> kTokenBuckets = {1, 16, 128, 512, 1024, 2048, 8192};
 
 }  // namespace megamoe::plan
