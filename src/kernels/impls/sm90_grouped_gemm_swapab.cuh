@@ -59,6 +59,8 @@ struct GroupedGemmConfig {
   using Element = Element_;
   static constexpr bool kFp8 = std::is_same_v<Element, cutlass::float_e4m3_t>;
   static constexpr GemmOp kGemmOp = kOp;
+  // FC1 waits for the gather's whole grid; FC2 per expert for FC1's tiles (pipeline/fc1_handoff.cuh).
+  static constexpr bool kWaitsForFc1 = kOp != GemmOp::fc1_swiglu;
   static constexpr int kBlockM = layout::kGemmChannelTile;
   static constexpr int kBlockN = kTokenTile;
   static constexpr int kBlockK = layout::kGemmKBytes / static_cast<int>(sizeof(Element));
@@ -234,7 +236,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       }
       ptx::mbarrier_arrive(&smem.full[stage]);
     };
-    constexpr bool kWaitsForFc1 = Config::kGemmOp != GemmOp::fc1_swiglu;
 
     // Weights and routing results do not depend on the previous kernel: the routing was complete
     // before this grid could launch (the router and the gather each wait for their predecessor
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       const GroupedTile first = p.scheduler.tile(linear);
       for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(first, prefetched, prefetched);
     }
-    if constexpr (!kWaitsForFc1) ptx::wait_for_prerequisite_grids();
+    if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
 
     pipeline::PipelineState<kStages> state;
     int issued = 0;
@@ -265,7 +266,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
           load_weights(tile, kb, state.stage);
         }
-        if (kWaitsForFc1 && kb == 0) fc1.wait_for_expert(tile.expert, p.fc1_channel_blocks * tile.expert_token_tiles);
+        if (Config::kWaitsForFc1 && kb == 0) fc1.wait_for_expert(tile.expert, p.fc1_channel_blocks * tile.expert_token_tiles);
         load_tokens(tile, kb, state.stage);
         state.advance();
       }
@@ -277,7 +278,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     for (uint32_t a = 0; a < Config::kFullArrivals; ++a) ptx::mbarrier_arrive(&smem.full[state.stage]);
     // FC2 reads what it needs of FC1 through the counters; this wait only makes FC2's completion
     // imply FC1's, which the kernels after it (and the next forward) rely on.
-    if constexpr (kWaitsForFc1) ptx::wait_for_prerequisite_grids();
+    if constexpr (Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
     return;
   }
 
@@ -285,7 +286,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // the same, so that no write of FC1 can overtake a read of the gather; FC2's writes (slot rows or
   // the accumulator) are read by no kernel before it in this forward, and its reads of the gather's
   // slot table follow the producer's acquire of FC1's tiles (the last arrival on each stage).
-  if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) ptx::wait_for_prerequisite_grids();
+  if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
   // ------------------------------------------------------------------ consumers
   ptx::setmaxnreg_increase<kConsumerRegisters>();
   const int consumer_thread = threadIdx.x - 128;
