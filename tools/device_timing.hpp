@@ -36,6 +36,16 @@ struct Replays {
   int timed;
 };
 
+// A graph of what `record` enqueues on `stream`.
+template <class Record>
+cudaGraph_t capture_graph(cudaStream_t stream, Record&& record) {
+  cudaGraph_t graph;
+  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  record();
+  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  return graph;
+}
+
 // Median time of `launch` over `replays.timed` calls after `replays.warmup` untimed ones, each
 // timed call between its own pair of events; `before_each` runs outside the events.
 template <class Launch, class Before>

@@ -265,11 +265,10 @@ int run(int argc, char** argv) {
     // event, device barrier or host gap sits between the kernels; each replay still waits for the
     // previous one to complete and pays its first kernel's launch.
     constexpr int kRoundTrips = 50;
-    cudaGraph_t round_trip_graph;
-    MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    ep.dispatch(stream, inputs);
-    ep.combine(stream, inputs, MoeOutputs{y_ep});
-    MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &round_trip_graph));
+    cudaGraph_t round_trip_graph = bench::capture_graph(stream, [&] {
+      ep.dispatch(stream, inputs);
+      ep.combine(stream, inputs, MoeOutputs{y_ep});
+    });
     cudaGraphExec_t round_trip;
     MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&round_trip, round_trip_graph, 0));
     const double round_trips_ms = bench::median_ms(

@@ -72,16 +72,6 @@ std::string node_name(cudaGraphNode_t node) {
   return scope == std::string::npos ? name : name.substr(scope + 2);
 }
 
-// A graph of what `record` enqueues on `stream`.
-template <class Record>
-cudaGraph_t capture_graph(cudaStream_t stream, Record&& record) {
-  cudaGraph_t graph;
-  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  record();
-  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  return graph;
-}
-
 // Median microseconds of replays of `graph`, `before_replay` running outside the timed events.
 template <class BeforeReplay>
 double median_graph_us(cudaGraph_t graph, cudaStream_t stream, BeforeReplay& before_replay) {
