@@ -60,11 +60,13 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
   p.k = g.k;
   p.num_experts = f.num_experts;
   p.pool_rows = pool_rows;
+  // Channel blocks of a GEMM whose weights have `rows` output rows (FC1: 2I, FC2: H).
+  auto channel_blocks = [](int rows) { return (rows + Config::kBlockM - 1) / Config::kBlockM; };
   p.scheduler = GroupedTileScheduler{w.at<int32_t>(f.workspace, w.token_tile_prefix),
                                      w.at<int32_t>(f.workspace, w.expert_offsets),
                                      w.at<int32_t>(f.workspace, w.expert_rows),
                                      f.num_experts,
-                                     (g.a_rows + Config::kBlockM - 1) / Config::kBlockM,
+                                     channel_blocks(g.a_rows),
                                      Config::kBlockN,
                                      w.at<uint32_t>(f.workspace, w.gemm_tiles_claimed) +
                                          (Config::kGemmOp == GemmOp::fc1_swiglu ? 0 : 1)};
@@ -77,7 +79,7 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
   p.y_accumulator = w.at<float>(f.workspace, w.y_accumulator);
   p.top_k = f.top_k;
   p.fc1_tiles_done = w.at<uint32_t>(f.workspace, w.fc1_tiles_done);
-  p.fc1_channel_blocks = (2 * f.intermediate + Config::kBlockM - 1) / Config::kBlockM;
+  p.fc1_channel_blocks = channel_blocks(2 * f.intermediate);
 
   auto* kernel = &sm90_grouped_gemm_swapab_kernel<Config, Params>;
   static bool smem_configured = false;  // one instantiation, one attribute call
