@@ -41,12 +41,8 @@ struct Fc1Progress {
     if (complete) return;
     if (ptx::ld_acquire_gpu(tiles_done + num_experts) >= all_tiles) {
       complete = true;
-    } else if (ptx::ld_acquire_gpu(tiles_done + expert) < expert_tiles) {
-      const long long start = clock64();
-      while (ptx::ld_acquire_gpu(tiles_done + expert) < expert_tiles) {
-        if (clock64() - start > ptx::kWaitTimeoutCycles) __trap();
-        __nanosleep(64);
-      }
+    } else {
+      ptx::wait_until([&] { return ptx::ld_acquire_gpu(tiles_done + expert) >= expert_tiles; }, 64);
     }
     ptx::fence_proxy_async_global();
   }

@@ -1,5 +1,6 @@
 // mbarrier wrappers (PTX ISA "mbarrier") and a wait that can end: every mbarrier wait in megamoe
-// goes through wait_parity(), which traps instead of hanging forever.
+// goes through wait_parity(), and every spin on a global counter inside a kernel that issues wgmma
+// through wait_until(); both trap instead of hanging forever.
 #pragma once
 
 #include <cstdint>
@@ -46,16 +47,24 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* barrier, uint
 // runs under compute-sanitizer, which slow kernels down a hundredfold.
 inline constexpr long long kWaitTimeoutCycles = 1LL << 35;
 
-// Waits until the phase with `parity` of `barrier` completes; a wait past kWaitTimeoutCycles
-// traps, so a lost arrival surfaces as a launch failure at the next synchronization instead of a
-// hang. It cannot print who waited: any call (printf) in a kernel that issues wgmma makes ptxas
-// serialize every wgmma of it (C7510). The cross-rank waits, which issue no wgmma, do print.
-__device__ __forceinline__ void wait_parity(uint64_t* barrier, uint32_t parity) {
-  if (mbarrier_try_wait_parity(barrier, parity)) return;
+// Polls until ready() holds (with a pause of sleep_ns between polls when it is not 0); a wait past
+// kWaitTimeoutCycles traps, so a lost arrival or publication surfaces as a launch failure at the
+// next synchronization instead of a hang. It cannot print who waited: any call (printf) in a
+// kernel that issues wgmma makes ptxas serialize every wgmma of it (C7510). The cross-rank waits,
+// which issue no wgmma, do print.
+template <class Ready>
+__device__ __forceinline__ void wait_until(Ready ready, unsigned sleep_ns = 0) {
+  if (ready()) return;
   const long long start = clock64();
-  while (!mbarrier_try_wait_parity(barrier, parity)) {
+  while (!ready()) {
     if (clock64() - start > kWaitTimeoutCycles) __trap();
+    if (sleep_ns != 0) __nanosleep(sleep_ns);
   }
+}
+
+// Waits until the phase with `parity` of `barrier` completes.
+__device__ __forceinline__ void wait_parity(uint64_t* barrier, uint32_t parity) {
+  wait_until([&] { return mbarrier_try_wait_parity(barrier, parity); });
 }
 
 }  // namespace megamoe::ptx
