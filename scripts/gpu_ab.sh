@@ -39,4 +39,15 @@ if [ -n "${MEGAMOE_AB_TESTS:-}" ]; then
     rm -f "$log.part"
   done
 fi
+# Last, the table a reader wants: one line per case and variant, each node's increment as
+# --breakdown cuts the graph (single-GPU forward: router, gather, FC1, FC2, combine), then the
+# whole layer and its ratio to the floor.
+summary=$(awk '
+  /^== [A-Za-z0-9]+: .* tokens, / { variant = $2; sub(":", "", variant); workload = $3; tokens = $5; nodes = ""; next }
+  /^ +[0-9] [a-z_0-9]+ +\+/ { nodes = nodes sprintf(" %8s", $4); next }
+  /^ +[0-9]+ \|/ { printf "%-14s %6s %-3s |%s | %8s | %5s\n", workload, tokens, variant, nodes, $3, $7 }' "$log")
+{
+  echo "== summary (us): workload, tokens, variant | node increments | layer | x floor"
+  echo "$summary"
+} | tee -a "$log"
 exit $status
