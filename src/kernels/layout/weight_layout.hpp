@@ -8,8 +8,10 @@
 
 #if defined(__CUDACC__)
 #define MEGAMOE_HOST_DEVICE __host__ __device__
+#define MEGAMOE_FORCEINLINE __forceinline__
 #else
 #define MEGAMOE_HOST_DEVICE
+#define MEGAMOE_FORCEINLINE inline
 #endif
 
 namespace megamoe::layout {

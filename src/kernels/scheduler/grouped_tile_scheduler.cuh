@@ -1,8 +1,5 @@
-// The one scheduler of the grouped GEMMs: every role of a CTA walks the same tile sequence.
-//
-// Work is (expert, channel block, token tile). Tiles are numbered expert by expert; inside an
-// expert the channel block is the slow index and the token tile the fast one, so CTAs running at
-// the same time read the same weight tile and all but the first find it in L2.
+// The one scheduler of the grouped GEMMs: every role of a CTA walks the same tile sequence, in
+// the numbering of tile_numbering.hpp.
 //
 // CTA b takes tile b first; after that each CTA claims the next unclaimed tile when it starts one
 // (a global counter), so a CTA that started late (an SM still busy with the previous kernel) or
@@ -14,17 +11,9 @@
 
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/memory.cuh"
+#include "kernels/scheduler/tile_numbering.hpp"
 
 namespace megamoe::kernels {
-
-struct GroupedTile {
-  int expert;
-  int channel_block;
-  int token_tile;       // within the expert
-  int pool_row;         // first pool row of the tile
-  int valid_rows;       // rows of the tile that hold routed tokens (the rest is padding)
-  int expert_token_tiles;  // token tiles of the expert
-};
 
 struct GroupedTileScheduler {
   const int32_t* token_tile_prefix;  // [E+1]
@@ -59,26 +48,8 @@ struct GroupedTileScheduler {
   }
 
   __device__ __forceinline__ GroupedTile tile(int linear) const {
-    // Last expert whose first tile is <= linear (binary search over the prefix of tiles).
-    int lo = 0, hi = num_experts - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (token_tile_prefix[mid] * channel_blocks <= linear) lo = mid;
-      else hi = mid - 1;
-    }
-    const int expert = lo;
-    const int first = token_tile_prefix[expert] * channel_blocks;
-    const int tiles_of_expert = token_tile_prefix[expert + 1] - token_tile_prefix[expert];
-    const int local = linear - first;
-    GroupedTile t;
-    t.expert = expert;
-    t.channel_block = local / tiles_of_expert;
-    t.token_tile = local % tiles_of_expert;
-    t.pool_row = expert_offsets[expert] + t.token_tile * token_tile_rows;
-    const int remaining = expert_rows[expert] - t.token_tile * token_tile_rows;
-    t.valid_rows = remaining < token_tile_rows ? remaining : token_tile_rows;
-    t.expert_token_tiles = tiles_of_expert;
-    return t;
+    return number_tile(linear, token_tile_prefix, expert_offsets, expert_rows, num_experts, channel_blocks,
+                       token_tile_rows);
   }
 };
 
@@ -109,7 +80,8 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
       expert_rows[e] = rows;
       gemm.fc1_tiles_done[e] = 0;
     }
-    const int my_tiles = (rows + token_tile_rows - 1) / token_tile_rows;
+    // A segment is whole tiles (expert_segment), so the prefix of tiles gives the offsets too.
+    const int my_tiles = expert_segment(rows, token_tile_rows).token_tiles;
     tiles[threadIdx.x] = my_tiles;
     __syncthreads();
     // Hillis-Steele inclusive scan; E is at most a few hundred, so simplicity wins.

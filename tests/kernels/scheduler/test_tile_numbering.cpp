@@ -1,0 +1,138 @@
+#include "kernels/scheduler/tile_numbering.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <numeric>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/layout/moe_workspace.hpp"
+
+namespace megamoe::kernels {
+namespace {
+
+// The exclusive prefix sums the routing scan writes (scan_expert_segments), built from the same
+// expert_segment().
+struct Segments {
+  std::vector<int32_t> rows;               // routed rows per expert
+  std::vector<int32_t> token_tile_prefix;  // [E+1]
+  std::vector<int32_t> offsets;            // [E+1]
+};
+
+Segments segments_for(const std::vector<int32_t>& rows, int token_tile_rows) {
+  Segments s;
+  s.rows = rows;
+  s.token_tile_prefix.assign(rows.size() + 1, 0);
+  s.offsets.assign(rows.size() + 1, 0);
+  for (size_t e = 0; e < rows.size(); ++e) {
+    const ExpertSegment segment = expert_segment(rows[e], token_tile_rows);
+    s.token_tile_prefix[e + 1] = s.token_tile_prefix[e] + segment.token_tiles;
+    s.offsets[e + 1] = s.offsets[e] + segment.rows;
+  }
+  return s;
+}
+
+// Every linear index names a tile of a routed expert inside that expert's segment; together the
+// tiles of each (expert, channel block) cover the expert's rows once each, in token-tile order,
+// and the numbering runs expert by expert with the channel block as the slow index.
+void expect_numbering_covers_every_row(const std::vector<int32_t>& rows, int token_tile_rows, int channel_blocks) {
+  SCOPED_TRACE("token tile " + std::to_string(token_tile_rows) + ", channel blocks " + std::to_string(channel_blocks));
+  const int E = static_cast<int>(rows.size());
+  const Segments s = segments_for(rows, token_tile_rows);
+  const int num_tiles = s.token_tile_prefix[E] * channel_blocks;
+  std::map<std::pair<int, int>, std::vector<int>> covered;  // (expert, channel block) -> rows seen
+  GroupedTile previous{-1, 0, 0, 0, 0, 0};
+  for (int linear = 0; linear < num_tiles; ++linear) {
+    const GroupedTile t = number_tile(linear, s.token_tile_prefix.data(), s.offsets.data(), s.rows.data(), E,
+                                      channel_blocks, token_tile_rows);
+    ASSERT_GE(t.expert, 0);
+    ASSERT_LT(t.expert, E);
+    ASSERT_GT(rows[t.expert], 0) << "a tile of an expert with no rows";
+    ASSERT_GE(t.channel_block, 0);
+    ASSERT_LT(t.channel_block, channel_blocks);
+    ASSERT_EQ(t.expert_token_tiles, expert_segment(rows[t.expert], token_tile_rows).token_tiles);
+    ASSERT_GT(t.valid_rows, 0);
+    ASSERT_LE(t.valid_rows, token_tile_rows);
+    // The tile's rows, padding included, lie in the expert's segment.
+    ASSERT_GE(t.pool_row, s.offsets[t.expert]);
+    ASSERT_LE(t.pool_row + token_tile_rows, s.offsets[t.expert + 1]);
+    // Order: experts ascending; inside one, channel block slow, token tile fast.
+    const auto key = std::make_tuple(t.expert, t.channel_block, t.token_tile);
+    if (previous.expert >= 0) {
+      ASSERT_LT(std::make_tuple(previous.expert, previous.channel_block, previous.token_tile), key);
+    }
+    previous = t;
+    auto& seen = covered[{t.expert, t.channel_block}];
+    for (int r = 0; r < t.valid_rows; ++r) seen.push_back(t.pool_row - s.offsets[t.expert] + r);
+  }
+  for (int e = 0; e < E; ++e) {
+    for (int c = 0; c < channel_blocks; ++c) {
+      const auto it = covered.find({e, c});
+      if (rows[e] == 0) {
+        EXPECT_EQ(it, covered.end()) << "expert " << e;
+        continue;
+      }
+      ASSERT_NE(it, covered.end()) << "expert " << e << " channel block " << c;
+      std::vector<int> expected(rows[e]);
+      std::iota(expected.begin(), expected.end(), 0);
+      EXPECT_EQ(it->second, expected) << "expert " << e << " channel block " << c;
+    }
+  }
+}
+
+TEST(TileNumbering, CoversEveryRoutedRowOnceInSchedulerOrder) {
+  std::mt19937 rng(20261130);
+  for (int token_tile_rows : {16, 32, 64}) {
+    for (int channel_blocks : {1, 4, 28}) {
+      // Random counts, with empty experts and exact multiples of the tile among them.
+      std::vector<int32_t> rows(37);
+      for (auto& r : rows) {
+        const int kind = static_cast<int>(rng() % 4);
+        r = kind == 0 ? 0 : kind == 1 ? token_tile_rows * static_cast<int>(1 + rng() % 3) : static_cast<int>(rng() % 300);
+      }
+      expect_numbering_covers_every_row(rows, token_tile_rows, channel_blocks);
+      // Each remainder around the subtile and tile sizes.
+      expect_numbering_covers_every_row({1, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 65, 95, 96, 97, 128, 0, 129},
+                                        token_tile_rows, channel_blocks);
+      // Every row on one expert; one row on each expert.
+      std::vector<int32_t> one_expert(16, 0);
+      one_expert[11] = 1000;
+      expect_numbering_covers_every_row(one_expert, token_tile_rows, channel_blocks);
+      expect_numbering_covers_every_row(std::vector<int32_t>(256, 1), token_tile_rows, channel_blocks);
+    }
+  }
+}
+
+TEST(TileNumbering, SegmentsFitTheWorkspacePool) {
+  // The pool the workspace sizes for max_tokens tokens holds every expert's segment for any
+  // routing of those tokens' k rows.
+  std::mt19937 rng(7);
+  const int E = 64, k = 4, max_tokens = 300;
+  for (int token_tile_rows : {16, 32, 64}) {
+    const size_t pool = layout::MoeWorkspaceLayout::worst_case_pool_rows(E, k, max_tokens, token_tile_rows);
+    for (int trial = 0; trial < 200; ++trial) {
+      // k distinct experts per token, over a random subset of the experts.
+      const int used = 1 + static_cast<int>(rng() % E);
+      std::vector<int32_t> rows(E, 0);
+      const int tokens = 1 + static_cast<int>(rng() % max_tokens);
+      for (int t = 0; t < tokens; ++t) {
+        std::vector<int> picked;
+        while (static_cast<int>(picked.size()) < std::min(k, used)) {
+          const int e = static_cast<int>(rng() % used);
+          if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
+        }
+        for (int e : picked) ++rows[e];
+      }
+      const Segments s = segments_for(rows, token_tile_rows);
+      EXPECT_LE(static_cast<size_t>(s.offsets[E]), pool) << "token tile " << token_tile_rows << ", trial " << trial;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace megamoe::kernels
