@@ -115,7 +115,7 @@ struct GroupedGemmConfig {
     alignas(128) float token_scales[kStages * kScaleStageStride];
     float weight_scales[kStages][kWeightScaleRows];
     float amax_exchange[layout::kGemmConsumerWarps + 1][kBlockN];  // per-warp partials, then per-token amax
-    GroupedTile stage_tile[kStages];  // the tile whose K block the stage holds; expert -1: no tiles left
+    GroupedTile stage_tile[kStages];  // the tile that starts at the stage; expert -1: no tiles left
     uint64_t full[kStages];
     uint64_t empty[kStages];
   };
@@ -203,21 +203,33 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     Tensor tBsB = get<1>(b_slices);
 
     // A stage is full once its weight block (with, for fp8, its two block scales) and its token
-    // block (with their scales) have landed; the two halves are issued separately. Its tile tag is
-    // written before the first arrival, which orders it before the consumers' wait.
-    auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
-      smem.stage_tile[stage] = tile;
+    // block (with their scales) have landed; the two halves are issued separately. A tile's first
+    // stage carries its tag, written before the first arrival, which orders it before the
+    // consumers' wait (they read the tag only where a tile starts).
+    // The one producer thread's instruction chain per stage bounds how fast a CTA can turn its
+    // stages over, so what does not change from one K block to the next is computed once per tile.
+    struct WeightScaleSource {
+      const float* row[Config::kWeightScaleRows];  // the tile's block scales at K block 0
+    };
+    auto weight_scale_source = [&](const GroupedTile& tile) {
+      WeightScaleSource source{};
       if constexpr (Config::kFp8) {
-        // The weight tile's block scales travel with the stage (a load per K block in the math
-        // warps was a dependent global round trip per block: with the tile search, a third of
-        // FC1 at one token).
         // A last channel block with fewer rows repeats its last scale row; those rows are padding.
         const int scale_rows = p.a_rows / Config::kQuantBlock;
         for (int r = 0; r < Config::kWeightScaleRows; ++r) {
           const int row = min(tile.channel_block * Config::kWeightScaleRows + r, scale_rows - 1);
-          ptx::cp_async_4(&smem.weight_scales[stage][r],
-                          p.weight_scales + (static_cast<size_t>(tile.expert) * scale_rows + row) * k_blocks + kb);
+          source.row[r] = p.weight_scales + (static_cast<size_t>(tile.expert) * scale_rows + row) * k_blocks;
         }
+      }
+      return source;
+    };
+    auto load_weights = [&](const GroupedTile& tile, const WeightScaleSource& scales, int kb, int stage) {
+      if (kb == 0) smem.stage_tile[stage] = tile;
+      if constexpr (Config::kFp8) {
+        // The weight tile's block scales travel with the stage (a load per K block in the math
+        // warps was a dependent global round trip per block: with the tile search, a third of
+        // FC1 at one token).
+        for (int r = 0; r < Config::kWeightScaleRows; ++r) ptx::cp_async_4(&smem.weight_scales[stage][r], scales.row[r] + kb);
         ptx::cp_async_mbarrier_arrive_noinc(&smem.full[stage]);
       }
       ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::kStageTxBytes);
@@ -249,7 +261,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     int prefetched = 0;
     if (linear < num_tiles) {
       const GroupedTile first = p.scheduler.tile(linear);
-      for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(first, prefetched, prefetched);
+      const WeightScaleSource first_scales = weight_scale_source(first);
+      for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) {
+        load_weights(first, first_scales, prefetched, prefetched);
+      }
     }
     if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
 
@@ -259,12 +274,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
                      static_cast<uint32_t>(p.fc1_channel_blocks * p.scheduler.token_tiles())};
     while (linear < num_tiles) {
       const GroupedTile tile = p.scheduler.tile(linear);
+      const WeightScaleSource scales = weight_scale_source(tile);
       // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
       const int next = p.scheduler.claim_next_tile();
       for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
         if (issued >= prefetched) {
           ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
-          load_weights(tile, kb, state.stage);
+          load_weights(tile, scales, kb, state.stage);
         }
         if (Config::kWaitsForFc1 && kb == 0) fc1.wait_for_expert(tile.expert, p.fc1_channel_blocks * tile.expert_token_tiles);
         load_tokens(tile, kb, state.stage);
