@@ -158,16 +158,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   using namespace cute;
   using SharedStorage = typename Config::SharedStorage;
   constexpr int kStages = Config::kStages;
-  extern __shared__ char smem_raw[];
-  // Aligned by an offset from smem_raw rather than by rounding an integer address, so that the
-  // compiler still knows every access below is to shared memory (LDS, 32-bit addresses) instead
-  // of emitting generic loads with 64-bit address arithmetic.
-  const uint32_t misalignment = ptx::smem_address(smem_raw) % layout::kGemmSmemAlignmentSlack;
-  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(
-      smem_raw + (misalignment == 0 ? 0 : layout::kGemmSmemAlignmentSlack - misalignment));
+  // The swizzled stages need 1 KiB alignment. Declared rather than computed from the address at
+  // run time: a computed offset made every shared-memory address of the producer's per-stage chain
+  // a few instructions longer (the compiler rematerializes it under the producer's register cap).
+  // The kernel has no static shared memory, and the runtime places dynamic shared memory at the
+  // 1 KiB-aligned start of the block's window; the first thread checks it.
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
+    if (ptx::smem_address(smem_raw) % 1024 != 0) __trap();
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&smem.full[s], Config::kFullArrivals);
       ptx::mbarrier_init(&smem.empty[s], layout::kGemmConsumerWarps);
