@@ -122,7 +122,7 @@ struct GroupedGemmConfig {
   static_assert(kStages * (2 * sizeof(uint64_t) + kWeightScaleRows * sizeof(float) + sizeof(GroupedTile)) <=
                     layout::kGemmBarrierBytes,
                 "barriers, weight scales and tile tags outgrew what the planner's stage count leaves them");
-  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + layout::kGemmSmemAlignmentSlack;
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= layout::kSm90SmemPerBlockOptin, "shared memory over the sm_90 limit");
 };
 

@@ -17,7 +17,6 @@ inline constexpr int kGemmMathWarpgroups = 2;
 inline constexpr int kGemmConsumerWarps = 4 * kGemmMathWarpgroups;
 inline constexpr int kGemmExchangeBytes = (kGemmConsumerWarps + 1) * kGemmMaxTokenTile * 4;  // FC1 token amaxes
 inline constexpr int kGemmBarrierBytes = 1024;         // mbarriers, per-stage weight scales and tile tags
-inline constexpr int kGemmSmemAlignmentSlack = 1024;  // dynamic smem is re-aligned to 1 KiB
 inline constexpr int kSm90SmemPerBlockOptin = 232448;  // 227 KiB
 
 // Floats between the token scales of consecutive stages: TMA writes start on 128-byte lines.
@@ -28,7 +27,7 @@ MEGAMOE_HOST_DEVICE constexpr int gemm_stage_bytes(int token_tile, bool fp8) {
 }
 
 MEGAMOE_HOST_DEVICE constexpr int gemm_fixed_bytes() {
-  return kGemmExchangeBytes + kGemmBarrierBytes + kGemmSmemAlignmentSlack;
+  return kGemmExchangeBytes + kGemmBarrierBytes;
 }
 
 MEGAMOE_HOST_DEVICE constexpr int gemm_stages(int token_tile, bool fp8, int smem_per_block) {
