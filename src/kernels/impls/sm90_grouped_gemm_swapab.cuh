@@ -83,6 +83,9 @@ struct GroupedGemmConfig {
   // token loads: that last one comes after the producer's acquire of FC1's tiles (FC2), so the
   // math warps' wait orders their own reads of the routing tables after it as well.
   static constexpr uint32_t kFullArrivals = kFp8 ? 3 : 2;
+  // Tiles the weight producer may have started ahead of the token producer: with fewer K blocks
+  // than stages (FC2 at small I) a stage ring holds parts of up to kStages / k_blocks + 1 tiles.
+  static constexpr int kTileQueue = 4;
 
   using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kBlockK>>;
   using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
@@ -118,8 +121,12 @@ struct GroupedGemmConfig {
     GroupedTile stage_tile[kStages];  // the tile that starts at the stage; expert -1: no tiles left
     uint64_t full[kStages];
     uint64_t empty[kStages];
+    GroupedTile tile_queue[kTileQueue];  // weight producer -> token producer, in claim order; expert -1 ends
+    uint64_t queue_full[kTileQueue];
+    uint64_t queue_empty[kTileQueue];
   };
-  static_assert(kStages * (2 * sizeof(uint64_t) + kWeightScaleRows * sizeof(float) + sizeof(GroupedTile)) <=
+  static_assert(kStages * (2 * sizeof(uint64_t) + kWeightScaleRows * sizeof(float) + sizeof(GroupedTile)) +
+                        kTileQueue * (2 * sizeof(uint64_t) + sizeof(GroupedTile)) <=
                     layout::kGemmBarrierBytes,
                 "barriers, weight scales and tile tags outgrew what the planner's stage count leaves them");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
@@ -173,6 +180,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       ptx::mbarrier_init(&smem.full[s], Config::kFullArrivals);
       ptx::mbarrier_init(&smem.empty[s], layout::kGemmConsumerWarps);
     }
+    for (int q = 0; q < Config::kTileQueue; ++q) {
+      ptx::mbarrier_init(&smem.queue_full[q], 1);
+      ptx::mbarrier_init(&smem.queue_empty[q], 1);
+    }
     ptx::fence_barrier_init();
     cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
@@ -188,54 +199,116 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int k_blocks = p.k / Config::kBlockK;
 
   if (warpgroup == 0) {
-    // ---------------------------------------------------------------- producer
+    // ---------------------------------------------------------------- producers
+    // Two threads in two warps fill the stages: lane 0 of warp 0 the weight half (and the tile
+    // tags), lane 0 of warp 1 the token half. One thread's chain of instructions per stage bounds
+    // how fast a CTA turns its stages over (a longer chain slowed the GEMMs at every batch size,
+    // bench/NOTES.md, eleventh session); split, each chain is about half as long. Both wait for
+    // the same empty barriers; a stage is full after both halves' arrivals and bytes, in either
+    // order (its transaction count may go below zero until the weight half's expect_tx). The
+    // weight producer claims the tiles and hands them to the token producer through a queue.
     ptx::setmaxnreg_decrease<kProducerRegisters>();
-    if (threadIdx.x != 0) return;
-    Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k, p.num_experts));
-    Tensor gA = local_tile(mA, typename Config::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,E)
-    // (Named tensors rather than structured bindings: the loaders below capture them.)
-    const auto a_slices = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-    Tensor tAgA = get<0>(a_slices);
-    Tensor tAsA = get<1>(a_slices);
+    const int warp = threadIdx.x / 32;
+    if (warp > 1 || threadIdx.x % 32 != 0) return;
+    using QueueState = pipeline::PipelineState<Config::kTileQueue>;
+
+    if (warp == 0) {
+      // ------------------------------------------------------------ weight producer
+      Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k, p.num_experts));
+      Tensor gA = local_tile(mA, typename Config::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,E)
+      // (Named tensors rather than structured bindings: the loader below captures them.)
+      const auto a_slices = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+      Tensor tAgA = get<0>(a_slices);
+      Tensor tAsA = get<1>(a_slices);
+      // What does not change from one K block to the next is computed once per tile.
+      struct WeightScaleSource {
+        const float* row[Config::kWeightScaleRows];  // the tile's block scales at K block 0
+      };
+      auto weight_scale_source = [&](const GroupedTile& tile) {
+        WeightScaleSource source{};
+        if constexpr (Config::kFp8) {
+          // A last channel block with fewer rows repeats its last scale row; those rows are padding.
+          const int scale_rows = p.a_rows / Config::kQuantBlock;
+          for (int r = 0; r < Config::kWeightScaleRows; ++r) {
+            const int row = min(tile.channel_block * Config::kWeightScaleRows + r, scale_rows - 1);
+            source.row[r] = p.weight_scales + (static_cast<size_t>(tile.expert) * scale_rows + row) * k_blocks;
+          }
+        }
+        return source;
+      };
+      // A tile's first stage carries its tag, written before the stage's first arrival, which
+      // orders it before the consumers' wait (they read the tag only where a tile starts).
+      auto load_weights = [&](const GroupedTile& tile, const WeightScaleSource& scales, int kb, int stage) {
+        if (kb == 0) smem.stage_tile[stage] = tile;
+        if constexpr (Config::kFp8) {
+          // The weight tile's block scales travel with the stage (a load per K block in the math
+          // warps was a dependent global round trip per block: with the tile search, a third of
+          // FC1 at one token).
+          for (int r = 0; r < Config::kWeightScaleRows; ++r) {
+            ptx::cp_async_4(&smem.weight_scales[stage][r], scales.row[r] + kb);
+          }
+          ptx::cp_async_mbarrier_arrive_noinc(&smem.full[stage]);
+        }
+        ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::kStageTxBytes);
+        copy(p.tma_a.with(smem.full[stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
+      };
+      QueueState queue;
+      auto hand_over = [&](const GroupedTile& tile) {
+        ptx::wait_parity(&smem.queue_empty[queue.stage], queue.phase ^ 1);
+        smem.tile_queue[queue.stage] = tile;
+        ptx::mbarrier_arrive(&smem.queue_full[queue.stage]);
+        queue.advance();
+      };
+
+      // Weights and routing results do not depend on the previous kernel: the routing was
+      // complete before this grid could launch (the router and the gather each wait for their
+      // predecessor before releasing the next kernel, and this kernel releases its successor only
+      // after every CTA has started). So this producer never waits for the previous grid, and the
+      // first tile's first kStages weight blocks stream in while the previous kernel ends.
+      const int num_tiles = p.scheduler.num_tiles();
+      int linear = blockIdx.x;
+      int prefetched = 0;
+      if (linear < num_tiles) {
+        const GroupedTile first = p.scheduler.tile(linear);
+        hand_over(first);
+        const WeightScaleSource first_scales = weight_scale_source(first);
+        for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) {
+          load_weights(first, first_scales, prefetched, prefetched);
+        }
+      }
+      pipeline::PipelineState<kStages> state;
+      int issued = 0;
+      while (linear < num_tiles) {
+        const GroupedTile tile = p.scheduler.tile(linear);
+        if (linear != static_cast<int>(blockIdx.x)) hand_over(tile);  // the first went before its prefetch
+        const WeightScaleSource scales = weight_scale_source(tile);
+        // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
+        const int next = p.scheduler.claim_next_tile();
+        for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
+          if (issued >= prefetched) {
+            ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
+            load_weights(tile, scales, kb, state.stage);
+          }
+          state.advance();
+        }
+        linear = next;
+      }
+      GroupedTile end{};
+      end.expert = -1;
+      hand_over(end);
+      // The end tag: a stage with no bytes, full after this producer's arrivals alone.
+      ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
+      smem.stage_tile[state.stage].expert = -1;
+      for (uint32_t a = 0; a < Config::kFullArrivals; ++a) ptx::mbarrier_arrive(&smem.full[state.stage]);
+      return;
+    }
+
+    // -------------------------------------------------------------- token producer
     Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.pool_rows, p.k));
     Tensor gB = local_tile(mB, make_shape(Int<Config::kBlockN>{}, Int<Config::kBlockK>{}), make_coord(_, _));  // (BN,BK,n,k)
     const auto b_slices = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
     Tensor tBgB = get<0>(b_slices);
     Tensor tBsB = get<1>(b_slices);
-
-    // A stage is full once its weight block (with, for fp8, its two block scales) and its token
-    // block (with their scales) have landed; the two halves are issued separately. A tile's first
-    // stage carries its tag, written before the first arrival, which orders it before the
-    // consumers' wait (they read the tag only where a tile starts).
-    // The one producer thread's instruction chain per stage bounds how fast a CTA can turn its
-    // stages over, so what does not change from one K block to the next is computed once per tile.
-    struct WeightScaleSource {
-      const float* row[Config::kWeightScaleRows];  // the tile's block scales at K block 0
-    };
-    auto weight_scale_source = [&](const GroupedTile& tile) {
-      WeightScaleSource source{};
-      if constexpr (Config::kFp8) {
-        // A last channel block with fewer rows repeats its last scale row; those rows are padding.
-        const int scale_rows = p.a_rows / Config::kQuantBlock;
-        for (int r = 0; r < Config::kWeightScaleRows; ++r) {
-          const int row = min(tile.channel_block * Config::kWeightScaleRows + r, scale_rows - 1);
-          source.row[r] = p.weight_scales + (static_cast<size_t>(tile.expert) * scale_rows + row) * k_blocks;
-        }
-      }
-      return source;
-    };
-    auto load_weights = [&](const GroupedTile& tile, const WeightScaleSource& scales, int kb, int stage) {
-      if (kb == 0) smem.stage_tile[stage] = tile;
-      if constexpr (Config::kFp8) {
-        // The weight tile's block scales travel with the stage (a load per K block in the math
-        // warps was a dependent global round trip per block: with the tile search, a third of
-        // FC1 at one token).
-        for (int r = 0; r < Config::kWeightScaleRows; ++r) ptx::cp_async_4(&smem.weight_scales[stage][r], scales.row[r] + kb);
-        ptx::cp_async_mbarrier_arrive_noinc(&smem.full[stage]);
-      }
-      ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::kStageTxBytes);
-      copy(p.tma_a.with(smem.full[stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
-    };
     auto load_tokens = [&](const GroupedTile& tile, int kb, int stage) {
       const int token_block = tile.pool_row / Config::kBlockN;
       copy(p.tma_b.with(smem.full[stage]), tBgB(_, token_block, kb), tBsB(_, stage));
@@ -249,50 +322,26 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       }
       ptx::mbarrier_arrive(&smem.full[stage]);
     };
-
-    // Weights and routing results do not depend on the previous kernel: the routing was complete
-    // before this grid could launch (the router and the gather each wait for their predecessor
-    // before releasing the next kernel, and this kernel releases its successor only after every
-    // CTA has started). So the first tile's first kStages weight blocks stream in before the
-    // dependency wait, overlapping the previous kernel's tail; only the token blocks (the previous
-    // kernel's output) wait for it: for the whole previous grid (FC1), or for the tile's expert
-    // (FC2).
-    const int num_tiles = p.scheduler.num_tiles();
-    int linear = blockIdx.x;
-    int prefetched = 0;
-    if (linear < num_tiles) {
-      const GroupedTile first = p.scheduler.tile(linear);
-      const WeightScaleSource first_scales = weight_scale_source(first);
-      for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) {
-        load_weights(first, first_scales, prefetched, prefetched);
-      }
-    }
+    // The token blocks are the previous kernel's output: for FC1 they wait for the whole previous
+    // grid, for FC2 per tile for the tile's expert.
     if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
-
-    pipeline::PipelineState<kStages> state;
-    int issued = 0;
     Fc1Progress fc1{p.fc1_tiles_done, p.num_experts,
                      static_cast<uint32_t>(p.fc1_channel_blocks * p.scheduler.token_tiles())};
-    while (linear < num_tiles) {
-      const GroupedTile tile = p.scheduler.tile(linear);
-      const WeightScaleSource scales = weight_scale_source(tile);
-      // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
-      const int next = p.scheduler.claim_next_tile();
-      for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
-        if (issued >= prefetched) {
-          ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
-          load_weights(tile, scales, kb, state.stage);
-        }
+    pipeline::PipelineState<kStages> state;
+    QueueState queue;
+    while (true) {
+      ptx::wait_parity(&smem.queue_full[queue.stage], queue.phase);
+      const GroupedTile tile = smem.tile_queue[queue.stage];
+      ptx::mbarrier_arrive(&smem.queue_empty[queue.stage]);
+      queue.advance();
+      if (tile.expert < 0) break;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
         if (Config::kWaitsForFc1 && kb == 0) fc1.wait_for_expert(tile.expert, p.fc1_channel_blocks * tile.expert_token_tiles);
         load_tokens(tile, kb, state.stage);
         state.advance();
       }
-      linear = next;
     }
-    // The end tag: a stage with no bytes, full after its arrivals alone.
-    ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
-    smem.stage_tile[state.stage].expert = -1;
-    for (uint32_t a = 0; a < Config::kFullArrivals; ++a) ptx::mbarrier_arrive(&smem.full[state.stage]);
     // FC2 reads what it needs of FC1 through the counters; this wait only makes FC2's completion
     // imply FC1's, which the kernels after it (and the next forward) rely on.
     if constexpr (Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
