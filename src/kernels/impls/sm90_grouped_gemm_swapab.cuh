@@ -263,8 +263,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       // Weights and routing results do not depend on the previous kernel: the routing was
       // complete before this grid could launch (the router and the gather each wait for their
       // predecessor before releasing the next kernel, and this kernel releases its successor only
-      // after every CTA has started). So this producer never waits for the previous grid, and the
-      // first tile's first kStages weight blocks stream in while the previous kernel ends.
+      // after every CTA has started). So the first tile's first kStages weight blocks stream in
+      // before the dependency wait, overlapping the previous kernel's tail (FC1 waits for the
+      // whole previous grid after them; FC2 only per expert, in the token producer).
       const int num_tiles = p.scheduler.num_tiles();
       int linear = blockIdx.x;
       int prefetched = 0;
@@ -276,6 +277,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           load_weights(first, first_scales, prefetched, prefetched);
         }
       }
+      if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
       pipeline::PipelineState<kStages> state;
       int issued = 0;
       while (linear < num_tiles) {
