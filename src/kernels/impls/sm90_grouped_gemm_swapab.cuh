@@ -79,14 +79,17 @@ struct GroupedGemmConfig {
   static_assert(!(kFp8 && kBlockK != kQuantBlock), "fp8 promotion assumes one scale block per stage");
   static constexpr int kWeightScaleRows = kBlockM / kQuantBlock;  // weight scale blocks per stage
   static_assert(kQuantBlock % 64 == 0, "the rows of one m64 wgmma atom share a weight scale block");
-  // A stage is full after the producer's arrive.expect_tx and its bytes, (fp8) the arrival made
-  // when its cp.async of the weight scales lands, and the producer's arrival after it issued the
-  // token loads: that last one comes after the producer's acquire of FC1's tiles (FC2), so the
-  // math warps' wait orders their own reads of the routing tables after it as well.
+  // A stage is full after the weight producer's arrive.expect_tx and the bytes, (fp8) the arrival
+  // made when the scale producer's cp.async of the weight scales lands, and the token producer's
+  // arrival after it issued the token loads: that last one comes after its acquire of FC1's tiles
+  // (FC2), so the math warps' wait orders their own reads of the routing tables after it as well.
   static constexpr uint32_t kFullArrivals = kFp8 ? 3 : 2;
   // Tiles the weight producer may have started ahead of the token producer: with fewer K blocks
   // than stages (FC2 at small I) a stage ring holds parts of up to kStages / k_blocks + 1 tiles.
   static constexpr int kTileQueue = 4;
+  // Producer threads that take the tiles from the queue: the token producer, and (fp8) the
+  // weight-scale producer.
+  static constexpr int kTileFollowers = kFp8 ? 2 : 1;
 
   using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kBlockK>>;
   using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
@@ -183,7 +186,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     for (int q = 0; q < Config::kTileQueue; ++q) {
       ptx::mbarrier_init(&smem.queue_full[q], 1);
-      ptx::mbarrier_init(&smem.queue_empty[q], 1);
+      ptx::mbarrier_init(&smem.queue_empty[q], Config::kTileFollowers);
     }
     ptx::fence_barrier_init();
     cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
@@ -201,17 +204,25 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producers
-    // Two threads in two warps fill the stages: lane 0 of warp 0 the weight half (and the tile
-    // tags), lane 0 of warp 1 the token half. One thread's chain of instructions per stage bounds
-    // how fast a CTA turns its stages over (a longer chain slowed the GEMMs at every batch size,
-    // bench/NOTES.md, eleventh session); split, each chain is about half as long. Both wait for
-    // the same empty barriers; a stage is full after both halves' arrivals and bytes, in either
-    // order (its transaction count may go below zero until the weight half's expect_tx). The
-    // weight producer claims the tiles and hands them to the token producer through a queue.
+    // Lane 0 of three warps fills the stages: warp 0 the weight block (and the tile tags), warp 1
+    // the token block, warp 2 (fp8) the weight block's scales. One thread's chain of instructions
+    // per stage bounds how fast a CTA turns its stages over (a longer chain slowed the GEMMs at
+    // every batch size, bench/NOTES.md, eleventh session); split, each chain is a fraction as long.
+    // All wait for the same empty barriers; a stage is full after every part's arrival and bytes,
+    // in any order (its transaction count may go below zero until the weight part's expect_tx).
+    // The weight producer claims the tiles and hands them to the others through a queue.
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     const int warp = threadIdx.x / 32;
-    if (warp > 1 || threadIdx.x % 32 != 0) return;
+    if (warp > Config::kTileFollowers || threadIdx.x % 32 != 0) return;
     using QueueState = pipeline::PipelineState<Config::kTileQueue>;
+    // A follower's next tile from the weight producer (expert -1: none left).
+    auto take_tile = [&](QueueState& queue) {
+      ptx::wait_parity(&smem.queue_full[queue.stage], queue.phase);
+      const GroupedTile tile = smem.tile_queue[queue.stage];
+      ptx::mbarrier_arrive(&smem.queue_empty[queue.stage]);
+      queue.advance();
+      return tile;
+    };
 
     if (warp == 0) {
       // ------------------------------------------------------------ weight producer
@@ -221,35 +232,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       const auto a_slices = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
       Tensor tAgA = get<0>(a_slices);
       Tensor tAsA = get<1>(a_slices);
-      // What does not change from one K block to the next is computed once per tile.
-      struct WeightScaleSource {
-        const float* row[Config::kWeightScaleRows];  // the tile's block scales at K block 0
-      };
-      auto weight_scale_source = [&](const GroupedTile& tile) {
-        WeightScaleSource source{};
-        if constexpr (Config::kFp8) {
-          // A last channel block with fewer rows repeats its last scale row; those rows are padding.
-          const int scale_rows = p.a_rows / Config::kQuantBlock;
-          for (int r = 0; r < Config::kWeightScaleRows; ++r) {
-            const int row = min(tile.channel_block * Config::kWeightScaleRows + r, scale_rows - 1);
-            source.row[r] = p.weight_scales + (static_cast<size_t>(tile.expert) * scale_rows + row) * k_blocks;
-          }
-        }
-        return source;
-      };
       // A tile's first stage carries its tag, written before the stage's first arrival, which
       // orders it before the consumers' wait (they read the tag only where a tile starts).
-      auto load_weights = [&](const GroupedTile& tile, const WeightScaleSource& scales, int kb, int stage) {
+      auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
         if (kb == 0) smem.stage_tile[stage] = tile;
-        if constexpr (Config::kFp8) {
-          // The weight tile's block scales travel with the stage (a load per K block in the math
-          // warps was a dependent global round trip per block: with the tile search, a third of
-          // FC1 at one token).
-          for (int r = 0; r < Config::kWeightScaleRows; ++r) {
-            ptx::cp_async_4(&smem.weight_scales[stage][r], scales.row[r] + kb);
-          }
-          ptx::cp_async_mbarrier_arrive_noinc(&smem.full[stage]);
-        }
         ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::kStageTxBytes);
         copy(p.tma_a.with(smem.full[stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
       };
@@ -273,10 +259,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       if (linear < num_tiles) {
         const GroupedTile first = p.scheduler.tile(linear);
         hand_over(first);
-        const WeightScaleSource first_scales = weight_scale_source(first);
-        for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) {
-          load_weights(first, first_scales, prefetched, prefetched);
-        }
+        for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(first, prefetched, prefetched);
       }
       if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
       pipeline::PipelineState<kStages> state;
@@ -284,13 +267,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       while (linear < num_tiles) {
         const GroupedTile tile = p.scheduler.tile(linear);
         if (linear != static_cast<int>(blockIdx.x)) hand_over(tile);  // the first went before its prefetch
-        const WeightScaleSource scales = weight_scale_source(tile);
         // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
         const int next = p.scheduler.claim_next_tile();
         for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
           if (issued >= prefetched) {
             ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
-            load_weights(tile, scales, kb, state.stage);
+            load_weights(tile, kb, state.stage);
           }
           state.advance();
         }
@@ -303,6 +285,31 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
       smem.stage_tile[state.stage].expert = -1;
       for (uint32_t a = 0; a < Config::kFullArrivals; ++a) ptx::mbarrier_arrive(&smem.full[state.stage]);
+      return;
+    }
+
+    if (Config::kFp8 && warp == 2) {
+      // ------------------------------------------------------------ weight-scale producer
+      // The weight tile's two block scales travel with each stage (a load per K block in the math
+      // warps was a dependent global round trip per block: with the tile search, a third of FC1
+      // at one token). They are weights, so they need no dependency wait.
+      const int scale_rows = p.a_rows / Config::kQuantBlock;
+      pipeline::PipelineState<kStages> state;
+      QueueState queue;
+      for (GroupedTile tile = take_tile(queue); tile.expert >= 0; tile = take_tile(queue)) {
+        const float* source[Config::kWeightScaleRows];  // the tile's block scales at K block 0
+        for (int r = 0; r < Config::kWeightScaleRows; ++r) {
+          // A last channel block with fewer rows repeats its last scale row; those rows are padding.
+          const int row = min(tile.channel_block * Config::kWeightScaleRows + r, scale_rows - 1);
+          source[r] = p.weight_scales + (static_cast<size_t>(tile.expert) * scale_rows + row) * k_blocks;
+        }
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
+          for (int r = 0; r < Config::kWeightScaleRows; ++r) ptx::cp_async_4(&smem.weight_scales[state.stage][r], source[r] + kb);
+          ptx::cp_async_mbarrier_arrive_noinc(&smem.full[state.stage]);
+          state.advance();
+        }
+      }
       return;
     }
 
@@ -332,12 +339,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
                      static_cast<uint32_t>(p.fc1_channel_blocks * p.scheduler.token_tiles())};
     pipeline::PipelineState<kStages> state;
     QueueState queue;
-    while (true) {
-      ptx::wait_parity(&smem.queue_full[queue.stage], queue.phase);
-      const GroupedTile tile = smem.tile_queue[queue.stage];
-      ptx::mbarrier_arrive(&smem.queue_empty[queue.stage]);
-      queue.advance();
-      if (tile.expert < 0) break;
+    for (GroupedTile tile = take_tile(queue); tile.expert >= 0; tile = take_tile(queue)) {
       for (int kb = 0; kb < k_blocks; ++kb) {
         ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
         if (Config::kWaitsForFc1 && kb == 0) fc1.wait_for_expert(tile.expert, p.fc1_channel_blocks * tile.expert_token_tiles);
