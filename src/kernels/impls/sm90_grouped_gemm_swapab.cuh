@@ -4,14 +4,16 @@
 // tokens on N (16/32/64), so a handful of tokens per expert pads N instead of M=64.
 //
 // Roles (one CTA per SM, 128 + 128 x kGemmMathWarpgroups threads):
-//   warpgroup 0, warp 0     weight producer (lane 0): TMA loads of the weight tile plus cp.async of
-//                           its two block scales (fp8) into a ring of stages (full/empty mbarriers)
+//   warpgroup 0, warp 0     weight producer (lane 0): TMA loads of the weight tile into a ring of
+//                           stages (full/empty mbarriers)
 //   warpgroup 0, warp 1     token producer (lane 0): TMA loads of the token tile and (fp8) the
 //                           tokens' per-128 scales into the same stages
+//   warpgroup 0, warp 2     (fp8) weight-scale producer (lane 0): cp.async of the weight tile's two
+//                           block scales into the same stages
 //   warpgroups 1..          consumers: wgmma mainloop with per-K-block FP8 scale promotion, then
 //                           the epilogue in registers (FC1: SwiGLU + requant; FC2: slot store or
 //                           atomic combine)
-// The weight producer claims the tiles (GroupedTileScheduler), hands them to the token producer
+// The weight producer claims the tiles (GroupedTileScheduler), hands them to the other producers
 // and tags each tile's first stage, so the consumers walk the same sequence without a claim or a
 // tile search of their own; a stage tagged with expert -1 ends it. FC1 waits for the gather's whole grid; FC2 waits per expert for FC1's
 // tiles of that expert (pipeline/fc1_handoff.cuh).
