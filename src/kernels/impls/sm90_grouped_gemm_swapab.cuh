@@ -6,8 +6,9 @@
 // Roles (one CTA per SM, 128 + 128 x kGemmMathWarpgroups threads):
 //   warpgroup 0, warp 0     weight producer (lane 0): TMA loads of the weight tile into a ring of
 //                           stages (full/empty mbarriers)
-//   warpgroup 0, warp 1     token producer (lane 0): TMA loads of the token tile and (fp8) the
-//                           tokens' per-128 scales into the same stages
+//   warpgroup 0, warp 1     token producer (lane 0): TMA loads of the token tile (one or two
+//                           32-row subtiles at 64-token tiles: an expert's short last tile takes
+//                           one) and (fp8) the tokens' per-128 scales into the same stages
 //   warpgroup 0, warp 2     (fp8) weight-scale producer (lane 0): cp.async of the weight tile's two
 //                           block scales into the same stages
 //   warpgroups 1..          consumers: wgmma mainloop with per-K-block FP8 scale promotion, then
@@ -98,25 +99,27 @@ struct GroupedGemmConfig {
                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
   using SmemLayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
                                                    cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
+  // The token block of a stage arrives in kSubtiles TMA loads of kTokenSubtile rows; a tile of
+  // one subtile (an expert's short last tile) loads and multiplies only the first.
+  static constexpr int kTokenSubtile = layout::gemm_token_subtile(kTokenTile);
+  static constexpr int kSubtiles = kTokenTile / kTokenSubtile;
+  static_assert(kTokenSubtile % 8 == 0, "a subtile starts on a swizzle atom (8 rows of 128 bytes)");
   // TMA destinations must be 128-byte aligned: each stage's token scales start on a 128-byte line.
   static constexpr int kScaleStageStride = layout::gemm_token_scale_stride(kTokenTile);
-  using SmemLayoutScales = cute::Layout<cute::Shape<cute::Int<kBlockN>, cute::_1, cute::Int<kStages>>,
-                                        cute::Stride<cute::_1, cute::_0, cute::Int<kScaleStageStride>>>;
-  using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
-                                                      cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kBlockK>>,
-                                                      cute::GMMA::Major::K, cute::GMMA::Major::K>());
-  // The math warpgroups side by side on M; each thread's fragment covers kMBlocks x m64 rows. The
-  // M permutation gives warpgroup w the rows [64 kMBlocks w, 64 kMBlocks (w + 1)) (row = atom row
-  // + 64 kMBlocks w + 64 m for m64 block m), so all of its rows share one weight scale block.
-  using PermutationM = cute::Layout<cute::Shape<cute::_64, cute::Int<kMathWarpgroups>, cute::Int<kMBlocks>>,
-                                    cute::Stride<cute::_1, cute::Int<64 * kMBlocks>, cute::_64>>;
-  using TiledMma =
-      decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::Int<kMathWarpgroups>, cute::_1, cute::_1>>{},
-                                    cute::Tile<PermutationM, cute::Underscore, cute::Underscore>{}));
-  static_assert(cute::size(PermutationM{}) == kBlockM, "the permutation covers the channel tile");
+  static constexpr int kScaleSubtileStride = kScaleStageStride / kSubtiles;
+  static_assert(kSubtiles == 1 || kScaleSubtileStride * sizeof(float) % 128 == 0,
+                "each subtile's token scales start on a 128-byte line");
+  using SmemLayoutScales = cute::Layout<cute::Shape<cute::Int<kTokenSubtile>, cute::_1, cute::Int<kStages * kSubtiles>>,
+                                        cute::Stride<cute::_1, cute::_0, cute::Int<kScaleSubtileStride>>>;
 
-  static constexpr uint32_t kStageTxBytes =
-      static_cast<uint32_t>((kBlockM + kBlockN) * kBlockK * sizeof(Element) + (kFp8 ? kBlockN * sizeof(float) : 0));
+  __device__ __forceinline__ static int tile_subtiles(const GroupedTile& tile) {
+    return kernels::tile_subtiles(tile, kTokenTile);
+  }
+  __device__ __forceinline__ static uint32_t stage_tx_bytes(int subtiles) {
+    constexpr int kWeightBytes = kBlockM * kBlockK * sizeof(Element);
+    constexpr int kSubtileBytes = kTokenSubtile * kBlockK * sizeof(Element) + (kFp8 ? kTokenSubtile * sizeof(float) : 0);
+    return static_cast<uint32_t>(kWeightBytes + subtiles * kSubtileBytes);
+  }
 
   struct SharedStorage {
     alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutA>> a;
@@ -137,6 +140,34 @@ struct GroupedGemmConfig {
                 "barriers, weight scales and tile tags outgrew what the planner's stage count leaves them");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= layout::kSm90SmemPerBlockOptin, "shared memory over the sm_90 limit");
+};
+
+// What the math warps of a tile of kColumns token columns need: its wgmma shape and its view of
+// the stages' token blocks (stage s starts at view index s * kTokenTile / kColumns). kColumns is
+// the config's token tile, or its subtile for a short last tile; the rest is the config's.
+template <class Config, int kColumns>
+struct GemmTileColumns : Config {
+  static constexpr int kBlockN = kColumns;
+  static constexpr int kViewsPerStage = Config::kBlockN / kColumns;
+  using Element = typename Config::Element;
+  using SmemLayoutB =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                   cute::Shape<cute::Int<kColumns>, cute::Int<Config::kBlockK>,
+                                               cute::Int<Config::kStages * kViewsPerStage>>{}));
+  using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
+                                                      cute::Shape<cute::_64, cute::Int<kColumns>, cute::Int<Config::kBlockK>>,
+                                                      cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  // The math warpgroups side by side on M; each thread's fragment covers kMBlocks x m64 rows. The
+  // M permutation gives warpgroup w the rows [64 kMBlocks w, 64 kMBlocks (w + 1)) (row = atom row
+  // + 64 kMBlocks w + 64 m for m64 block m), so all of its rows share one weight scale block.
+  using PermutationM =
+      cute::Layout<cute::Shape<cute::_64, cute::Int<Config::kMathWarpgroups>, cute::Int<Config::kMBlocks>>,
+                   cute::Stride<cute::_1, cute::Int<64 * Config::kMBlocks>, cute::_64>>;
+  using TiledMma = decltype(cute::make_tiled_mma(
+      MmaAtom{}, cute::Layout<cute::Shape<cute::Int<Config::kMathWarpgroups>, cute::_1, cute::_1>>{},
+      cute::Tile<PermutationM, cute::Underscore, cute::Underscore>{}));
+  static_assert(cute::size(PermutationM{}) == Config::kBlockM, "the permutation covers the channel tile");
+  static_assert(Config::kBlockN % kColumns == 0 && kColumns % 8 == 0, "views start on swizzle atoms");
 };
 
 // Everything one launch needs; TMA descriptors travel by value as __grid_constant__.
@@ -201,7 +232,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   if (threadIdx.x < 32) p.scheduler.prefetch_to_l1(threadIdx.x);
 
   Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (BM, BK, S)
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Config::SmemLayoutB{});  // (BN, BK, S)
   const int k_blocks = p.k / Config::kBlockK;
 
   if (warpgroup == 0) {
@@ -238,7 +268,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       // orders it before the consumers' wait (they read the tag only where a tile starts).
       auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
         if (kb == 0) smem.stage_tile[stage] = tile;
-        ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::kStageTxBytes);
+        ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::stage_tx_bytes(Config::tile_subtiles(tile)));
         copy(p.tma_a.with(smem.full[stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
       };
       QueueState queue;
@@ -316,21 +346,33 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
 
     // -------------------------------------------------------------- token producer
+    // Token blocks travel in subtiles: view index stage * kSubtiles + subtile.
+    using Subtiles = GemmTileColumns<Config, Config::kTokenSubtile>;
+    Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Subtiles::SmemLayoutB{});  // (BS, BK, S x subtiles)
     Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.pool_rows, p.k));
-    Tensor gB = local_tile(mB, make_shape(Int<Config::kBlockN>{}, Int<Config::kBlockK>{}), make_coord(_, _));  // (BN,BK,n,k)
+    Tensor gB = local_tile(mB, make_shape(Int<Config::kTokenSubtile>{}, Int<Config::kBlockK>{}), make_coord(_, _));  // (BS,BK,n,k)
     const auto b_slices = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
     Tensor tBgB = get<0>(b_slices);
     Tensor tBsB = get<1>(b_slices);
-    auto load_tokens = [&](const GroupedTile& tile, int kb, int stage) {
-      const int token_block = tile.pool_row / Config::kBlockN;
-      copy(p.tma_b.with(smem.full[stage]), tBgB(_, token_block, kb), tBsB(_, stage));
+    // One subtile, then the second unless the tile is short: no run-time loop, which made this
+    // chain (then the only producer's) a generic unrolled loop of loads (eleventh session, run 2).
+    static_assert(Config::kSubtiles <= 2, "a stage holds one or two token subtiles");
+    auto load_subtile = [&](int subtile, int kb, int stage, int view) {
+      copy(p.tma_b.with(smem.full[stage]), tBgB(_, subtile, kb), tBsB(_, view));
       if constexpr (Config::kFp8) {
-        Tensor sS = make_tensor(make_smem_ptr(smem.token_scales), typename Config::SmemLayoutScales{});  // (BN,1,S)
+        Tensor sS = make_tensor(make_smem_ptr(smem.token_scales), typename Config::SmemLayoutScales{});  // (BS,1,S x subtiles)
         Tensor mS = p.tma_token_scales.get_tma_tensor(make_shape(p.pool_rows, k_blocks));
-        Tensor gS = local_tile(mS, make_shape(Int<Config::kBlockN>{}, _1{}), make_coord(_, _));  // (BN,1,n,kb)
+        Tensor gS = local_tile(mS, make_shape(Int<Config::kTokenSubtile>{}, _1{}), make_coord(_, _));  // (BS,1,n,kb)
         auto [tSgS, tSsS] =
             tma_partition(p.tma_token_scales, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sS), group_modes<0, 2>(gS));
-        copy(p.tma_token_scales.with(smem.full[stage]), tSgS(_, token_block, kb), tSsS(_, stage));
+        copy(p.tma_token_scales.with(smem.full[stage]), tSgS(_, subtile, kb), tSsS(_, view));
+      }
+    };
+    auto load_tokens = [&](const GroupedTile& tile, int kb, int stage) {
+      const int first_subtile = tile.pool_row / Config::kTokenSubtile;
+      load_subtile(first_subtile, kb, stage, stage * Config::kSubtiles);
+      if (Config::kSubtiles == 2 && Config::tile_subtiles(tile) == 2) {
+        load_subtile(first_subtile + 1, kb, stage, stage * Config::kSubtiles + 1);
       }
       ptx::mbarrier_arrive(&smem.full[stage]);
     };
@@ -363,95 +405,86 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // ------------------------------------------------------------------ consumers
   ptx::setmaxnreg_increase<kConsumerRegisters>();
   const int consumer_thread = threadIdx.x - 128;
-  typename Config::TiledMma mma;
-  ThrMMA thr_mma = mma.get_thread_slice(consumer_thread);
-  Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, kMBlocks, MMA_K, S)
-  Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA, 1, MMA_K, S)
-  using TileMN = Shape<Int<Config::kBlockM>, Int<Config::kBlockN>>;
-  Tensor acc = partition_fragment_C(mma, TileMN{});                // (MMA=(2,2,N/8), kMBlocks, 1)
-  // fp8: each K block accumulates unscaled into `partial`, then is promoted into `acc` with its
-  // weight scale times each token's scale.
-  Tensor partial = partition_fragment_C(mma, TileMN{});
-  // Tile coordinates of this thread's fragment: element (v0, v1, v2) of m-block m sits at row
-  // base_row[m] + 8 v1 and column base_col + 8 v2 + v0 (the sm90 GMMA accumulator layout).
-  Tensor coords = thr_mma.partition_C(make_identity_tensor(TileMN{}));
-  static_assert(decltype(size<1>(acc))::value == Config::kMBlocks, "one fragment mode per m64 block");
-  int base_row[Config::kMBlocks];
-  CUTE_UNROLL
-  for (int m = 0; m < Config::kMBlocks; ++m) base_row[m] = get<0>(coords(make_coord(0, 0, 0), m, 0));
-  const int base_col = get<1>(coords(make_coord(0, 0, 0), 0, 0));
   const int lane = consumer_thread % 32;
-
-  // The 4 k32 steps of the K block in `stage`, as one wgmma batch into `out` (accumulating, or
-  // overwriting it first when `accumulate` is false).
-  auto issue_block = [&](auto& out, int stage, bool accumulate) {
-    warpgroup_fence_operand(out);
-    warpgroup_arrive();
-    mma.accumulate_ = accumulate ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tCrA); ++k) {
-      gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), out);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-  };
-  // fp8: the scales of one K block as this thread applies them, weight scale times token scale
-  // for each of its (N/8) x 2 (v2, v0) columns (all m64 blocks of a warpgroup share the weight
-  // scale, see PermutationM). Read from shared memory as soon as the stage is full, so that the
-  // reads overlap the wgmma batch instead of following it.
-  constexpr int kColGroups = Config::kBlockN / 8;
-  using BlockScales = float[kColGroups][2];
-  auto read_block_scales = [&](int stage, BlockScales& scales) {
-    // The lane that hands the stage back reads the weight scale and broadcasts it: the
-    // producer's cp.async that later rewrites it is then ordered after the read by that lane's
-    // own arrival (a read by the other lanes would be ordered by the __syncwarp alone, which
-    // compute-sanitizer racecheck does not follow).
-    const float mine = lane == 0 ? smem.weight_scales[stage][base_row[0] / Config::kQuantBlock] : 0.0f;
-    const float weight_scale = __shfl_sync(0xffffffffu, mine, 0);
-    const float* token_scale = smem.token_scales + stage * Config::kScaleStageStride;
-    CUTE_UNROLL
-    for (int v2 = 0; v2 < kColGroups; ++v2) {
-      // Columns base_col + 8 v2 + {0, 1}: base_col is even, so one 8-byte load.
-      const float2 ts = *reinterpret_cast<const float2*>(token_scale + base_col + 8 * v2);
-      scales[v2][0] = weight_scale * ts.x;
-      scales[v2][1] = weight_scale * ts.y;
-    }
-  };
+  pipeline::PipelineState<kStages> state;
   // After the block's batch has completed its reads of the stage.
   auto release_stage = [&](int stage) {
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
   };
-  auto promote = [&](auto& block, const BlockScales& scales) {
-    CUTE_UNROLL
-    for (int v2 = 0; v2 < kColGroups; ++v2)
-      CUTE_UNROLL
-      for (int v0 = 0; v0 < 2; ++v0)
-        CUTE_UNROLL
-        for (int m = 0; m < Config::kMBlocks; ++m)
-          CUTE_UNROLL
-          for (int v1 = 0; v1 < 2; ++v1)
-            acc(make_coord(v0, v1, v2), m, 0) += block(make_coord(v0, v1, v2), m, 0) * scales[v2][v0];
-  };
 
-  pipeline::PipelineState<kStages> state;
-  // The first stage of each tile names it. Lane 0, which hands stages back, reads the tag for its
-  // warp (as with the weight scale above, its own arrival then orders the read before any rewrite).
-  static_assert(sizeof(GroupedTile) % sizeof(int) == 0 && std::is_trivially_copyable_v<GroupedTile>,
-                "the tile tag travels as ints");
-  auto stage_tile = [&](int stage) {
-    constexpr int kWords = sizeof(GroupedTile) / sizeof(int);
-    const int* tag = reinterpret_cast<const int*>(&smem.stage_tile[stage]);
-    int words[kWords];
+  // One tile of Columns::kBlockN token columns, from its first stage (already full) to its stored
+  // output. Instantiated for the token tile and, where there is one, for the short last tile of
+  // one subtile; the compiler gives both the same registers.
+  auto consume_tile = [&](auto columns, const GroupedTile& tile) {
+    using Columns = decltype(columns);
+    typename Columns::TiledMma mma;
+    ThrMMA thr_mma = mma.get_thread_slice(consumer_thread);
+    Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Columns::SmemLayoutB{});  // (BN, BK, S x views)
+    Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, kMBlocks, MMA_K, S)
+    Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA, 1, MMA_K, S x views)
+    using TileMN = Shape<Int<Columns::kBlockM>, Int<Columns::kBlockN>>;
+    Tensor acc = partition_fragment_C(mma, TileMN{});                // (MMA=(2,2,N/8), kMBlocks, 1)
+    // fp8: each K block accumulates unscaled into `partial`, then is promoted into `acc` with its
+    // weight scale times each token's scale.
+    Tensor partial = partition_fragment_C(mma, TileMN{});
+    // Tile coordinates of this thread's fragment: element (v0, v1, v2) of m-block m sits at row
+    // base_row[m] + 8 v1 and column base_col + 8 v2 + v0 (the sm90 GMMA accumulator layout).
+    Tensor coords = thr_mma.partition_C(make_identity_tensor(TileMN{}));
+    static_assert(decltype(size<1>(acc))::value == Config::kMBlocks, "one fragment mode per m64 block");
+    int base_row[Config::kMBlocks];
     CUTE_UNROLL
-    for (int i = 0; i < kWords; ++i) words[i] = __shfl_sync(0xffffffffu, lane == 0 ? tag[i] : 0, 0);
-    GroupedTile tile;
-    memcpy(&tile, words, sizeof tile);
-    return tile;
-  };
-  ptx::wait_parity(&smem.full[state.stage], state.phase);
-  for (GroupedTile tile = stage_tile(state.stage); tile.expert >= 0;) {
-    gemm_detail::Fc2TileSlots<Config> slots;
+    for (int m = 0; m < Config::kMBlocks; ++m) base_row[m] = get<0>(coords(make_coord(0, 0, 0), m, 0));
+    const int base_col = get<1>(coords(make_coord(0, 0, 0), 0, 0));
+
+    // The 4 k32 steps of the K block in `stage`, as one wgmma batch into `out` (accumulating, or
+    // overwriting it first when `accumulate` is false).
+    auto issue_block = [&](auto& out, int stage, bool accumulate) {
+      warpgroup_fence_operand(out);
+      warpgroup_arrive();
+      mma.accumulate_ = accumulate ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tCrA); ++k) {
+        gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage * Columns::kViewsPerStage), out);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+    };
+    // fp8: the scales of one K block as this thread applies them, weight scale times token scale
+    // for each of its (N/8) x 2 (v2, v0) columns (all m64 blocks of a warpgroup share the weight
+    // scale, see PermutationM). Read from shared memory as soon as the stage is full, so that the
+    // reads overlap the wgmma batch instead of following it.
+    constexpr int kColGroups = Columns::kBlockN / 8;
+    using BlockScales = float[kColGroups][2];
+    auto read_block_scales = [&](int stage, BlockScales& scales) {
+      // The lane that hands the stage back reads the weight scale and broadcasts it: the
+      // producer's cp.async that later rewrites it is then ordered after the read by that lane's
+      // own arrival (a read by the other lanes would be ordered by the __syncwarp alone, which
+      // compute-sanitizer racecheck does not follow).
+      const float mine = lane == 0 ? smem.weight_scales[stage][base_row[0] / Config::kQuantBlock] : 0.0f;
+      const float weight_scale = __shfl_sync(0xffffffffu, mine, 0);
+      const float* token_scale = smem.token_scales + stage * Config::kScaleStageStride;
+      CUTE_UNROLL
+      for (int v2 = 0; v2 < kColGroups; ++v2) {
+        // Columns base_col + 8 v2 + {0, 1}: base_col is even, so one 8-byte load.
+        const float2 ts = *reinterpret_cast<const float2*>(token_scale + base_col + 8 * v2);
+        scales[v2][0] = weight_scale * ts.x;
+        scales[v2][1] = weight_scale * ts.y;
+      }
+    };
+    auto promote = [&](auto& block, const BlockScales& scales) {
+      CUTE_UNROLL
+      for (int v2 = 0; v2 < kColGroups; ++v2)
+        CUTE_UNROLL
+        for (int v0 = 0; v0 < 2; ++v0)
+          CUTE_UNROLL
+          for (int m = 0; m < Config::kMBlocks; ++m)
+            CUTE_UNROLL
+            for (int v1 = 0; v1 < 2; ++v1)
+              acc(make_coord(v0, v1, v2), m, 0) += block(make_coord(v0, v1, v2), m, 0) * scales[v2][v0];
+    };
+
+    gemm_detail::Fc2TileSlots<Columns> slots;
     if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, base_col);
     clear(acc);
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -474,12 +507,34 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
 
     if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
-      gemm_detail::fc1_swiglu_epilogue<Config>(p, tile, acc, base_row, base_col, smem, consumer_thread);
+      gemm_detail::fc1_swiglu_epilogue<Columns>(p, tile, acc, base_row, base_col, smem, consumer_thread);
       publish_fc1_tile(p.fc1_tiles_done, tile.expert, p.num_experts, static_cast<uint32_t>(NamedBarrier::kFc1TileStored),
                        Config::kConsumerThreads, consumer_thread);
     } else {
-      gemm_detail::fc2_epilogue<Config>(p, tile, acc, base_row, base_col, slots);
+      gemm_detail::fc2_epilogue<Columns>(p, tile, acc, base_row, base_col, slots);
     }
+  };
+
+  // The first stage of each tile names it. Lane 0, which hands stages back, reads the tag for its
+  // warp (as with the weight scale above, its own arrival then orders the read before any rewrite).
+  static_assert(sizeof(GroupedTile) % sizeof(int) == 0 && std::is_trivially_copyable_v<GroupedTile>,
+                "the tile tag travels as ints");
+  auto stage_tile = [&](int stage) {
+    constexpr int kWords = sizeof(GroupedTile) / sizeof(int);
+    const int* tag = reinterpret_cast<const int*>(&smem.stage_tile[stage]);
+    int words[kWords];
+    CUTE_UNROLL
+    for (int i = 0; i < kWords; ++i) words[i] = __shfl_sync(0xffffffffu, lane == 0 ? tag[i] : 0, 0);
+    GroupedTile tile;
+    memcpy(&tile, words, sizeof tile);
+    return tile;
+  };
+  using WholeTile = GemmTileColumns<Config, Config::kBlockN>;
+  using ShortTile = GemmTileColumns<Config, Config::kTokenSubtile>;
+  ptx::wait_parity(&smem.full[state.stage], state.phase);
+  for (GroupedTile tile = stage_tile(state.stage); tile.expert >= 0;) {
+    if (Config::tile_subtiles(tile) < Config::kSubtiles) consume_tile(ShortTile{}, tile);
+    else consume_tile(WholeTile{}, tile);
     ptx::wait_parity(&smem.full[state.stage], state.phase);
     tile = stage_tile(state.stage);
   }

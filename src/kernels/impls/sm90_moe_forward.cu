@@ -37,14 +37,16 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
                             make_stride(static_cast<int64_t>(g.k), _1{}));
   auto tma_a = make_tma_atom(SM90_TMA_LOAD{}, weights, typename Config::SmemLayoutA{}(_, _, 0),
                              make_shape(Int<Config::kBlockM>{}, Int<Config::kBlockK>{}));
-  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, pool, typename Config::SmemLayoutB{}(_, _, 0),
-                             make_shape(Int<Config::kBlockN>{}, Int<Config::kBlockK>{}));
+  // Token rows and their scales travel in subtiles (a stage holds one or kSubtiles of them).
+  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, pool,
+                             typename GemmTileColumns<Config, Config::kTokenSubtile>::SmemLayoutB{}(_, _, 0),
+                             make_shape(Int<Config::kTokenSubtile>{}, Int<Config::kBlockK>{}));
   auto make_scales_tma = [&] {
     if constexpr (Config::kFp8) {
       Tensor scales = make_tensor(make_gmem_ptr(g.token_scales), make_shape(pool_rows, g.k / Config::kQuantBlock),
                                   make_stride(_1{}, static_cast<int64_t>(pool_rows)));
       return make_tma_atom(SM90_TMA_LOAD{}, scales, typename Config::SmemLayoutScales{}(_, _, 0),
-                           make_shape(Int<Config::kBlockN>{}, _1{}));
+                           make_shape(Int<Config::kTokenSubtile>{}, _1{}));
     } else {
       return 0;
     }

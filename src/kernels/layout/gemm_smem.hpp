@@ -22,6 +22,16 @@ inline constexpr int kSm90SmemPerBlockOptin = 232448;  // 227 KiB
 // Floats between the token scales of consecutive stages: TMA writes start on 128-byte lines.
 MEGAMOE_HOST_DEVICE constexpr int gemm_token_scale_stride(int token_tile) { return token_tile < 32 ? 32 : token_tile; }
 
+// Rows of the token blocks a stage is loaded in. With 64-token tiles an expert's last tile drops
+// to 32 rows when at most 32 of its rows are left (the planner picks 64 from ~33 expected rows
+// per expert, so without it half of those experts' tiles would be padding, and the math warps
+// spend their time on padded columns), and each expert's pool segment is padded to 32 rows only.
+// Smaller tiles keep one block: a half of 16 rows would put the second half's 16 token scales
+// (64 bytes) off the 128-byte line a TMA write must start on.
+MEGAMOE_HOST_DEVICE constexpr int gemm_token_subtile(int token_tile) {
+  return token_tile == kGemmMaxTokenTile ? token_tile / 2 : token_tile;
+}
+
 MEGAMOE_HOST_DEVICE constexpr int gemm_stage_bytes(int token_tile, bool fp8) {
   return (kGemmChannelTile + token_tile) * kGemmKBytes + (fp8 ? gemm_token_scale_stride(token_tile) * 4 : 0);
 }

@@ -61,16 +61,17 @@ struct GemmTileCounters {
 };
 
 // Padded segment offsets and token-tile prefix of every expert from the routing counters, by one
-// whole block (every thread must call it) once every counter is final. It moves the counters to
-// expert_rows and leaves them zero, so each forward (and each graph replay, whole or cut short)
-// starts from zero without a memset, and zeroes the GEMMs' counters. Global counters are read from
-// L2 (other blocks' atomics wrote them); kSharedCounts: the counters are this block's shared memory.
+// whole block (every thread must call it) once every counter is final (segments as
+// expert_segment() pads them). It moves the counters to expert_rows and leaves them
+// zero, so each forward (and each graph replay, whole or cut short) starts from zero without a
+// memset, and zeroes the GEMMs' counters. Global counters are read from L2 (other blocks' atomics
+// wrote them); kSharedCounts: the counters are this block's shared memory.
 template <int kThreads, bool kSharedCounts = false>
 __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int num_experts, int token_tile_rows,
                                                      int32_t* expert_rows, int32_t* expert_offsets,
                                                      int32_t* token_tile_prefix, const GemmTileCounters& gemm) {
-  __shared__ int32_t tiles[kThreads];
-  int carry = 0;
+  __shared__ int2 sums[kThreads];  // (tiles, padded rows)
+  int2 carry = make_int2(0, 0);
   for (int base = 0; base < num_experts; base += kThreads) {
     const int e = base + threadIdx.x;
     int rows = 0;
@@ -80,28 +81,29 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
       expert_rows[e] = rows;
       gemm.fc1_tiles_done[e] = 0;
     }
-    // A segment is whole tiles (expert_segment), so the prefix of tiles gives the offsets too.
-    const int my_tiles = expert_segment(rows, token_tile_rows).token_tiles;
-    tiles[threadIdx.x] = my_tiles;
+    const ExpertSegment segment = expert_segment(rows, token_tile_rows);
+    const int2 mine = make_int2(segment.token_tiles, segment.rows);
+    sums[threadIdx.x] = mine;
     __syncthreads();
     // Hillis-Steele inclusive scan; E is at most a few hundred, so simplicity wins.
     for (int offset = 1; offset < kThreads; offset *= 2) {
-      const int add = threadIdx.x >= offset ? tiles[threadIdx.x - offset] : 0;
+      const int2 add = threadIdx.x >= offset ? sums[threadIdx.x - offset] : make_int2(0, 0);
       __syncthreads();
-      tiles[threadIdx.x] += add;
+      sums[threadIdx.x].x += add.x;
+      sums[threadIdx.x].y += add.y;
       __syncthreads();
     }
-    const int exclusive = carry + tiles[threadIdx.x] - my_tiles;
     if (e < num_experts) {
-      token_tile_prefix[e] = exclusive;
-      expert_offsets[e] = exclusive * token_tile_rows;
+      token_tile_prefix[e] = carry.x + sums[threadIdx.x].x - mine.x;
+      expert_offsets[e] = carry.y + sums[threadIdx.x].y - mine.y;
     }
-    carry += tiles[kThreads - 1];
+    carry.x += sums[kThreads - 1].x;
+    carry.y += sums[kThreads - 1].y;
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    token_tile_prefix[num_experts] = carry;
-    expert_offsets[num_experts] = carry * token_tile_rows;
+    token_tile_prefix[num_experts] = carry.x;
+    expert_offsets[num_experts] = carry.y;
     gemm.tiles_claimed[0] = 0;
     gemm.tiles_claimed[1] = 0;
     gemm.fc1_tiles_done[num_experts] = 0;

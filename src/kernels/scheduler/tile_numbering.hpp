@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/layout/gemm_smem.hpp"
 #include "kernels/layout/weight_layout.hpp"
 
 namespace megamoe::kernels {
@@ -18,19 +19,29 @@ struct GroupedTile {
   int channel_block;
   int token_tile;       // within the expert
   int pool_row;         // first pool row of the tile
-  int valid_rows;       // rows of the tile that hold routed tokens (the rest is padding)
+  int valid_rows;       // rows of the tile that hold routed tokens (the rest is padding); a last
+                        // tile with at most one subtile of them is one subtile high
   int expert_token_tiles;  // token tiles of the expert
 };
 
-// An expert's share of the pool: its token tiles, and its rows padded to whole tiles.
+// An expert's share of the pool: its token tiles, and its rows padded to the token subtile
+// (layout::gemm_token_subtile): whole tiles, then a last tile of one subtile when that holds
+// what is left.
 struct ExpertSegment {
   int token_tiles;
   int rows;
 };
 
 MEGAMOE_HOST_DEVICE constexpr ExpertSegment expert_segment(int routed_rows, int token_tile_rows) {
-  const int tiles = (routed_rows + token_tile_rows - 1) / token_tile_rows;
-  return ExpertSegment{tiles, tiles * token_tile_rows};
+  const int subtile_rows = layout::gemm_token_subtile(token_tile_rows);
+  return ExpertSegment{(routed_rows + token_tile_rows - 1) / token_tile_rows,
+                       (routed_rows + subtile_rows - 1) / subtile_rows * subtile_rows};
+}
+
+// Token subtiles a tile loads and multiplies: one for an expert's short last tile, else all.
+MEGAMOE_HOST_DEVICE constexpr int tile_subtiles(const GroupedTile& tile, int token_tile_rows) {
+  const int subtile_rows = layout::gemm_token_subtile(token_tile_rows);
+  return subtile_rows < token_tile_rows && tile.valid_rows <= subtile_rows ? 1 : token_tile_rows / subtile_rows;
 }
 
 // The tile with linear index `linear` (0 <= linear < token_tile_prefix[E] * channel_blocks), from

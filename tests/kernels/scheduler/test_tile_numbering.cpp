@@ -58,9 +58,13 @@ void expect_numbering_covers_every_row(const std::vector<int32_t>& rows, int tok
     ASSERT_EQ(t.expert_token_tiles, expert_segment(rows[t.expert], token_tile_rows).token_tiles);
     ASSERT_GT(t.valid_rows, 0);
     ASSERT_LE(t.valid_rows, token_tile_rows);
-    // The tile's rows, padding included, lie in the expert's segment.
+    // The rows the tile loads, padding included, lie in the expert's segment; only an expert's
+    // last tile may be short.
+    const int loaded_rows = tile_subtiles(t, token_tile_rows) * layout::gemm_token_subtile(token_tile_rows);
     ASSERT_GE(t.pool_row, s.offsets[t.expert]);
-    ASSERT_LE(t.pool_row + token_tile_rows, s.offsets[t.expert + 1]);
+    ASSERT_LE(t.pool_row + loaded_rows, s.offsets[t.expert + 1]);
+    ASSERT_GE(loaded_rows, t.valid_rows);
+    if (loaded_rows < token_tile_rows) ASSERT_EQ(t.token_tile, t.expert_token_tiles - 1);
     // Order: experts ascending; inside one, channel block slow, token tile fast.
     const auto key = std::make_tuple(t.expert, t.channel_block, t.token_tile);
     if (previous.expert >= 0) {
