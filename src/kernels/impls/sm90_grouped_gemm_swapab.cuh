@@ -16,8 +16,8 @@
 //                           atomic combine)
 // The weight producer claims the tiles (GroupedTileScheduler), hands them to the other producers
 // and tags each tile's first stage, so the consumers walk the same sequence without a claim or a
-// tile search of their own; a stage tagged with expert -1 ends it. FC1 waits for the gather's whole grid; FC2 waits per expert for FC1's
-// tiles of that expert (pipeline/fc1_handoff.cuh).
+// tile search of their own; a stage tagged with expert -1 ends it. FC1 waits for the gather's
+// whole grid; FC2 waits per expert for FC1's tiles of that expert (pipeline/fc1_handoff.cuh).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -130,7 +130,7 @@ struct GroupedGemmConfig {
     GroupedTile stage_tile[kStages];  // the tile that starts at the stage; expert -1: no tiles left
     uint64_t full[kStages];
     uint64_t empty[kStages];
-    GroupedTile tile_queue[kTileQueue];  // weight producer -> token producer, in claim order; expert -1 ends
+    GroupedTile tile_queue[kTileQueue];  // weight producer -> the other producers, in claim order; expert -1 ends
     uint64_t queue_full[kTileQueue];
     uint64_t queue_empty[kTileQueue];
   };
