@@ -35,10 +35,11 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
       for (int v0 = 0; v0 < 2; ++v0) {
         const float gate = acc(cute::make_coord(v0, 0, v2), m, 0);
         const float up = acc(cute::make_coord(v0, 1, v2), m, 0);
-        // Hardware exp2 and reciprocal (~2 ulp) instead of expf and an IEEE division, whose slow
-        // paths were a third of this epilogue's instructions; fp32 rounding of h is below what
-        // the bf16 or E4M3 output keeps. exp(-gate) = inf gives a reciprocal of 0: silu -> -0.
-        h[m][v0][v2] = gate * __frcp_rn(1.0f + __expf(-gate)) * up;
+        // Hardware exp2 and approximate reciprocal (one MUFU op each) instead of expf and an IEEE
+        // reciprocal, whose refinement and slow path cost more than the rest of SwiGLU; fp32
+        // rounding of h is below what the bf16 or E4M3 output keeps. exp(-gate) = inf gives a
+        // reciprocal of 0: silu -> -0.
+        h[m][v0][v2] = gate * __fdividef(1.0f, 1.0f + __expf(-gate)) * up;
       }
 
   int channel[kMBlocks];  // the output channel of this thread's gate rows in each m64 block
@@ -66,10 +67,12 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
   } else {
     // Each token's amax over the tile's 128 channels, in three steps: within a warp (lanes with
     // equal lane % 4 hold the same columns, 8 rows each), then one thread per column over the
-    // warps' partials, then every thread reads the amaxes of its own columns (2 x N/8 values;
-    // each reading all partials itself was one shared load per warp and value).
+    // warps' partials, which also turns the amax into the token's scale (stored once, coalesced)
+    // and encoding factor, then every thread reads the factors of its own columns. (Each thread
+    // computing the scales of its 2 x N/8 columns itself was two IEEE divisions per column in
+    // every thread holding it.)
     const int warp = consumer_thread / 32, lane = consumer_thread % 32;
-    constexpr int kTokenAmaxRow = layout::kGemmConsumerWarps;
+    constexpr int kTokenFactorRow = layout::kGemmConsumerWarps;
 #pragma unroll
     for (int v2 = 0; v2 < kColGroups; ++v2)
 #pragma unroll
@@ -86,7 +89,10 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
       float a = smem.amax_exchange[0][consumer_thread];
 #pragma unroll
       for (int w = 1; w < layout::kGemmConsumerWarps; ++w) a = fmaxf(a, smem.amax_exchange[w][consumer_thread]);
-      smem.amax_exchange[kTokenAmaxRow][consumer_thread] = a;
+      const BlockScale s = block_scale(a, p.ue8m0);
+      smem.amax_exchange[kTokenFactorRow][consumer_thread] = s.factor;
+      if (consumer_thread < tile.valid_rows)
+        p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + tile.pool_row + consumer_thread] = s.scale;
     }
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
     uint8_t* out = static_cast<uint8_t*>(p.out);
@@ -95,13 +101,12 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
 #pragma unroll
       for (int v0 = 0; v0 < 2; ++v0) {
         const int col = column(v0, v2);
-        const BlockScale s = block_scale(smem.amax_exchange[kTokenAmaxRow][col], p.ue8m0);
+        const float factor = smem.amax_exchange[kTokenFactorRow][col];
         if (col >= tile.valid_rows) continue;
         const size_t row = static_cast<size_t>(tile.pool_row + col);
         uint8_t* token_out = out + row * p.out_channels;  // one address per token, a store per m64 block
 #pragma unroll
-        for (int m = 0; m < kMBlocks; ++m) token_out[channel[m]] = encode_e4m3(h[m][v0][v2] * s.factor);
-        if (consumer_thread < 4) p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + row] = s.scale;
+        for (int m = 0; m < kMBlocks; ++m) token_out[channel[m]] = encode_e4m3(h[m][v0][v2] * factor);
       }
     // The exchange buffer is rewritten by the next tile's epilogue.
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
