@@ -6,6 +6,45 @@
 # mostly one long nvcc compile), appending to LOG=$log; it exits on a patch that does not apply or
 # a build that fails. Variant Bi is built in $MEGAMOE_AB_SCRATCH/Bi/build-gpu (default: a fresh
 # temporary folder), so that a later command of the same device call can run its binaries.
+# With MEGAMOE_AB_PREBUILT=DIR (a carried folder that scripts/ab_prebuild.sh filled on a machine
+# without a GPU), a variant whose sources hash as DIR/<name>/source_hash says takes its binaries
+# from there instead of building them: device minutes go to measuring.
+
+# What a variant's binaries are built from: every file of the source folders, by path and content.
+source_hash() {
+  (cd "$1" && find CMakeLists.txt cmake include src tools tests examples -type f 2>/dev/null | LC_ALL=C sort |
+    xargs sha1sum | sha1sum | cut -c1-40)
+}
+
+# The binary of target $2 under build folder $1, relative to it (empty if none).
+target_binary() {
+  (cd "$1" 2>/dev/null && find . -type f -name "$2" -perm -u+x | head -1 | cut -c3-)
+}
+
+# Puts variant $1's prebuilt binaries of TARGETs $2... into its build folder; fails (and says why)
+# when there are none for these sources, or when they do not load here.
+take_prebuilt() {
+  local v=$1
+  shift
+  local from=${MEGAMOE_AB_PREBUILT:-}/${names[$v]} to=${roots[$v]}/build-gpu
+  [ -n "${MEGAMOE_AB_PREBUILT:-}" ] && [ -f "$from/source_hash" ] || return 1
+  if [ "$(source_hash "${roots[$v]}")" != "$(cat "$from/source_hash")" ]; then
+    echo "${names[$v]}: the prebuilt binaries are of other sources; building" | tee -a "$log"
+    return 1
+  fi
+  local t binary
+  for t in "$@"; do
+    binary=$(target_binary "$from" "$t")
+    [ -n "$binary" ] || { echo "${names[$v]}: no prebuilt $t; building" | tee -a "$log"; return 1; }
+    if ldd "$from/$binary" | grep -q "not found"; then
+      echo "${names[$v]}: prebuilt $t does not load here; building" | tee -a "$log"
+      return 1
+    fi
+    mkdir -p "$to/$(dirname "$binary")" && cp "$from/$binary" "$to/$binary"
+  done
+  echo "${names[$v]}: prebuilt binaries of $*" | tee -a "$log"
+}
+
 build_variants() {
   local targets=($1)
   shift
@@ -18,7 +57,7 @@ build_variants() {
     local patch_file variant
     patch_file=$(realpath "${!i}")
     variant=$scratch/B$i
-    cp -r "$root" "$variant" && rm -rf "$variant/build-gpu"
+    cp -r "$root" "$variant" && rm -rf "$variant/build-gpu" "$variant/.ab-prebuilt"
     (cd "$variant" && patch -p1 --quiet <"$patch_file") || { echo "B$i: $patch_file does not apply" | tee -a "$log"; exit 1; }
     echo "B$i = A + $(basename "$patch_file")" | tee -a "$log"
     names+=("B$i")
@@ -26,10 +65,15 @@ build_variants() {
   done
   local pids=()
   for v in "${!names[@]}"; do
+    if take_prebuilt "$v" "${targets[@]}"; then
+      pids+=("")
+      continue
+    fi
     (root=${roots[$v]} build=${roots[$v]}/build-gpu gpu_build "$scratch/build.${names[$v]}.log" "${targets[@]}") &
     pids+=($!)
   done
   for v in "${!names[@]}"; do
+    [ -z "${pids[$v]}" ] && continue
     wait "${pids[$v]}" || { cat "$scratch/build.${names[$v]}.log" >>"$log"; echo "${names[$v]}: build failed" | tee -a "$log"; exit 1; }
   done
 }
