@@ -3,7 +3,8 @@
 # "megamoe-bench test_api_moe_layer", what gpu_ab.sh with MEGAMOE_AB_TESTS runs; gpu2_ab.sh needs
 # "megamoe-run megamoe-ep-bench comm_ep_layer_rank") of the tree as it is (A) and of the tree with
 # each PATCH applied (B1, B2, ...; the variants of scripts/gpu_variants.sh), and leaves the binaries
-# with their sources' hash in .ab-prebuilt/ (ignored by git). The device call then carries
+# with their sources' hash in .ab-prebuilt/variants.tar.xz (ignored by git; xz makes a variant
+# ~1 MB instead of ~7, so that .deps travels beside it within the carry limit). The device call then carries
 # ".ab-prebuilt" and runs the A/B with MEGAMOE_AB_PREBUILT=.ab-prebuilt: each variant whose sources
 # still hash the same takes its binaries instead of building them there.
 #   MEGAMOE_AB_TARGETS="..." scripts/ab_prebuild.sh CHANGE.patch [CHANGE.patch ...]
@@ -14,18 +15,20 @@ log=$out/ab_prebuild.log
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_variants.sh"
 targets=(${MEGAMOE_AB_TARGETS:-megamoe-bench test_api_moe_layer})
 prebuilt=$root/.ab-prebuilt
+staging=${MEGAMOE_AB_SCRATCH:-/tmp/ab-prebuild}/prebuilt
 rm -rf "$prebuilt" "${MEGAMOE_AB_SCRATCH:-/tmp/ab-prebuild}"
 # Build here, whatever was carried in before.
 MEGAMOE_AB_PREBUILT='' MEGAMOE_AB_SCRATCH=${MEGAMOE_AB_SCRATCH:-/tmp/ab-prebuild} build_variants "${targets[*]}" "$@"
 for v in "${!names[@]}"; do
-  mkdir -p "$prebuilt/${names[$v]}"
+  mkdir -p "$staging/${names[$v]}"
   for t in "${targets[@]}"; do
     binary=$(target_binary "${roots[$v]}/build-gpu" "$t")
     [ -n "$binary" ] || { echo "${names[$v]}: $t was not built" | tee -a "$log"; exit 1; }
-    mkdir -p "$prebuilt/${names[$v]}/$(dirname "$binary")"
-    cp "${roots[$v]}/build-gpu/$binary" "$prebuilt/${names[$v]}/$binary"
+    mkdir -p "$staging/${names[$v]}/$(dirname "$binary")"
+    cp "${roots[$v]}/build-gpu/$binary" "$staging/${names[$v]}/$binary"
   done
-  source_hash "${roots[$v]}" >"$prebuilt/${names[$v]}/source_hash"
-  echo "${names[$v]}: $(du -sh "$prebuilt/${names[$v]}" | cut -f1) in $prebuilt/${names[$v]}"
+  source_hash "${roots[$v]}" >"$staging/${names[$v]}/source_hash"
 done
-echo "carry \".ab-prebuilt\" and set MEGAMOE_AB_PREBUILT=.ab-prebuilt for gpu_ab.sh / gpu2_ab.sh with the same patches"
+mkdir -p "$prebuilt" && tar -cJf "$prebuilt/variants.tar.xz" -C "$staging" "${names[@]}" || exit 1
+echo "$(du -h "$prebuilt/variants.tar.xz" | cut -f1) in $prebuilt/variants.tar.xz (${names[*]}: ${targets[*]});" \
+  "carry \".ab-prebuilt\" and set MEGAMOE_AB_PREBUILT=.ab-prebuilt for gpu_ab.sh / gpu2_ab.sh with the same patches"

@@ -7,8 +7,8 @@
 # a build that fails. Variant Bi is built in $MEGAMOE_AB_SCRATCH/Bi/build-gpu (default: a fresh
 # temporary folder), so that a later command of the same device call can run its binaries.
 # With MEGAMOE_AB_PREBUILT=DIR (a carried folder that scripts/ab_prebuild.sh filled on a machine
-# without a GPU), a variant whose sources hash as DIR/<name>/source_hash says takes its binaries
-# from there instead of building them: device minutes go to measuring.
+# without a GPU: DIR/variants.tar.xz), a variant whose sources hash as its source_hash there says
+# takes its binaries from there instead of building them: device minutes go to measuring.
 
 # What a variant's binaries are built from: every file of the source folders, by path and content.
 source_hash() {
@@ -26,8 +26,9 @@ target_binary() {
 take_prebuilt() {
   local v=$1
   shift
-  local from=${MEGAMOE_AB_PREBUILT:-}/${names[$v]} to=${roots[$v]}/build-gpu
-  [ -n "${MEGAMOE_AB_PREBUILT:-}" ] && [ -f "$from/source_hash" ] || return 1
+  [ -n "${prebuilt_variants:-}" ] || return 1
+  local from=$prebuilt_variants/${names[$v]} to=${roots[$v]}/build-gpu
+  [ -f "$from/source_hash" ] || return 1
   if [ "$(source_hash "${roots[$v]}")" != "$(cat "$from/source_hash")" ]; then
     echo "${names[$v]}: the prebuilt binaries are of other sources; building" | tee -a "$log"
     return 1
@@ -63,6 +64,12 @@ build_variants() {
     names+=("B$i")
     roots+=("$variant")
   done
+  prebuilt_variants=
+  if [ -f "${MEGAMOE_AB_PREBUILT:-}/variants.tar.xz" ]; then
+    prebuilt_variants=$scratch/prebuilt
+    mkdir -p "$prebuilt_variants" && tar -xJf "$MEGAMOE_AB_PREBUILT/variants.tar.xz" -C "$prebuilt_variants" ||
+      prebuilt_variants=
+  fi
   local pids=()
   for v in "${!names[@]}"; do
     if take_prebuilt "$v" "${targets[@]}"; then
