@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Run here, on a machine without a GPU but with nvcc, before a device A/B: builds the TARGETs (default
-# "megamoe-bench test_api_moe_layer", what gpu_ab.sh with MEGAMOE_AB_TESTS runs; gpu2_ab.sh needs
-# "megamoe-run megamoe-ep-bench comm_ep_layer_rank") of the tree as it is (A) and of the tree with
-# each PATCH applied (B1, B2, ...; the variants of scripts/gpu_variants.sh), and leaves the binaries
-# with their sources' hash in .ab-prebuilt/variants.tar.xz (ignored by git; xz makes a variant
-# ~1 MB instead of ~7, so that .deps travels beside it within the carry limit). The device call then carries
-# ".ab-prebuilt" and runs the A/B with MEGAMOE_AB_PREBUILT=.ab-prebuilt: each variant whose sources
-# still hash the same takes its binaries instead of building them there.
+# Run here, on a machine without a GPU but with nvcc, before a device A/B: builds the TARGETs
+# (default "megamoe-bench test_api_moe_layer", what gpu_ab.sh with MEGAMOE_AB_TESTS runs;
+# gpu2_ab.sh needs "megamoe-run megamoe-ep-bench comm_ep_layer_rank") of the tree as it is (A) and
+# of the tree with each PATCH applied (B1, B2, ...; the variants of scripts/gpu_variants.sh), and
+# leaves the binaries with their sources' hash in .ab-prebuilt/variants.tar.xz (ignored by git; xz
+# keeps a variant under ~1 MB instead of ~7, so that .deps travels beside it within the carry
+# limit). The device call then carries ".ab-prebuilt" and runs the A/B with
+# MEGAMOE_AB_PREBUILT=.ab-prebuilt: each variant whose sources still hash the same takes its
+# binaries instead of building them there.
 #   MEGAMOE_AB_TARGETS="..." scripts/ab_prebuild.sh CHANGE.patch [CHANGE.patch ...]
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: ab_prebuild.sh CHANGE.patch [CHANGE.patch ...]"; exit 2; }
@@ -15,10 +16,12 @@ log=$out/ab_prebuild.log
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_variants.sh"
 targets=(${MEGAMOE_AB_TARGETS:-megamoe-bench test_api_moe_layer})
 prebuilt=$root/.ab-prebuilt
-staging=${MEGAMOE_AB_SCRATCH:-/tmp/ab-prebuild}/prebuilt
-rm -rf "$prebuilt" "${MEGAMOE_AB_SCRATCH:-/tmp/ab-prebuild}"
-# Build here, whatever was carried in before.
-MEGAMOE_AB_PREBUILT='' MEGAMOE_AB_SCRATCH=${MEGAMOE_AB_SCRATCH:-/tmp/ab-prebuild} build_variants "${targets[*]}" "$@"
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/ab-prebuild.XXXXXX") || exit 1
+trap 'rm -rf "$scratch"' EXIT
+staging=$scratch/prebuilt
+rm -rf "$prebuilt"
+# Build here (A in build-gpu, incrementally; the others afresh), whatever was carried in before.
+MEGAMOE_AB_PREBUILT='' MEGAMOE_AB_SCRATCH=$scratch build_variants "${targets[*]}" "$@"
 for v in "${!names[@]}"; do
   mkdir -p "$staging/${names[$v]}"
   for t in "${targets[@]}"; do
