@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool, .deps carried) to compare changes against the tree as sent,
 # in one session on one GPU (variants: scripts/gpu_variants.sh). Builds megamoe-bench of every
-# variant (or takes it prebuilt: scripts/ab_prebuild.sh), then times each with megamoe-bench --breakdown for each WORKLOAD:TOKENS of MEGAMOE_AB_CASES (default
-# "qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35-a3b:2048"), the variants in turn for each case,
-# so that drift in the GPU's state affects all alike. Writes ab.log to $OUT, prints per-node
-# times, and ends with a summary table of one line per case and variant. With MEGAMOE_AB_TESTS
-# set (a gtest filter of the layer suite), every variant also runs those GPU tests, so that a
-# wrong variant shows before a full gpu_check.sh is spent on it.
+# variant (or takes it prebuilt: scripts/ab_prebuild.sh), then times each with megamoe-bench
+# --breakdown for each WORKLOAD:TOKENS of MEGAMOE_AB_CASES (default "qwen35-a3b:1 qwen35-a3b:16
+# qwen35-a3b:128 qwen35-a3b:2048"), the variants in turn for each case, so that drift in the GPU's
+# state affects all alike. Writes ab.log to $OUT, prints per-node times, and ends with a summary
+# table of one line per case and variant. With MEGAMOE_AB_TESTS set (a gtest filter of the layer
+# suite), every variant also runs those GPU tests, so that a wrong variant shows before a full
+# gpu_check.sh is spent on it.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: gpu_ab.sh CHANGE.patch [CHANGE.patch ...]"; exit 2; }
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"

@@ -64,7 +64,7 @@ build_variants() {
     names+=("B$i")
     roots+=("$variant")
   done
-  prebuilt_variants=
+  local prebuilt_variants=  # read by take_prebuilt
   if [ -f "${MEGAMOE_AB_PREBUILT:-}/variants.tar.xz" ]; then
     prebuilt_variants=$scratch/prebuilt
     mkdir -p "$prebuilt_variants" && tar -xJf "$MEGAMOE_AB_PREBUILT/variants.tar.xz" -C "$prebuilt_variants" ||
