@@ -64,8 +64,8 @@ inline constexpr int kRouterThreads = 32 * kRouterWarps;
 
 namespace routing_detail {
 
-// Marks an expert as taken or ineligible (key 0). Every legitimate selection value is a number:
-// sanitized logits, or a sigmoid plus a finite bias.
+// Marks an expert as ineligible (key 0, as a taken one gets in the passes). Every legitimate
+// selection value is a number: sanitized logits, or a sigmoid plus a finite bias.
 __device__ __forceinline__ float excluded() { return __int_as_float(0x7fffffff); }
 
 struct Candidate {
@@ -73,13 +73,14 @@ struct Candidate {
   int index;
 };
 
-// Best of this lane's entries values[lane + 32 i] below count; ties go to the lower index. Unrolled
-// by 8 so that a lane's loads (E <= 256) issue together: the winner's lane reruns this every pass.
-__device__ __forceinline__ Candidate lane_best(const float* values, int count, int lane) {
+// Best of this lane's entries lane + 32 i below count by key_of(e); ties go to the lower index.
+// Unrolled by 8 so that a lane's loads (E <= 256) issue together.
+template <class KeyOf>
+__device__ __forceinline__ Candidate lane_best(int count, int lane, KeyOf key_of) {
   Candidate c{0u, INT_MAX};
 #pragma unroll 8
   for (int e = lane; e < count; e += 32) {
-    const uint32_t key = order_key(values[e]);
+    const uint32_t key = key_of(e);
     if (key > c.key) c = Candidate{key, e};
   }
   return c;
@@ -185,7 +186,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
 
     float softmax_max = 0.0f, softmax_denominator = 1.0f;
     if (softmax) {
-      softmax_max = from_order_key(warp_best(lane_best(value, E, lane)).key);
+      softmax_max = from_order_key(warp_best(lane_best(E, lane, [&](int e) { return order_key(value[e]); })).key);
       float partial = 0.0f;
 #pragma unroll 4
       for (int e = lane; e < E; e += 32) partial += expf(value[e] - softmax_max);
@@ -210,16 +211,21 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
 
     // k passes of argmax; lane j keeps the j-th winner and computes its own weight term after.
     // Only the winner's lane rescans, and only its own entries (e = lane mod 32), so the passes
-    // need no shared-memory synchronization.
-    Candidate mine = lane_best(value, E, lane);
+    // need no shared-memory synchronization. The selection values become order keys in place
+    // first (each lane its own entries, as it wrote them), so that a rescan, the passes' dependent
+    // chain, compares integers instead of converting 8 floats each time; a taken expert gets key 0.
+    uint32_t* keys = reinterpret_cast<uint32_t*>(value);
+    for (int e = lane; e < E; e += 32) keys[e] = order_key(value[e]);
+    const auto key_of = [keys](int e) { return keys[e]; };
+    Candidate mine = lane_best(E, lane, key_of);
 #pragma unroll 1
     for (int j = 0; j < k; ++j) {
       const Candidate best = warp_best(mine);
       if (best.index == INT_MAX) break;  // the planner guarantees k reachable experts
       if (lane == j) my_id = best.index;
       if (mine.index == best.index) {
-        value[best.index] = excluded();
-        mine = lane_best(value, E, lane);
+        keys[best.index] = 0u;
+        mine = lane_best(E, lane, key_of);
       }
     }
     double my_raw_weight = 0.0;
@@ -257,7 +263,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
 }
 
 __global__ void __launch_bounds__(kRouterThreads) route_and_count_kernel(RoutingParams p) {
-  // Per warp: what selection ranks (logit or choice; taken entries become NaN) and what the
+  // Per warp: what selection ranks (logit or choice; its order keys during the passes) and what the
   // weights use (logit or sigmoid score).
   __shared__ float selection_values[kRouterWarps][kMaxRoutingExperts];
   __shared__ float weight_scores[kRouterWarps][kMaxRoutingExperts];
