@@ -288,17 +288,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       const int num_tiles = p.scheduler.num_tiles();
       int linear = blockIdx.x;
       int prefetched = 0;
+      GroupedTile tile{};
       if (linear < num_tiles) {
-        const GroupedTile first = p.scheduler.tile(linear);
-        hand_over(first);
-        for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(first, prefetched, prefetched);
+        tile = p.scheduler.tile(linear);
+        hand_over(tile);
+        for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(tile, prefetched, prefetched);
       }
       if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
       pipeline::PipelineState<kStages> state;
       int issued = 0;
       while (linear < num_tiles) {
-        const GroupedTile tile = p.scheduler.tile(linear);
-        if (linear != static_cast<int>(blockIdx.x)) hand_over(tile);  // the first went before its prefetch
         // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
         const int next = p.scheduler.claim_next_tile();
         for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
@@ -309,6 +308,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           state.advance();
         }
         linear = next;
+        if (linear < num_tiles) {
+          tile = p.scheduler.tile(linear);
+          hand_over(tile);
+        }
       }
       GroupedTile end{};
       end.expert = -1;
