@@ -22,13 +22,28 @@ struct Bf16x8Sum {
     }
   }
 
-  __device__ __forceinline__ void add(const uint4& raw) {
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  // Adds `count` weighted rows in index order. `locate(i, row, weight)` sets row i's address
+  // (null: nothing to add) and weight; each group of kInFlight rows is located, then loaded, then
+  // added, so that a group costs two memory round trips (where the rows are found, the rows)
+  // instead of one chain per row.
+  template <int kInFlight, class Locate>
+  __device__ __forceinline__ void add_rows(int count, Locate locate) {
+    for (int first = 0; first < count; first += kInFlight) {
+      const uint4* row[kInFlight];
+      float weight[kInFlight];
 #pragma unroll
-    for (int i = 0; i < kChannels / 2; ++i) {
-      const float2 v = __bfloat1622float2(pairs[i]);
-      sum[2 * i] += v.x;
-      sum[2 * i + 1] += v.y;
+      for (int i = 0; i < kInFlight; ++i) {
+        row[i] = nullptr;
+        weight[i] = 0.0f;
+        if (first + i < count) locate(first + i, row[i], weight[i]);
+      }
+      uint4 value[kInFlight];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+        if (row[i] != nullptr) value[i] = *row[i];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+        if (row[i] != nullptr) add(value[i], weight[i]);
     }
   }
 

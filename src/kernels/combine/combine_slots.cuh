@@ -39,29 +39,12 @@ __global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
 
   Bf16x8Sum sum;
   if constexpr (kDeterministic) {
-    // A group of slots' ids and weights load together, then the rows of the routed ones together,
-    // then the sum in slot order: two memory round trips per group instead of one id -> row chain
-    // per slot.
-    constexpr int kSlotsInFlight = 8;
     const size_t first_slot = static_cast<size_t>(token) * p.top_k;
-    for (int first = 0; first < p.top_k; first += kSlotsInFlight) {
-      bool routed[kSlotsInFlight];
-      float weight[kSlotsInFlight];
-      uint4 row[kSlotsInFlight];
-#pragma unroll
-      for (int i = 0; i < kSlotsInFlight; ++i) {
-        const bool in_token = first + i < p.top_k;
-        routed[i] = in_token && p.routed_ids[first_slot + first + i] >= 0;
-        weight[i] = in_token ? p.routed_weights[first_slot + first + i] : 0.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < kSlotsInFlight; ++i) {
-        if (routed[i]) row[i] = *reinterpret_cast<const uint4*>(p.slot_outputs + (first_slot + first + i) * p.hidden + column);
-      }
-#pragma unroll
-      for (int i = 0; i < kSlotsInFlight; ++i)
-        if (routed[i]) sum.add(row[i], weight[i]);
-    }
+    sum.add_rows<8>(p.top_k, [&](int j, const uint4*& row, float& weight) {
+      const size_t slot = first_slot + j;
+      weight = p.routed_weights[slot];
+      if (p.routed_ids[slot] >= 0) row = reinterpret_cast<const uint4*>(p.slot_outputs + slot * p.hidden + column);
+    });
   } else {
     const float4* acc = reinterpret_cast<const float4*>(p.y_accumulator + static_cast<size_t>(token) * p.hidden + column);
     const float4 lo = acc[0], hi = acc[1];

@@ -48,24 +48,14 @@ __global__ void __launch_bounds__(kEpReduceThreads) ep_reduce_kernel(EpCombinePa
   const long vector = index % vectors;
   const int32_t* positions = p.token_dest + token * world;
   Bf16x8Sum sum;
-  // Every owner's partial sum in flight before the first addition (NVLink reads).
-  constexpr int kInFlight = 8;
-  for (int first = 0; first < world; first += kInFlight) {
-    uint4 partial[kInFlight];
-    bool present[kInFlight];
-#pragma unroll
-    for (int i = 0; i < kInFlight; ++i) {
-      const int owner = first + i;
-      const long position = owner < world ? positions[owner] : -1;
-      present[i] = position >= 0;
-      if (present[i]) {
-        partial[i] = ep_detail::region<const uint4>(p.peer_bases[owner], p.layout.partial_sums)[position * vectors + vector];
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kInFlight; ++i)
-      if (present[i]) sum.add(partial[i]);
-  }
+  // Owners' partial sums (already weighted) in rank order; a group's NVLink reads all in flight
+  // before its first addition.
+  sum.add_rows<8>(world, [&](int owner, const uint4*& row, float& weight) {
+    const long position = positions[owner];
+    if (position < 0) return;
+    row = &ep_detail::region<const uint4>(p.peer_bases[owner], p.layout.partial_sums)[position * vectors + vector];
+    weight = 1.0f;
+  });
   reinterpret_cast<uint4*>(p.y)[index] = sum.rounded();
   p.timeline.mark(layout::kReduceDone);
 }
