@@ -272,9 +272,10 @@ std::vector<Case> cases() {
   std::vector<Case> out;
   for (Precision p : {Precision::bf16, Precision::fp8_block}) {
     for (RoutingKind r : {RoutingKind::softmax, RoutingKind::grouped, RoutingKind::precomputed}) {
-      for (int t : {1, 7, 128, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::deterministic});
+      // 8 and 9: the most tokens one router block takes (kRouterWarps), and the fewest it does not.
+      for (int t : {1, 7, 8, 9, 128, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::deterministic});
       out.push_back({"small", p, 333, r, Skew::skewed, CombineMode::deterministic});
-      out.push_back({"small", p, 128, r, Skew::uniform, CombineMode::fast});
+      for (int t : {7, 128}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::fast});
     }
   }
   for (const char* w : {"qwen35-a3b", "qwen3-30b-a3b", "dsv3"}) {
@@ -328,11 +329,9 @@ TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
 
 // A device-side token count (how expert parallelism hands over the rows it received): the rows
 // before it match the reference, the padding rows after it keep their poison, whatever stale
-// routing they hold, and a count past num_tokens is clamped.
-TEST(MoeLayer, DeviceTokenCountComputesOnlyTheValidRows) {
-  MEGAMOE_REQUIRE_HOPPER();
-  test::SeededRng rng;
-  const Case c{"qwen35-a3b", Precision::fp8_block, 128, RoutingKind::precomputed, Skew::uniform, CombineMode::deterministic};
+// routing they hold, and a count past num_tokens is clamped. At 8 tokens one router block routes
+// them all; at 128 several blocks do.
+void expect_only_valid_rows_computed(test::SeededRng& rng, const Case& c) {
   LayerFixture& f = fixture_for(c, rng.seed());
   const int H = f.spec.hidden;
   const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
@@ -363,6 +362,17 @@ TEST(MoeLayer, DeviceTokenCountComputesOnlyTheValidRows) {
     EXPECT_EQ(written_padding, 0) << "padding values written with valid count " << count;
   }
   EXPECT_EQ(f.layer->take_invalid_routing_ids(nullptr), 0);
+}
+
+TEST(MoeLayer, DeviceTokenCountComputesOnlyTheValidRows) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  for (const int tokens : {8, 128}) {
+    SCOPED_TRACE("tokens " + std::to_string(tokens));
+    expect_only_valid_rows_computed(
+        rng, Case{"qwen35-a3b", Precision::fp8_block, tokens, RoutingKind::precomputed, Skew::uniform,
+                  CombineMode::deterministic});
+  }
 }
 
 TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {
