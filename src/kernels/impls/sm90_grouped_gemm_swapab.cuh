@@ -266,10 +266,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       Tensor tAsA = get<1>(a_slices);
       // A tile's first stage carries its tag, written before the stage's first arrival, which
       // orders it before the consumers' wait (they read the tag only where a tile starts).
+      // An expert's token tiles follow one another on each channel block, so the last one is the
+      // last read of these weight rows in the forward: they go into L2 first in line for
+      // eviction, and what is read again (the gathered tokens, FC1's output, the slot rows the
+      // combine reads) stays.
       auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
         if (kb == 0) smem.stage_tile[stage] = tile;
         ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::stage_tx_bytes(Config::tile_subtiles(tile)));
-        copy(p.tma_a.with(smem.full[stage]), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
+        const auto hint = tile.token_tile == tile.expert_token_tiles - 1 ? TMA::CacheHintSm90::EVICT_FIRST
+                                                                         : TMA::CacheHintSm90::EVICT_NORMAL;
+        copy(p.tma_a.with(smem.full[stage], 0, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
       };
       QueueState queue;
       auto hand_over = [&](const GroupedTile& tile) {
