@@ -272,8 +272,8 @@ std::vector<Case> cases() {
   std::vector<Case> out;
   for (Precision p : {Precision::bf16, Precision::fp8_block}) {
     for (RoutingKind r : {RoutingKind::softmax, RoutingKind::grouped, RoutingKind::precomputed}) {
-      // 8 and 9: the most tokens one router block takes (kRouterWarps), and the fewest it does not.
-      for (int t : {1, 7, 8, 9, 128, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::deterministic});
+      // 16 and 17: the most tokens one router block takes (kRouterWarps), and the fewest it does not.
+      for (int t : {1, 7, 16, 17, 128, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::deterministic});
       out.push_back({"small", p, 333, r, Skew::skewed, CombineMode::deterministic});
       for (int t : {7, 128}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::fast});
     }
@@ -329,7 +329,7 @@ TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
 
 // A device-side token count (how expert parallelism hands over the rows it received): the rows
 // before it match the reference, the padding rows after it keep their poison, whatever stale
-// routing they hold, and a count past num_tokens is clamped. At 8 tokens one router block routes
+// routing they hold, and a count past num_tokens is clamped. At 16 tokens one router block routes
 // them all; at 128 several blocks do.
 void expect_only_valid_rows_computed(test::SeededRng& rng, const Case& c) {
   LayerFixture& f = fixture_for(c, rng.seed());
@@ -367,7 +367,7 @@ void expect_only_valid_rows_computed(test::SeededRng& rng, const Case& c) {
 TEST(MoeLayer, DeviceTokenCountComputesOnlyTheValidRows) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
-  for (const int tokens : {8, 128}) {
+  for (const int tokens : {16, 128}) {
     SCOPED_TRACE("tokens " + std::to_string(tokens));
     expect_only_valid_rows_computed(
         rng, Case{"qwen35-a3b", Precision::fp8_block, tokens, RoutingKind::precomputed, Skew::uniform,

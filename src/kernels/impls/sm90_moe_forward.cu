@@ -151,8 +151,15 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   routing.y_accumulator = f.deterministic ? nullptr : w.at<float>(ws, w.y_accumulator);
   routing.hidden = f.hidden;
   routing.gemm = GemmTileCounters{w.at<uint32_t>(ws, w.gemm_tiles_claimed), w.at<uint32_t>(ws, w.fc1_tiles_done)};
-  launch_overlapping_previous(route_and_count_kernel, blocks_for(T, kRouterWarps), kRouterThreads, 0, stream,
-                              "route_and_count_kernel", routing);
+  // Once, for the most experts the router takes (beyond the 48 KB default).
+  static bool router_smem_configured = false;
+  if (!router_smem_configured) {
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(route_and_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(router_smem_bytes(kMaxRoutingExperts))));
+    router_smem_configured = true;
+  }
+  launch_overlapping_previous(route_and_count_kernel, blocks_for(T, kRouterWarps), kRouterThreads,
+                              router_smem_bytes(f.num_experts), stream, "route_and_count_kernel", routing);
 
   GatherParams gather{};
   gather.num_tokens = T;

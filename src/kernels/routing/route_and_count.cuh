@@ -59,8 +59,16 @@ struct RoutingParams {
   GemmTileCounters gemm;      // zeroed by the scan
 };
 
-inline constexpr int kRouterWarps = 8;
+// Sixteen tokens, a common decode batch, are still one block (the multi-block path's global
+// counters and last-block scan cost ~2.4 us more than one block at 16 tokens).
+inline constexpr int kRouterWarps = 16;
 inline constexpr int kRouterThreads = 32 * kRouterWarps;
+
+// A block's dynamic shared memory: each warp's row of selection values, then each warp's row of
+// weight scores, E floats a row.
+__host__ __device__ constexpr size_t router_smem_bytes(int num_experts) {
+  return sizeof(float) * 2 * kRouterWarps * static_cast<size_t>(num_experts);
+}
 
 namespace routing_detail {
 
@@ -264,9 +272,10 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
 
 __global__ void __launch_bounds__(kRouterThreads) route_and_count_kernel(RoutingParams p) {
   // Per warp: what selection ranks (logit or choice; its order keys during the passes) and what the
-  // weights use (logit or sigmoid score).
-  __shared__ float selection_values[kRouterWarps][kMaxRoutingExperts];
-  __shared__ float weight_scores[kRouterWarps][kMaxRoutingExperts];
+  // weights use (logit or sigmoid score); sized by E (router_smem_bytes).
+  extern __shared__ float routing_rows[];
+  float* selection_values = routing_rows;
+  float* weight_scores = routing_rows + kRouterWarps * p.num_experts;
   // Up to kRouterWarps tokens are one block: its counters stay in shared memory and it scans them
   // itself, without the global atomics, fences and arrival round trips of the last-block scan
   // (~2-3 us of a one-token forward's dependent chain).
@@ -282,7 +291,8 @@ __global__ void __launch_bounds__(kRouterThreads) route_and_count_kernel(Routing
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
   if (token < valid_tokens(p.num_tokens, p.num_valid_tokens)) {
-    route_token(p, token, lane, selection_values[warp], weight_scores[warp], one_block ? block_counts : p.expert_counts);
+    route_token(p, token, lane, selection_values + warp * p.num_experts, weight_scores + warp * p.num_experts,
+                one_block ? block_counts : p.expert_counts);
   }
   if (one_block) {
     __syncthreads();
