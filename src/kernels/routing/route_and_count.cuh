@@ -192,14 +192,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
     }
     __syncwarp();
 
-    float softmax_max = 0.0f, softmax_denominator = 1.0f;
-    if (softmax) {
-      softmax_max = from_order_key(warp_best(lane_best(E, lane, [&](int e) { return order_key(value[e]); })).key);
-      float partial = 0.0f;
-#pragma unroll 4
-      for (int e = lane; e < E; e += 32) partial += expf(value[e] - softmax_max);
-      softmax_denominator = warp_sum(partial);
-    } else {
+    if (!softmax) {
       // Keep the topk_group best groups (lane g scores group g); the rest become ineligible.
       const int group_size = E / p.n_group;
       const int per_group = group_size < 2 ? group_size : 2;
@@ -226,6 +219,16 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
     for (int e = lane; e < E; e += 32) keys[e] = order_key(value[e]);
     const auto key_of = [keys](int e) { return keys[e]; };
     Candidate mine = lane_best(E, lane, key_of);
+    float softmax_max = 0.0f, softmax_denominator = 1.0f;
+    if (softmax) {
+      // The passes' first scan is the softmax maximum's too (the best key of all); the weights'
+      // row holds the same logits as floats.
+      softmax_max = from_order_key(warp_best(mine).key);
+      float partial = 0.0f;
+#pragma unroll 4
+      for (int e = lane; e < E; e += 32) partial += expf(score[e] - softmax_max);
+      softmax_denominator = warp_sum(partial);
+    }
 #pragma unroll 1
     for (int j = 0; j < k; ++j) {
       const Candidate best = warp_best(mine);
