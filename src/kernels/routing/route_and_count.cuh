@@ -273,7 +273,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
   }
 }
 
-__global__ void __launch_bounds__(kRouterThreads) route_and_count_kernel(RoutingParams p) {
+__global__ void __launch_bounds__(kRouterThreads, 1) route_and_count_kernel(RoutingParams p) {
   // Per warp: what selection ranks (logit or choice; its order keys during the passes) and what the
   // weights use (logit or sigmoid score); sized by E (router_smem_bytes).
   extern __shared__ float routing_rows[];
