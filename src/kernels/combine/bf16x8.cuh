@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "kernels/ptx/memory.cuh"
+
 namespace megamoe::kernels {
 
 struct Bf16x8Sum {
@@ -25,9 +27,10 @@ struct Bf16x8Sum {
   // Adds `count` weighted rows in index order. `locate(i, row, weight)` sets row i's address
   // (null: nothing to add) and weight; each group of kInFlight rows is located, then loaded, then
   // added, so that a group costs two memory round trips (where the rows are found, the rows)
-  // instead of one chain per row.
+  // instead of one chain per row. The rows are read once: their lines go first when L2 evicts.
   template <int kInFlight, class Locate>
   __device__ __forceinline__ void add_rows(int count, Locate locate) {
+    const uint64_t read_once = ptx::l2_policy_evict_first();
     for (int first = 0; first < count; first += kInFlight) {
       const uint4* row[kInFlight];
       float weight[kInFlight];
@@ -40,7 +43,7 @@ struct Bf16x8Sum {
       uint4 value[kInFlight];
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i)
-        if (row[i] != nullptr) value[i] = *row[i];
+        if (row[i] != nullptr) value[i] = ptx::ld_global_v4(row[i], read_once);
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i)
         if (row[i] != nullptr) add(value[i], weight[i]);

@@ -10,6 +10,7 @@
 
 #include "kernels/combine/bf16x8.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
+#include "kernels/ptx/memory.cuh"
 #include "kernels/routing/valid_tokens.cuh"
 
 namespace megamoe::kernels {
@@ -31,15 +32,24 @@ __global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
   constexpr int kVector = Bf16x8Sum::kChannels;
   const int vectors_per_token = p.hidden / kVector;
   const long index = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int token = static_cast<int>(index / vectors_per_token);
+  const int column = static_cast<int>(index % vectors_per_token) * kVector;
+  const size_t first_slot = static_cast<size_t>(token) * p.top_k;
+  // The routing is complete before this grid can launch (the gather released its successors only
+  // after waiting for the router), so the token's ids and weights come into L1 while FC2 finishes:
+  // after the wait only the slot rows are a round trip away.
+  if (kDeterministic && token < p.num_tokens) {
+    ptx::prefetch_l1(p.routed_ids + first_slot);
+    ptx::prefetch_l1(p.routed_ids + first_slot + p.top_k - 1);
+    ptx::prefetch_l1(p.routed_weights + first_slot);
+    ptx::prefetch_l1(p.routed_weights + first_slot + p.top_k - 1);
+  }
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
   if (index >= static_cast<long>(valid_tokens(p.num_tokens, p.num_valid_tokens)) * vectors_per_token) return;
-  const int token = static_cast<int>(index / vectors_per_token);
-  const int column = static_cast<int>(index % vectors_per_token) * kVector;
 
   Bf16x8Sum sum;
   if constexpr (kDeterministic) {
-    const size_t first_slot = static_cast<size_t>(token) * p.top_k;
     sum.add_rows<8>(p.top_k, [&](int j, const uint4*& row, float& weight) {
       const size_t slot = first_slot + j;
       weight = p.routed_weights[slot];

@@ -31,6 +31,24 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* address) {
 // one on each side of the release/acquire that hands it over.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
+// An L2 eviction policy (PTX "createpolicy") for the accesses that take one: their lines go first
+// when L2 evicts.
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// A 16-byte load under an L2 policy. Volatile, so that it stays after the dependency wait of the
+// kernel that reads what an earlier grid wrote (the asm names no memory operand to order it by).
+__device__ __forceinline__ uint4 ld_global_v4(const void* address, uint64_t l2_policy) {
+  uint4 v;
+  asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(address), "l"(l2_policy));
+  return v;
+}
+
 // Starts bringing the line holding `address` into this SM's L1; does not wait for it.
 __device__ __forceinline__ void prefetch_l1(const void* address) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(address));
