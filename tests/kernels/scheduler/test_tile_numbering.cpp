@@ -64,7 +64,9 @@ void expect_numbering_covers_every_row(const std::vector<int32_t>& rows, int tok
     ASSERT_GE(t.pool_row, s.offsets[t.expert]);
     ASSERT_LE(t.pool_row + loaded_rows, s.offsets[t.expert + 1]);
     ASSERT_GE(loaded_rows, t.valid_rows);
-    if (loaded_rows < token_tile_rows) ASSERT_EQ(t.token_tile, t.expert_token_tiles - 1);
+    if (loaded_rows < token_tile_rows) {
+      ASSERT_EQ(t.token_tile, t.expert_token_tiles - 1);
+    }
     // Order: experts ascending; inside one, channel block slow, token tile fast.
     const auto key = std::make_tuple(t.expert, t.channel_block, t.token_tile);
     if (previous.expert >= 0) {
