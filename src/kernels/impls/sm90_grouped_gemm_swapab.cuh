@@ -266,10 +266,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       Tensor tAsA = get<1>(a_slices);
       // A tile's first stage carries its tag, written before the stage's first arrival, which
       // orders it before the consumers' wait (they read the tag only where a tile starts).
-      // An expert's token tiles follow one another on each channel block, so the last one is the
-      // last read of these weight rows in the forward: they go into L2 first in line for
-      // eviction, and what is read again (the gathered tokens, FC1's output, the slot rows the
-      // combine reads) stays.
+      // The weights of an expert's last token tile go into L2 first in line for eviction, so that
+      // what is read again (the gathered tokens, FC1's output, the slot rows the combine reads)
+      // stays. Measured (bench/NOTES.md, fifteenth session): 3-11 us faster at 16-1024 tokens and
+      // ~30 at 8192, but ~9 slower at 2048, where the last tile is mostly short and may read the
+      // rows before its siblings do (they run side by side: the token tile is the fast index).
       auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
         if (kb == 0) smem.stage_tile[stage] = tile;
         ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::stage_tx_bytes(Config::tile_subtiles(tile)));

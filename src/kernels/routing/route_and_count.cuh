@@ -59,8 +59,8 @@ struct RoutingParams {
   GemmTileCounters gemm;      // zeroed by the scan
 };
 
-// Sixteen tokens, a common decode batch, are still one block (the multi-block path's global
-// counters and last-block scan cost ~2.4 us more than one block at 16 tokens).
+// Sixteen tokens, a common decode batch, are still one block: the multi-block path's global
+// counters and last-block scan took the router from 10.3 to 11.7 us at 16 tokens.
 inline constexpr int kRouterWarps = 16;
 inline constexpr int kRouterThreads = 32 * kRouterWarps;
 
