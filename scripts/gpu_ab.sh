@@ -4,8 +4,12 @@
 # variant (or takes it prebuilt: scripts/ab_prebuild.sh), then times each with megamoe-bench
 # --breakdown for each WORKLOAD:TOKENS of MEGAMOE_AB_CASES (default "qwen35-a3b:1 qwen35-a3b:16
 # qwen35-a3b:128 qwen35-a3b:2048"), the variants in turn for each case, so that drift in the GPU's
-# state affects all alike. Writes ab.log to $OUT, prints per-node times, and ends with a summary
-# table of one line per case and variant. With MEGAMOE_AB_TESTS set (a gtest filter of the layer
+# state affects all alike. MEGAMOE_AB_ROUNDS=R (default 1) repeats each case's turn R times, each
+# run a process of its own: a large batch's layer time moves by a few percent between processes
+# (30 us at 8192 tokens in the fifteenth session), more than many changes are worth. Writes ab.log
+# to $OUT, prints per-node times, and ends with a summary table of one line per case and variant:
+# the round with the median layer time, and the range over the rounds. With MEGAMOE_AB_TESTS set (a
+# gtest filter of the layer
 # suite), every variant also runs those GPU tests, so that a wrong variant shows before a full
 # gpu_check.sh is spent on it.
 set -uo pipefail
@@ -22,14 +26,17 @@ benches=()
 for v in "${!names[@]}"; do benches+=("${roots[$v]}/build-gpu/megamoe-bench"); done
 
 status=0
+rounds=${MEGAMOE_AB_ROUNDS:-1}
 for case in ${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35-a3b:2048}; do
   workload=${case%%:*} tokens=${case##*:}
-  for v in "${!names[@]}"; do
-    echo "== ${names[$v]}: $workload $precision, $tokens tokens, L2 scrubbed" | tee -a "$log"
-    "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown >"$log.part" 2>&1 ||
-      status=1
-    grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||empty kernel|error|Error' "$log.part" | tee -a "$log"
-    rm -f "$log.part"
+  for ((round = 1; round <= rounds; ++round)); do
+    for v in "${!names[@]}"; do
+      echo "== ${names[$v]}: $workload $precision, $tokens tokens, L2 scrubbed, round $round of $rounds" | tee -a "$log"
+      "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown >"$log.part" 2>&1 ||
+        status=1
+      grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||empty kernel|error|Error' "$log.part" | tee -a "$log"
+      rm -f "$log.part"
+    done
   done
 done
 if [ -n "${MEGAMOE_AB_TESTS:-}" ]; then
@@ -42,14 +49,33 @@ if [ -n "${MEGAMOE_AB_TESTS:-}" ]; then
   done
 fi
 # Last, the table a reader wants: one line per case and variant, each node's increment as
-# --breakdown cuts the graph (single-GPU forward: router, gather, FC1, FC2, combine), then the
-# whole layer and its ratio to the floor.
+# --breakdown cuts the graph (single-GPU forward: router, gather, FC1, FC2, combine), the whole
+# layer and its ratio to the floor, of the round whose layer time is the median; with several
+# rounds, their range.
 summary=$(awk '
   /^== [A-Za-z0-9]+: .* tokens, / { variant = $2; sub(":", "", variant); workload = $3; tokens = $5; nodes = ""; next }
   /^ +[0-9] [a-z_0-9]+ +\+/ { nodes = nodes sprintf(" %8s", $4); next }
-  /^ +[0-9]+ \|/ { printf "%-14s %6s %-3s |%s | %8s | %5s\n", workload, tokens, variant, nodes, $3, $7 }' "$log")
+  /^ +[0-9]+ \|/ {
+    key = workload SUBSEP tokens SUBSEP variant
+    if (!(key in runs)) order[++keys] = key
+    r = ++runs[key]
+    layer[key, r] = $3; ratio[key, r] = $7; node[key, r] = nodes
+  }
+  END {
+    for (i = 1; i <= keys; ++i) {
+      key = order[i]; n = runs[key]
+      for (a = 1; a <= n; ++a) rank[a] = a
+      for (a = 1; a <= n; ++a)
+        for (b = a + 1; b <= n; ++b)
+          if (layer[key, rank[b]] + 0 < layer[key, rank[a]] + 0) { t = rank[a]; rank[a] = rank[b]; rank[b] = t }
+      m = rank[int((n + 1) / 2)]
+      split(key, k, SUBSEP)
+      range = n > 1 ? sprintf(" | %s-%s", layer[key, rank[1]], layer[key, rank[n]]) : ""
+      printf "%-14s %6s %-3s |%s | %8s | %5s%s\n", k[1], k[2], k[3], node[key, m], layer[key, m], ratio[key, m], range
+    }
+  }' "$log")
 {
-  echo "== summary (us): workload, tokens, variant | node increments | layer | x floor"
+  echo "== summary (us): workload, tokens, variant | node increments | layer | x floor$([ "$rounds" -gt 1 ] && echo " | layer range over $rounds rounds")"
   echo "$summary"
 } | tee -a "$log"
 exit $status
