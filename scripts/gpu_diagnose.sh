@@ -39,7 +39,7 @@ ncu --cache-control all --clock-control none --launch-count 4 -k "regex:$kernels
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
   --metrics 'regex:smsp__average_warps_issue_stalled_(long_scoreboard|barrier|wait|short_scoreboard|math_pipe_throttle|no_instruction|sleeping|membar|lg_throttle|mio_throttle|branch_resolving|dispatch_stall|selected)_per_issue_active\.ratio' \
   "$bench" --workload "$workload" --tokens "$ncu_tokens" >"$out/ncu.log" 2>&1 || status=1
-grep -E '^  [a-z].*\(|Duration|Throughput|Busy|Warp Cycles Per|stalled|Bandwidth' "$out/ncu.log" |
+grep -E '^  [a-z].*\(|Duration|Throughput|Busy|Hit Rate|Warp Cycles Per|stalled|Bandwidth' "$out/ncu.log" |
   sed -E 's/<.*>\(T2\)/<...>/; s/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | tee -a "$log"
 if [ "${MEGAMOE_DIAG_NCU_SOURCE:-0}" = 1 ]; then
   echo "== ncu full set with source counters at $ncu_tokens tokens: $kernels" | tee -a "$log"
