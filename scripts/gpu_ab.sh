@@ -8,10 +8,9 @@
 # run a process of its own: a large batch's layer time moves by a few percent between processes
 # (30 us at 8192 tokens in the fifteenth session), more than many changes are worth. Writes ab.log
 # to $OUT, prints per-node times, and ends with a summary table of one line per case and variant:
-# the round with the median layer time, and the range over the rounds. With MEGAMOE_AB_TESTS set (a
-# gtest filter of the layer
-# suite), every variant also runs those GPU tests, so that a wrong variant shows before a full
-# gpu_check.sh is spent on it.
+# the round with the median layer time, and the range over the rounds. With MEGAMOE_AB_TESTS set
+# (a gtest filter of the layer suite), every variant also runs those GPU tests, so that a wrong
+# variant shows before a full gpu_check.sh is spent on it.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: gpu_ab.sh CHANGE.patch [CHANGE.patch ...]"; exit 2; }
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
