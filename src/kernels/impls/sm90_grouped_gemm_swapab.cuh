@@ -266,16 +266,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       Tensor tAsA = get<1>(a_slices);
       // A tile's first stage carries its tag, written before the stage's first arrival, which
       // orders it before the consumers' wait (they read the tag only where a tile starts).
-      // The weights of an expert's last token tile go into L2 first in line for eviction, so that
-      // what is read again (the gathered tokens, FC1's output, the slot rows the combine reads)
-      // stays. Measured (bench/NOTES.md, fifteenth session): 3-11 us faster at 16-1024 tokens and
-      // ~30 at 8192, but ~9 slower at 2048, where the last tile is mostly short and may read the
-      // rows before its siblings do (they run side by side: the token tile is the fast index).
+      // The weights of an expert with one token tile are read once in the forward: they go into
+      // L2 first in line for eviction, and what is read again (the gathered tokens, FC1's output,
+      // the slot rows the combine reads) stays. An expert with more token tiles has them running
+      // side by side on other CTAs, so even its last tile's loads may come before another tile's
+      // reads of the same rows (with the hint there, 2048 tokens lost ~9 us).
       auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
         if (kb == 0) smem.stage_tile[stage] = tile;
         ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::stage_tx_bytes(Config::tile_subtiles(tile)));
-        const auto hint = tile.token_tile == tile.expert_token_tiles - 1 ? TMA::CacheHintSm90::EVICT_FIRST
-                                                                         : TMA::CacheHintSm90::EVICT_NORMAL;
+        const auto hint = tile.expert_token_tiles == 1 ? TMA::CacheHintSm90::EVICT_FIRST : TMA::CacheHintSm90::EVICT_NORMAL;
         copy(p.tma_a.with(smem.full[stage], 0, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
       };
       QueueState queue;
