@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Run on a machine with two or more NVLink-connected GPUs (device kind nvidia-h200-x2), with .deps
-# carried: builds, then runs the expert-parallel suites (CTest label gpu2) under megamoe-run.
+# carried: builds, then runs the expert-parallel suites (CTest label gpu2) under megamoe-run, and
+# the single-GPU layer on every GPU of one process.
 # NVLink multicast stays off (megamoe-run sets NCCL_NVLS_ENABLE=0 and friends in every rank).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 nvidia-smi topo -m | tee "$out/topology.txt"
 gpu_build "$out/build2.log" || exit 1
 ctest --test-dir "$build" -L gpu2 --output-on-failure 2>&1 | tee "$out/gpu2.log"
+# One process, every GPU (the single-GPU suite skips it on one).
+MEGAMOE_REQUIRE_GPU=1 "$build/tests/test_api_moe_layer" --gtest_filter='MoeLayer.RunsOnEveryGpuOfOneProcess' 2>&1 |
+  tee -a "$out/gpu2.log"
 if [ -x "$build/megamoe-ep-bench" ]; then
   "$build/megamoe-run" -n 2 --timeout 540 -- "$build/megamoe-ep-bench" --workload dsv3 --tokens 128,4096 \
     --json "$out/ep-dsv3-fp8_block.json" 2>&1 | tee -a "$out/ep_bench.log"

@@ -327,6 +327,37 @@ TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   cudaStreamDestroy(stream);
 }
 
+// The kernels' shared-memory limits belong to each device: a process that spreads a model's layers
+// over several GPUs must find them raised on every one. Needs two GPUs (scripts/gpu2_check.sh).
+TEST(MoeLayer, RunsOnEveryGpuOfOneProcess) {
+  MEGAMOE_REQUIRE_HOPPER();
+  int devices = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  if (devices < 2) GTEST_SKIP() << "one GPU: nothing to check";
+  test::SeededRng rng;
+  const Case c{"small", Precision::fp8_block, 7, RoutingKind::workload, Skew::uniform, CombineMode::deterministic};
+  const MoeSpec spec = spec_for(c, rng.seed());
+  const ref::RandomWeights weights = ref::make_random_weights(spec, rng.seed());
+  const PackedWeights packed = prepare_weights(spec, weights.view());
+  const Inputs in = make_inputs(rng, spec, c.tokens, c.skew);
+  std::vector<double> want;
+  {
+    std::vector<bf16_t> unused(static_cast<size_t>(c.tokens) * spec.hidden);
+    want = ref::reference_forward(spec, packed, in.view(c.tokens), MoeOutputs{unused.data()}).y;
+  }
+  int original = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&original));
+  for (int device = 0; device < devices; ++device) {
+    SCOPED_TRACE("device " + std::to_string(device));
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(device));
+    MoeLayer layer(spec, packed, 64);
+    const Comparison got = compare(run_device(layer, spec, in, c.tokens, CombineMode::deterministic), want);
+    EXPECT_EQ(got.non_finite, 0);
+    expect_tight(c.precision, got);
+  }
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(original));
+}
+
 // A device-side token count (how expert parallelism hands over the rows it received): the rows
 // before it match the reference, the padding rows after it keep their poison, whatever stale
 // routing they hold, and a count past num_tokens is clamped. At 16 tokens one router block routes

@@ -84,11 +84,8 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
   p.fc1_channel_blocks = channel_blocks(2 * f.intermediate);
 
   auto* kernel = &sm90_grouped_gemm_swapab_kernel<Config, Params>;
-  static bool smem_configured = false;  // one instantiation, one attribute call
-  if (!smem_configured) {
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
-    smem_configured = true;
-  }
+  static std::atomic<uint64_t> smem_configured{0};  // one instantiation, one flag
+  allow_dynamic_smem(kernel, Config::kSmemBytes, smem_configured);
   launch_overlapping_previous(kernel, f.grid, Config::kThreads, Config::kSmemBytes, stream,
                               "sm90_grouped_gemm_swapab_kernel", p);
 }
@@ -151,13 +148,10 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   routing.y_accumulator = f.deterministic ? nullptr : w.at<float>(ws, w.y_accumulator);
   routing.hidden = f.hidden;
   routing.gemm = GemmTileCounters{w.at<uint32_t>(ws, w.gemm_tiles_claimed), w.at<uint32_t>(ws, w.fc1_tiles_done)};
-  // Once, for the most experts the router takes (beyond the 48 KB default).
-  static bool router_smem_configured = false;
-  if (!router_smem_configured) {
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(route_and_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(router_smem_bytes(kMaxRoutingExperts))));
-    router_smem_configured = true;
-  }
+  // For the most experts the router takes, once per device.
+  static std::atomic<uint64_t> router_smem_configured{0};
+  allow_dynamic_smem(route_and_count_kernel, static_cast<int>(router_smem_bytes(kMaxRoutingExperts)),
+                     router_smem_configured);
   launch_overlapping_previous(route_and_count_kernel, blocks_for(T, kRouterWarps), kRouterThreads,
                               router_smem_bytes(f.num_experts), stream, "route_and_count_kernel", routing);
 
