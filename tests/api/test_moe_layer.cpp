@@ -335,7 +335,7 @@ TEST(MoeLayer, RunsOnEveryGpuOfOneProcess) {
   MEGAMOE_CUDA_CHECK(cudaGetDeviceCount(&devices));
   if (devices < 2) GTEST_SKIP() << "one GPU: nothing to check";
   test::SeededRng rng;
-  const Case c{"small", Precision::fp8_block, 7, RoutingKind::workload, Skew::uniform, CombineMode::deterministic};
+  const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
   const MoeSpec spec = spec_for(c, rng.seed());
   const ref::RandomWeights weights = ref::make_random_weights(spec, rng.seed());
   const PackedWeights packed = prepare_weights(spec, weights.view());
