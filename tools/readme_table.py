@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""The README's benchmark table, from the committed bench/results JSON (megamoe-bench --json).
+
+  python3 tools/readme_table.py --write   rewrite the table and the figures around it in README.md
+  python3 tools/readme_table.py --check   exit 1 when README.md says something the JSON does not
+
+The README quotes measurements; this keeps them the JSON's, never typed by hand.
+"""
+import argparse
+import json
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKLOADS = ["qwen35-a3b", "dsv3"]
+TABLE_HEADER = "| workload | 1 token |"
+
+
+def load(workload):
+    path = ROOT / "bench" / "results" / f"{workload}-fp8_block.json"
+    records = sorted(json.loads(path.read_text()), key=lambda r: r["tokens"])
+    if not records:
+        sys.exit(f"{path}: no records")
+    return records
+
+
+def us(value):
+    return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+
+
+def table(results):
+    tokens = [r["tokens"] for r in results[WORKLOADS[0]]]
+    for w in WORKLOADS[1:]:
+        if [r["tokens"] for r in results[w]] != tokens:
+            sys.exit(f"{w}: token buckets differ from {WORKLOADS[0]}'s")
+    lines = [TABLE_HEADER + " " + " | ".join(str(t) for t in tokens[1:]) + " |",
+             "|" + "---|" * (len(tokens) + 1)]
+    for w in WORKLOADS:
+        rows = results[w]
+        lines.append(f"| {w} µs (× floor) | " +
+                     " | ".join(f"{us(r['median_us'])} ({r['median_us'] / r['floor_us']:.2f})" for r in rows) + " |")
+        lines.append(f"| {w} baseline µs | " + " | ".join(us(r["baseline_us"]) for r in rows) + " |")
+    return lines
+
+
+def rewrite(text, results):
+    lines = text.split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith(TABLE_HEADER)), None)
+    if start is None:
+        sys.exit("README.md: no benchmark table (a line starting with '| workload | 1 token |')")
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    lines[start:end] = table(results)
+    text = "\n".join(lines)
+
+    records = [r for w in WORKLOADS for r in results[w]]
+    hbm = max(r["hbm_read_bytes_per_s"] for r in records) / 1e12
+    dense = [r["dense_flops_per_s"] / 1e12 for r in records]
+    largest = results["dsv3"][-1]
+    useful = largest["useful_flops"] / largest["median_us"] / 1e6
+    share = useful / (largest["dense_flops_per_s"] / 1e12) * 100
+    substitutions = [
+        (r"HBM bandwidth \([0-9.]+ TB/s\)", f"HBM bandwidth ({hbm:.2f} TB/s)"),
+        (r"8192³: [0-9]+-[0-9]+ TFLOP/s", f"8192³: {min(dense):.0f}-{max(dense):.0f} TFLOP/s"),
+        (r"dsv3 at [0-9]+ tokens reaches [0-9]+ TFLOP/s of useful FP8 work, [0-9]+% of the dense rate",
+         f"dsv3 at {largest['tokens']} tokens reaches {useful:.0f} TFLOP/s of useful FP8 work, {share:.0f}% of the "
+         "dense rate"),
+    ]
+    for pattern, replacement in substitutions:
+        text, count = re.subn(pattern, replacement, text)
+        if count != 1:
+            sys.exit(f"README.md: expected one match of /{pattern}/, found {count}")
+    return text
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true")
+    mode.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    wanted = rewrite(text, {w: load(w) for w in WORKLOADS})
+    if args.write:
+        readme.write_text(wanted)
+        print("README.md: benchmark table written from bench/results")
+        return 0
+    if wanted != text:
+        old, new = text.split("\n"), wanted.split("\n")
+        for i, (a, b) in enumerate(zip(old, new)):
+            if a != b:
+                print(f"README.md:{i + 1}: says\n  {a}\nbut bench/results gives\n  {b}")
+        print("run: python3 tools/readme_table.py --write")
+        return 1
+    print("README.md: benchmark table matches bench/results")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
