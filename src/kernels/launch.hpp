@@ -12,17 +12,18 @@
 
 namespace megamoe::kernels {
 
-// Lets `kernel` take `bytes` of dynamic shared memory (beyond the 48 KB default) on the current
+// Lets kKernel take `bytes` of dynamic shared memory (beyond the 48 KB default) on the current
 // device. The attribute belongs to each device's context, so a process that runs layers on
-// several GPUs needs it set on every one: `configured_devices` (one per kernel) remembers the
-// devices done, one bit per ordinal; ordinals past 63 set it on every call.
-template <class... Params>
-void allow_dynamic_smem(void (*kernel)(Params...), int bytes, std::atomic<uint64_t>& configured_devices) {
+// several GPUs needs it set on every one: each kernel keeps one bit per device ordinal it has set
+// it on (ordinals past 63 set it on every call).
+template <auto kKernel>
+void allow_dynamic_smem(int bytes) {
+  static std::atomic<uint64_t> configured_devices{0};
   int device = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if (bit != 0 && (configured_devices.load(std::memory_order_acquire) & bit) != 0) return;
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   configured_devices.fetch_or(bit, std::memory_order_release);
 }
 

@@ -83,9 +83,8 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
   p.fc1_tiles_done = w.at<uint32_t>(f.workspace, w.fc1_tiles_done);
   p.fc1_channel_blocks = channel_blocks(2 * f.intermediate);
 
-  auto* kernel = &sm90_grouped_gemm_swapab_kernel<Config, Params>;
-  static std::atomic<uint64_t> smem_configured{0};  // one instantiation, one flag
-  allow_dynamic_smem(kernel, Config::kSmemBytes, smem_configured);
+  constexpr auto kernel = &sm90_grouped_gemm_swapab_kernel<Config, Params>;
+  allow_dynamic_smem<kernel>(Config::kSmemBytes);
   launch_overlapping_previous(kernel, f.grid, Config::kThreads, Config::kSmemBytes, stream,
                               "sm90_grouped_gemm_swapab_kernel", p);
 }
@@ -149,9 +148,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   routing.hidden = f.hidden;
   routing.gemm = GemmTileCounters{w.at<uint32_t>(ws, w.gemm_tiles_claimed), w.at<uint32_t>(ws, w.fc1_tiles_done)};
   // For the most experts the router takes, once per device.
-  static std::atomic<uint64_t> router_smem_configured{0};
-  allow_dynamic_smem(route_and_count_kernel, static_cast<int>(router_smem_bytes(kMaxRoutingExperts)),
-                     router_smem_configured);
+  allow_dynamic_smem<route_and_count_kernel>(static_cast<int>(router_smem_bytes(kMaxRoutingExperts)));
   launch_overlapping_previous(route_and_count_kernel, blocks_for(T, kRouterWarps), kRouterThreads,
                               router_smem_bytes(f.num_experts), stream, "route_and_count_kernel", routing);
 
