@@ -31,6 +31,8 @@ def us(value):
 
 def table(results):
     tokens = [r["tokens"] for r in results[WORKLOADS[0]]]
+    if tokens[0] != 1:
+        sys.exit(f"{WORKLOADS[0]}: the table's first column is one token; the JSON starts at {tokens[0]}")
     for w in WORKLOADS[1:]:
         if [r["tokens"] for r in results[w]] != tokens:
             sys.exit(f"{w}: token buckets differ from {WORKLOADS[0]}'s")
