@@ -64,7 +64,8 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
   p.pool_rows = pool_rows;
   // Channel blocks of a GEMM whose weights have `rows` output rows (FC1: 2I, FC2: H).
   auto channel_blocks = [](int rows) { return (rows + Config::kBlockM - 1) / Config::kBlockM; };
-  p.scheduler = GroupedTileScheduler{w.at<int32_t>(f.workspace, w.token_tile_prefix),
+  p.scheduler = GroupedTileScheduler{w.at<int32_t>(f.workspace, w.token_tile_expert),
+                                     w.at<int32_t>(f.workspace, w.token_tile_prefix),
                                      w.at<int32_t>(f.workspace, w.expert_offsets),
                                      w.at<int32_t>(f.workspace, w.expert_rows),
                                      f.num_experts,
@@ -140,6 +141,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   routing.token_tile_rows = f.token_tile;
   routing.expert_offsets = w.at<int32_t>(ws, w.expert_offsets);
   routing.token_tile_prefix = w.at<int32_t>(ws, w.token_tile_prefix);
+  routing.token_tile_expert = w.at<int32_t>(ws, w.token_tile_expert);
   routing.routed_ids = w.at<int32_t>(ws, w.routed_ids);
   routing.routed_weights = w.at<float>(ws, w.routed_weights);
   routing.slot_rank = w.at<int32_t>(ws, w.slot_rank);

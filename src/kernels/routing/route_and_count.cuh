@@ -50,6 +50,7 @@ struct RoutingParams {
   int token_tile_rows;        // each expert's segment is padded to this many rows
   int32_t* expert_offsets;    // [E+1] out: first pool row of each expert
   int32_t* token_tile_prefix; // [E+1] out: token tiles of the experts before each expert
+  int32_t* token_tile_expert; // [T*k] out: the expert of each token tile (its first entries)
   int32_t* routed_ids;        // [T, k] out; -1 = unused
   float* routed_weights;      // [T, k] out
   int32_t* slot_rank;         // [T, k] out
@@ -300,14 +301,14 @@ __global__ void __launch_bounds__(kRouterThreads, 1) route_and_count_kernel(Rout
   if (one_block) {
     __syncthreads();
     scan_expert_segments<kRouterThreads, true>(block_counts, p.num_experts, p.token_tile_rows, p.expert_rows,
-                                               p.expert_offsets, p.token_tile_prefix, p.gemm);
+                                               p.expert_offsets, p.token_tile_prefix, p.token_tile_expert, p.gemm);
     return;
   }
 
   // The last block to finish scans the counts: one launch fewer than a scan kernel of its own.
   if (!last_block_to_finish(p.blocks_done)) return;
   scan_expert_segments<kRouterThreads>(p.expert_counts, p.num_experts, p.token_tile_rows, p.expert_rows,
-                                       p.expert_offsets, p.token_tile_prefix, p.gemm);
+                                       p.expert_offsets, p.token_tile_prefix, p.token_tile_expert, p.gemm);
 }
 
 }  // namespace megamoe::kernels

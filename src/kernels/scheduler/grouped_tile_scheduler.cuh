@@ -16,6 +16,7 @@
 namespace megamoe::kernels {
 
 struct GroupedTileScheduler {
+  const int32_t* token_tile_expert;  // [token tiles]: the expert of each (mark_expert_token_tiles)
   const int32_t* token_tile_prefix;  // [E+1]
   const int32_t* expert_offsets;     // [E+1]
   const int32_t* expert_rows;        // [E]
@@ -24,10 +25,10 @@ struct GroupedTileScheduler {
   int token_tile_rows;
   uint32_t* tiles_claimed;           // [1] tiles claimed past the first wave; zeroed by the routing scan
 
-  // One warp starts every line of the per-expert arrays into this SM's L1 at once, so that the
-  // binary search of tile() reads L1 instead of paying a chain of dependent L2 round trips (the
-  // only tile of a tiny batch waits for that chain before its first TMA load). Lane l touches
-  // element 32 l of each array: one element per 128-byte line, and lane 0 also the last one.
+  // One warp starts every line of the per-expert arrays into this SM's L1 at once, so that tile()
+  // reads its expert's entries from L1 (the only tile of a tiny batch waits for them before its
+  // first TMA load). Lane l touches element 32 l of each array: one element per 128-byte line, and
+  // lane 0 also the last one.
   __device__ __forceinline__ void prefetch_to_l1(int lane) const {
     auto touch = [lane](const int32_t* array, int count) {
       constexpr int kIntsPerLine = 32;
@@ -48,7 +49,7 @@ struct GroupedTileScheduler {
   }
 
   __device__ __forceinline__ GroupedTile tile(int linear) const {
-    return number_tile(linear, token_tile_prefix, expert_offsets, expert_rows, num_experts, channel_blocks,
+    return number_tile(linear, token_tile_expert, token_tile_prefix, expert_offsets, expert_rows, channel_blocks,
                        token_tile_rows);
   }
 };
@@ -60,7 +61,7 @@ struct GemmTileCounters {
   uint32_t* fc1_tiles_done;  // [E+1]: FC1 tiles stored per expert, then in all (pipeline/fc1_handoff.cuh)
 };
 
-// Padded segment offsets and token-tile prefix of every expert from the routing counters, by one
+// Padded segment offsets, token-tile prefix and token tiles' experts from the routing counters, by one
 // whole block (every thread must call it) once every counter is final (segments as
 // expert_segment() pads them). It moves the counters to expert_rows and leaves them
 // zero, so each forward (and each graph replay, whole or cut short) starts from zero without a
@@ -69,7 +70,8 @@ struct GemmTileCounters {
 template <int kThreads, bool kSharedCounts = false>
 __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int num_experts, int token_tile_rows,
                                                      int32_t* expert_rows, int32_t* expert_offsets,
-                                                     int32_t* token_tile_prefix, const GemmTileCounters& gemm) {
+                                                     int32_t* token_tile_prefix, int32_t* token_tile_expert,
+                                                     const GemmTileCounters& gemm) {
   __shared__ int2 sums[kThreads];  // (tiles, padded rows)
   int2 carry = make_int2(0, 0);
   for (int base = 0; base < num_experts; base += kThreads) {
@@ -94,8 +96,10 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
       __syncthreads();
     }
     if (e < num_experts) {
-      token_tile_prefix[e] = carry.x + sums[threadIdx.x].x - mine.x;
+      const int first_token_tile = carry.x + sums[threadIdx.x].x - mine.x;
+      token_tile_prefix[e] = first_token_tile;
       expert_offsets[e] = carry.y + sums[threadIdx.x].y - mine.y;
+      mark_expert_token_tiles(e, first_token_tile, segment.token_tiles, token_tile_expert);
     }
     carry.x += sums[kThreads - 1].x;
     carry.y += sums[kThreads - 1].y;

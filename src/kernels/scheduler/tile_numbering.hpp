@@ -44,19 +44,25 @@ MEGAMOE_HOST_DEVICE constexpr int tile_subtiles(const GroupedTile& tile, int tok
   return subtile_rows < token_tile_rows && tile.valid_rows <= subtile_rows ? 1 : token_tile_rows / subtile_rows;
 }
 
+// The expert of every token tile, in token_tile_prefix's numbering (token tiles of the experts
+// before each expert): the routing scan writes it, one expert's run per thread, so that finding a
+// tile's expert is one load instead of a binary search over the prefix (a chain of ~log2(E)
+// dependent loads, microseconds when the tables are not yet in L1). There are at most as many
+// token tiles as routed rows, since each tile holds at least one.
+MEGAMOE_HOST_DEVICE inline void mark_expert_token_tiles(int expert, int first_token_tile, int token_tiles,
+                                                        int32_t* token_tile_expert) {
+  for (int t = 0; t < token_tiles; ++t) token_tile_expert[first_token_tile + t] = expert;
+}
+
 // The tile with linear index `linear` (0 <= linear < token_tile_prefix[E] * channel_blocks), from
-// the exclusive prefix sums of the experts' segments (token tiles and rows) and their routed rows.
-MEGAMOE_HOST_DEVICE MEGAMOE_FORCEINLINE GroupedTile number_tile(int linear, const int32_t* token_tile_prefix,
-                                                   const int32_t* expert_offsets, const int32_t* expert_rows,
-                                                   int num_experts, int channel_blocks, int token_tile_rows) {
-  // Last expert whose first tile is <= linear (binary search over the prefix of tiles).
-  int lo = 0, hi = num_experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (token_tile_prefix[mid] * channel_blocks <= linear) lo = mid;
-    else hi = mid - 1;
-  }
-  const int expert = lo;
+// the experts' token tiles, the exclusive prefix sums of their segments (token tiles and rows) and
+// their routed rows. Tiles are numbered expert by expert, so linear / channel_blocks is the
+// token tile whose expert owns the tile: expert e's tiles are [prefix[e] * channel_blocks,
+// prefix[e + 1] * channel_blocks).
+MEGAMOE_HOST_DEVICE MEGAMOE_FORCEINLINE GroupedTile number_tile(int linear, const int32_t* token_tile_expert,
+                                                   const int32_t* token_tile_prefix, const int32_t* expert_offsets,
+                                                   const int32_t* expert_rows, int channel_blocks, int token_tile_rows) {
+  const int expert = token_tile_expert[linear / channel_blocks];
   const int first = token_tile_prefix[expert] * channel_blocks;
   const int tiles_of_expert = token_tile_prefix[expert + 1] - token_tile_prefix[expert];
   const int local = linear - first;

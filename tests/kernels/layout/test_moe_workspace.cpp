@@ -35,6 +35,7 @@ TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
         {l.expert_rows, 4 * 256},
         {l.expert_offsets, 4 * 257},
         {l.token_tile_prefix, 4 * 257},
+        {l.token_tile_expert, 4 * slots},
         {l.gemm_tiles_claimed, 8},
         {l.fc1_tiles_done, 4 * 257},
         {l.routed_ids, 4 * slots},

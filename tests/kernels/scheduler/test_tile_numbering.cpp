@@ -16,12 +16,13 @@
 namespace megamoe::kernels {
 namespace {
 
-// The exclusive prefix sums the routing scan writes (scan_expert_segments), built from the same
-// expert_segment().
+// What the routing scan writes (scan_expert_segments), built from the same expert_segment() and
+// mark_expert_token_tiles().
 struct Segments {
   std::vector<int32_t> rows;               // routed rows per expert
   std::vector<int32_t> token_tile_prefix;  // [E+1]
   std::vector<int32_t> offsets;            // [E+1]
+  std::vector<int32_t> token_tile_expert;  // [token tiles]
 };
 
 Segments segments_for(const std::vector<int32_t>& rows, int token_tile_rows) {
@@ -33,6 +34,12 @@ Segments segments_for(const std::vector<int32_t>& rows, int token_tile_rows) {
     const ExpertSegment segment = expert_segment(rows[e], token_tile_rows);
     s.token_tile_prefix[e + 1] = s.token_tile_prefix[e] + segment.token_tiles;
     s.offsets[e + 1] = s.offsets[e] + segment.rows;
+  }
+  // Filled from a poisoned start: every entry the numbering reads must have been written.
+  s.token_tile_expert.assign(s.token_tile_prefix.back(), -1);
+  for (size_t e = 0; e < rows.size(); ++e) {
+    mark_expert_token_tiles(static_cast<int>(e), s.token_tile_prefix[e], s.token_tile_prefix[e + 1] - s.token_tile_prefix[e],
+                            s.token_tile_expert.data());
   }
   return s;
 }
@@ -48,8 +55,8 @@ void expect_numbering_covers_every_row(const std::vector<int32_t>& rows, int tok
   std::map<std::pair<int, int>, std::vector<int>> covered;  // (expert, channel block) -> rows seen
   GroupedTile previous{-1, 0, 0, 0, 0, 0};
   for (int linear = 0; linear < num_tiles; ++linear) {
-    const GroupedTile t = number_tile(linear, s.token_tile_prefix.data(), s.offsets.data(), s.rows.data(), E,
-                                      channel_blocks, token_tile_rows);
+    const GroupedTile t = number_tile(linear, s.token_tile_expert.data(), s.token_tile_prefix.data(), s.offsets.data(),
+                                      s.rows.data(), channel_blocks, token_tile_rows);
     ASSERT_GE(t.expert, 0);
     ASSERT_LT(t.expert, E);
     ASSERT_GT(rows[t.expert], 0) << "a tile of an expert with no rows";
@@ -136,6 +143,8 @@ TEST(TileNumbering, SegmentsFitTheWorkspacePool) {
       }
       const Segments s = segments_for(rows, token_tile_rows);
       EXPECT_LE(static_cast<size_t>(s.offsets[E]), pool) << "token tile " << token_tile_rows << ", trial " << trial;
+      // The token tiles' experts fit the workspace's T x k entries: a tile holds a routed row.
+      EXPECT_LE(s.token_tile_prefix[E], tokens * k) << "token tile " << token_tile_rows << ", trial " << trial;
     }
   }
 }
