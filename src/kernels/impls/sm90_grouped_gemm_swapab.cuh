@@ -9,6 +9,8 @@
 //   warpgroup 0, warp 1     token producer (lane 0): TMA loads of the token tile (one or two
 //                           32-row subtiles at 64-token tiles: an expert's short last tile takes
 //                           one) and (fp8) the tokens' per-128 scales into the same stages
+//                           (FC1 with kCopiesTokenRows: the whole warp copies the tile's rows
+//                           of x's quantized copy with cp.async, permute/stage_row_copy.cuh)
 //   warpgroup 0, warp 2     (fp8) weight-scale producer (lane 0): cp.async of the weight tile's two
 //                           block scales into the same stages
 //   warpgroups 1..          consumers: wgmma mainloop with per-K-block FP8 scale promotion, then
@@ -37,6 +39,7 @@
 #include "kernels/layout/gemm_smem.hpp"
 #include "kernels/layout/weight_layout.hpp"
 #include "kernels/pipeline/fc1_handoff.cuh"
+#include "kernels/permute/stage_row_copy.cuh"
 #include "kernels/pipeline/pipeline_state.cuh"
 #include "kernels/ptx/cp_async.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
@@ -58,11 +61,15 @@ static_assert(128 * kProducerRegisters + 128 * layout::kGemmMathWarpgroups * kCo
                   kLaunchRegisters * kGemmThreads,
               "the math warpgroups would wait forever for registers the producer never released");
 
-template <class Element_, int kTokenTile, GemmOp kOp>
+// kCopiesRows: the token role is a whole warp copying the tile's rows of x's quantized copy
+// (permute/stage_row_copy.cuh) instead of one lane's TMA loads of the gathered pool (FC1, fp8).
+template <class Element_, int kTokenTile, GemmOp kOp, bool kCopiesRows = false>
 struct GroupedGemmConfig {
   using Element = Element_;
   static constexpr bool kFp8 = std::is_same_v<Element, cutlass::float_e4m3_t>;
   static constexpr GemmOp kGemmOp = kOp;
+  static constexpr bool kCopiesTokenRows = kCopiesRows;
+  static_assert(!kCopiesRows || (kFp8 && kOp == GemmOp::fc1_swiglu), "rows are copied from x's fp8 copy, by FC1");
   // FC1 waits for the gather's whole grid; FC2 per expert for FC1's tiles (pipeline/fc1_handoff.cuh).
   static constexpr bool kWaitsForFc1 = kOp != GemmOp::fc1_swiglu;
   static constexpr int kBlockM = layout::kGemmChannelTile;
@@ -86,7 +93,9 @@ struct GroupedGemmConfig {
   // made when the scale producer's cp.async of the weight scales lands, and the token producer's
   // arrival after it issued the token loads: that last one comes after its acquire of FC1's tiles
   // (FC2), so the math warps' wait orders their own reads of the routing tables after it as well.
-  static constexpr uint32_t kFullArrivals = kFp8 ? 3 : 2;
+  // A row-copying token role arrives once per lane (its cp.async completions).
+  static constexpr uint32_t kTokenArrivals = kCopiesRows ? 32 : 1;
+  static constexpr uint32_t kFullArrivals = (kFp8 ? 2 : 1) + kTokenArrivals;
   // Tiles the weight producer may have started ahead of the token producer: with fewer K blocks
   // than stages (FC2 at small I) a stage ring holds parts of up to kStages / k_blocks + 1 tiles.
   static constexpr int kTileQueue = 4;
@@ -118,7 +127,7 @@ struct GroupedGemmConfig {
   __device__ __forceinline__ static uint32_t stage_tx_bytes(int subtiles) {
     constexpr int kWeightBytes = kBlockM * kBlockK * sizeof(Element);
     constexpr int kSubtileBytes = kTokenSubtile * kBlockK * sizeof(Element) + (kFp8 ? kTokenSubtile * sizeof(float) : 0);
-    return static_cast<uint32_t>(kWeightBytes + subtiles * kSubtileBytes);
+    return static_cast<uint32_t>(kWeightBytes + (kCopiesRows ? 0 : subtiles * kSubtileBytes));
   }
 
   struct SharedStorage {
@@ -193,6 +202,7 @@ struct GroupedGemmParams {
   int top_k;
   uint32_t* fc1_tiles_done;      // [E+1]: fc1 adds one per stored tile (its expert's, all); fc2 waits
   int fc1_channel_blocks;        // fc1 tiles per token tile of an expert
+  QuantizedTokenRows token_rows; // fc1 with a row-copying token role: what it copies
 };
 
 
@@ -245,7 +255,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // The weight producer claims the tiles and hands them to the others through a queue.
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     const int warp = threadIdx.x / 32;
-    if (warp > Config::kTileFollowers || threadIdx.x % 32 != 0) return;
+    constexpr int kTokenWarp = 1;
+    const bool whole_warp = Config::kCopiesTokenRows && warp == kTokenWarp;
+    if (warp > Config::kTileFollowers || (threadIdx.x % 32 != 0 && !whole_warp)) return;
     using QueueState = pipeline::PipelineState<Config::kTileQueue>;
     // A follower's next tile from the weight producer (expert -1: none left).
     auto take_tile = [&](QueueState& queue) {
@@ -355,6 +367,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
 
     // -------------------------------------------------------------- token producer
+    if constexpr (Config::kCopiesTokenRows) {
+      ptx::wait_for_prerequisite_grids();  // x's quantized copy and the pool slots are the gather's
+      QueueState queue;
+      StageRowCopy<Config>::run(p.token_rows, reinterpret_cast<uint8_t*>(smem.b.begin()), smem.token_scales, smem.full,
+                                smem.empty, k_blocks, [&] { return take_tile(queue); });
+      return;
+    }
     // Token blocks travel in subtiles: view index stage * kSubtiles + subtile.
     using Subtiles = GemmTileColumns<Config, Config::kTokenSubtile>;
     Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Subtiles::SmemLayoutB{});  // (BS, BK, S x subtiles)
@@ -498,6 +517,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     clear(acc);
     for (int kb = 0; kb < k_blocks; ++kb) {
       if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);  // K block 0's: before the tile
+      // Copied rows came through the generic proxy; the wgmma reads through the async one.
+      if constexpr (Config::kCopiesTokenRows) ptx::fence_proxy_async_shared();
       if constexpr (Config::kFp8) {
         BlockScales scales;
         read_block_scales(state.stage, scales);
@@ -526,18 +547,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   // The first stage of each tile names it. Lane 0, which hands stages back, reads the tag for its
   // warp (as with the weight scale above, its own arrival then orders the read before any rewrite).
-  static_assert(sizeof(GroupedTile) % sizeof(int) == 0 && std::is_trivially_copyable_v<GroupedTile>,
-                "the tile tag travels as ints");
-  auto stage_tile = [&](int stage) {
-    constexpr int kWords = sizeof(GroupedTile) / sizeof(int);
-    const int* tag = reinterpret_cast<const int*>(&smem.stage_tile[stage]);
-    int words[kWords];
-    CUTE_UNROLL
-    for (int i = 0; i < kWords; ++i) words[i] = __shfl_sync(0xffffffffu, lane == 0 ? tag[i] : 0, 0);
-    GroupedTile tile;
-    memcpy(&tile, words, sizeof tile);
-    return tile;
-  };
+  auto stage_tile = [&](int stage) { return broadcast_from_lane0(lane == 0 ? smem.stage_tile[stage] : GroupedTile{}); };
   using WholeTile = GemmTileColumns<Config, Config::kBlockN>;
   using ShortTile = GemmTileColumns<Config, Config::kTokenSubtile>;
   ptx::wait_parity(&smem.full[state.stage], state.phase);

@@ -83,6 +83,10 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
   p.top_k = f.top_k;
   p.fc1_tiles_done = w.at<uint32_t>(f.workspace, w.fc1_tiles_done);
   p.fc1_channel_blocks = channel_blocks(2 * f.intermediate);
+  if constexpr (Config::kCopiesTokenRows) {
+    p.token_rows = QuantizedTokenRows{static_cast<const uint8_t*>(g.pool), g.token_scales, pool_rows, p.pool_slot,
+                                      f.top_k, g.k};
+  }
 
   constexpr auto kernel = &sm90_grouped_gemm_swapab_kernel<Config, Params>;
   allow_dynamic_smem<kernel>(Config::kSmemBytes);
@@ -90,22 +94,23 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
                               "sm90_grouped_gemm_swapab_kernel", p);
 }
 
-template <class Element, GemmOp kOp>
+template <class Element, GemmOp kOp, bool kCopiesRows>
 void dispatch_token_tile(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t stream) {
   switch (f.token_tile) {
-    case 16: return launch_gemm<GroupedGemmConfig<Element, 16, kOp>>(f, g, stream);
-    case 32: return launch_gemm<GroupedGemmConfig<Element, 32, kOp>>(f, g, stream);
-    case 64: return launch_gemm<GroupedGemmConfig<Element, 64, kOp>>(f, g, stream);
+    case 16: return launch_gemm<GroupedGemmConfig<Element, 16, kOp, kCopiesRows>>(f, g, stream);
+    case 32: return launch_gemm<GroupedGemmConfig<Element, 32, kOp, kCopiesRows>>(f, g, stream);
+    case 64: return launch_gemm<GroupedGemmConfig<Element, 64, kOp, kCopiesRows>>(f, g, stream);
     default: throw Error(ErrorCode::unsupported, "token tile must be 16, 32 or 64");
   }
 }
 
 template <GemmOp kOp>
 void dispatch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t stream) {
+  // fp8 FC1 copies its rows from x's quantized copy (the gather's rows_by_token).
   if (f.fp8) {
-    dispatch_token_tile<cutlass::float_e4m3_t, kOp>(f, g, stream);
+    dispatch_token_tile<cutlass::float_e4m3_t, kOp, kOp == GemmOp::fc1_swiglu>(f, g, stream);
   } else {
-    dispatch_token_tile<cutlass::bfloat16_t, kOp>(f, g, stream);
+    dispatch_token_tile<cutlass::bfloat16_t, kOp, false>(f, g, stream);
   }
 }
 
@@ -166,6 +171,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   gather.slot_rank = routing.slot_rank;
   gather.expert_offsets = routing.expert_offsets;
   gather.pool_slot = w.at<int32_t>(ws, w.pool_slot);
+  gather.rows_by_token = f.fp8;  // FC1 copies its rows (see dispatch_gemm)
   gather.activations = w.at<void>(ws, w.activations);
   gather.activation_scales = w.at<float>(ws, w.activation_scales);
   launch_overlapping_previous(f.fp8 ? gather_quantize_kernel<true> : gather_quantize_kernel<false>,

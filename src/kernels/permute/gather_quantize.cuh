@@ -1,6 +1,8 @@
 // Permute role: one block per token copies its activation row into the pool row of each of its
 // routed slots (expert-contiguous order), quantizing to E4M3 per 128 channels on the way in
-// fp8_block mode. The token is read and quantized once, whatever k is.
+// fp8_block mode. The token is read and quantized once, whatever k is. With rows_by_token (fp8),
+// the quantized row is written once, at row `token`, and only the pool slot table is per slot:
+// FC1 copies its tiles' rows from there (permute/stage_row_copy.cuh).
 //
 // A block per token, so that a small batch's rows are read by 256 threads at once (one warp per
 // token took 12 us for one token on an H200, this takes 1.5-2); one rolled loop of one 8-channel
@@ -33,6 +35,7 @@ struct GatherParams {
   const int32_t* slot_rank;      // [T, k]
   const int32_t* expert_offsets; // [E+1]
   int32_t* pool_slot;            // [pool_rows]
+  bool rows_by_token;            // fp8: activations row = token (one per token), not one per slot
   void* activations;             // [pool_rows, H] bf16 or e4m3
   float* activation_scales;      // [H/128, pool_rows] (fp8)
 };
@@ -41,7 +44,7 @@ struct GatherParams {
 // Called by whole warps; out-of-range lanes (in_range false) take part in the shuffles only.
 template <bool kFp8>
 __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, int chunk, bool in_range,
-                                            const int32_t* slot_rows) {
+                                            const int32_t* slot_rows, int num_rows) {
   constexpr int kLanesPerBlock = 128 / kGatherChunkElements;
   if constexpr (kFp8) {
     const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
@@ -62,14 +65,14 @@ __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, in
 #pragma unroll
     for (int i = 0; i < kGatherChunkElements / 2; ++i) pairs[i] = encode_e4m3x2(f[2 * i] * s.factor, f[2 * i + 1] * s.factor);
     const int block = chunk / kLanesPerBlock;
-    for (int j = 0; j < p.top_k; ++j) {
+    for (int j = 0; j < num_rows; ++j) {
       const int row = slot_rows[j];
       if (row < 0 || !in_range) continue;
       reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.activations) + static_cast<size_t>(row) * p.hidden)[chunk] = packed;
       if (chunk % kLanesPerBlock == 0) p.activation_scales[static_cast<size_t>(block) * p.pool_rows + row] = s.scale;
     }
   } else {
-    for (int j = 0; j < p.top_k; ++j) {
+    for (int j = 0; j < num_rows; ++j) {
       const int row = slot_rows[j];
       if (row < 0 || !in_range) continue;
       reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.activations) + static_cast<size_t>(row) * p.hidden)[chunk] = raw;
@@ -102,15 +105,16 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(GatherP
       row = p.expert_offsets[expert] + p.slot_rank[slot];
       p.pool_slot[row] = static_cast<int32_t>(slot);
     }
-    slot_rows[threadIdx.x] = row;
+    slot_rows[threadIdx.x] = p.rows_by_token ? token : row;
   }
   __syncthreads();
+  const int num_rows = p.rows_by_token ? 1 : p.top_k;
 
   // Block-uniform trip count, so every lane reaches the shuffles of each chunk.
   for (int first = 0; first < chunks; first += kGatherThreads) {
     const int next = chunk + kGatherThreads;
     const uint4 next_raw = next < chunks ? source[next] : zero;
-    write_chunk<kFp8>(p, raw, chunk, chunk < chunks, slot_rows);
+    write_chunk<kFp8>(p, raw, chunk, chunk < chunks, slot_rows, num_rows);
     chunk = next;
     raw = next_raw;
   }

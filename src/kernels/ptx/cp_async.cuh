@@ -13,6 +13,21 @@ __device__ __forceinline__ void cp_async_4(void* smem_destination, const void* g
                : "memory");
 }
 
+// 16 bytes past L1 (cp.async.cg), or 16 zero bytes where `fill` is false (source size 0: nothing
+// is read, so `global_source` need only be some valid address).
+__device__ __forceinline__ void cp_async_16_or_zero(void* smem_destination, const void* global_source, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(smem_destination)),
+               "l"(global_source), "r"(fill ? 16 : 0)
+               : "memory");
+}
+
+// 4 bytes, or 4 zero bytes where `fill` is false.
+__device__ __forceinline__ void cp_async_4_or_zero(void* smem_destination, const void* global_source, bool fill) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_address(smem_destination)),
+               "l"(global_source), "r"(fill ? 4 : 0)
+               : "memory");
+}
+
 // One arrival on the current phase of `barrier`, made when every cp.async this thread issued so far
 // has landed. The arrival is one of those the barrier was initialized to expect (.noinc): a
 // barrier that also waits for TMA bytes counts it next to the arrive.expect_tx.

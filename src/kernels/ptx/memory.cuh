@@ -31,6 +31,10 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* address) {
 // one on each side of the release/acquire that hands it over.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
+// The same for shared memory: bytes cp.async (generic proxy) put into a stage, made visible to the
+// wgmma (async proxy) that reads them after the stage's barrier.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // An L2 eviction policy (PTX "createpolicy") for the accesses that take one: their lines go first
 // when L2 evicts.
 __device__ __forceinline__ uint64_t l2_policy_evict_first() {

@@ -8,12 +8,29 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/memory.cuh"
 #include "kernels/scheduler/tile_numbering.hpp"
 
 namespace megamoe::kernels {
+
+// Lane 0's tile in every lane (called by the whole warp): the tile tags and queue entries are read
+// by one lane, whose own arrival then orders the read before any rewrite.
+__device__ __forceinline__ GroupedTile broadcast_from_lane0(const GroupedTile& tile) {
+  static_assert(sizeof(GroupedTile) % sizeof(int) == 0 && std::is_trivially_copyable_v<GroupedTile>,
+                "a tile travels as ints");
+  constexpr int kWords = sizeof(GroupedTile) / sizeof(int);
+  int words[kWords];
+  memcpy(words, &tile, sizeof tile);
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) words[i] = __shfl_sync(0xffffffffu, words[i], 0);
+  GroupedTile out;
+  memcpy(&out, words, sizeof out);
+  return out;
+}
 
 struct GroupedTileScheduler {
   const int32_t* token_tile_expert;  // [token tiles]: the expert of each (mark_expert_token_tiles)
