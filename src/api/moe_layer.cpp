@@ -132,6 +132,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   f.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
   const int planned_rows = inputs.expected_valid_tokens > 0 ? inputs.expected_valid_tokens : inputs.num_tokens;
   f.token_tile = plan::choose_token_tile(spec_, std::max(planned_rows, 1));
+  f.fc1_copies_token_rows = plan::fc1_copies_token_rows(spec_, std::max(planned_rows, 1));
   if (f.token_tile > impl_->workspace_layout.row_padding) {
     throw Error(ErrorCode::unsupported, "internal: token tile " + std::to_string(f.token_tile) +
                                             " exceeds the workspace padding " +

@@ -101,6 +101,11 @@ int choose_token_tile(const MoeSpec& spec, int tokens) {
   return token_tile_for_rows(expected_rows_per_expert(spec, tokens));
 }
 
+bool fc1_copies_token_rows(const MoeSpec& spec, int tokens) {
+  const double rows_per_expert = static_cast<double>(tokens) * spec.top_k / expected_touched_experts(spec, tokens);
+  return spec.precision == Precision::fp8_block && rows_per_expert <= kMaxRowsPerExpertForRowCopy;
+}
+
 DeviceFacts DeviceFacts::h200_measured() {
   DeviceFacts f;
   f.name = "NVIDIA H200 (figures measured 2026-11-29)";

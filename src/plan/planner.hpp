@@ -44,6 +44,15 @@ struct MoePlan {
 // touched expert under uniform routing, rounded up to 16, 32 or 64.
 int choose_token_tile(const MoeSpec& spec, int tokens);
 
+// Whether fp8 FC1 copies its token rows from the gather's one quantized row per token
+// (kernels/permute/stage_row_copy.cuh) instead of loading a pool of k copies per token: where the
+// expected rows per touched expert stay within kMaxRowsPerExpertForRowCopy. The copying warp
+// pays per row: at 1024 qwen35-a3b tokens (~32 rows per expert) the layer gained 17 us, at 8192
+// (~256, full 64-row tiles) FC1 lost 50% (bench/NOTES.md, seventeenth session, run 5); between
+// 32 and 64 rows is not measured, so 2048 tokens (~64) keeps the pool.
+inline constexpr double kMaxRowsPerExpertForRowCopy = 40;
+bool fc1_copies_token_rows(const MoeSpec& spec, int tokens);
+
 // Chooses configs for `tokens` and sizes the workspace for up to `max_tokens`
 // (1 <= tokens <= max_tokens). Throws megamoe::Error when the device cannot host any config.
 MoePlan plan_moe(const MoeSpec& spec, int tokens, int max_tokens, const DeviceFacts& facts);

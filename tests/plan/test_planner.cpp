@@ -58,6 +58,15 @@ TEST(Planner, LargeBatchesTakeTheWidestTokenTile) {
   EXPECT_EQ(plan.fc1.expected_tiles, 256 * (2 * 2048 / 256) * (256 / 64));
 }
 
+// FC1 copies its token rows only where experts get few rows, where it was measured to win.
+TEST(Planner, Fc1CopiesTokenRowsOnlyForFewRowsPerExpert) {
+  const MoeSpec fp8 = workload("qwen35-a3b", Precision::fp8_block);
+  for (int tokens : {1, 16, 128, 1024}) EXPECT_TRUE(fc1_copies_token_rows(fp8, tokens)) << tokens << " tokens";
+  for (int tokens : {2048, 8192}) EXPECT_FALSE(fc1_copies_token_rows(fp8, tokens)) << tokens << " tokens";
+  EXPECT_FALSE(fc1_copies_token_rows(workload("qwen35-a3b", Precision::bf16), 1)) << "rows are copied from fp8 only";
+  EXPECT_FALSE(fc1_copies_token_rows(workload("dsv3", Precision::fp8_block), 8192));
+}
+
 // MoeLayer allocates the planner's workspace once for max_tokens and picks a token tile per call:
 // every call's tile must fit the padding of that one allocation.
 TEST(Planner, WorkspacePaddingCoversTheTileOfEveryCallUpToCapacity) {

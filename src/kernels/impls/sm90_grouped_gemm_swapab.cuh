@@ -96,6 +96,10 @@ struct GroupedGemmConfig {
   // A row-copying token role arrives once per lane (its cp.async completions).
   static constexpr uint32_t kTokenArrivals = kCopiesRows ? 32 : 1;
   static constexpr uint32_t kFullArrivals = (kFp8 ? 2 : 1) + kTokenArrivals;
+  // A math warp hands a stage back with one lane's arrival after __syncwarp, or, where the token
+  // scales it read came by cp.async (generic writes the next copy may overwrite), with every
+  // lane's: compute-sanitizer racecheck does not follow the __syncwarp there.
+  static constexpr uint32_t kEmptyArrivalsPerWarp = kCopiesRows ? 32 : 1;
   // Tiles the weight producer may have started ahead of the token producer: with fewer K blocks
   // than stages (FC2 at small I) a stage ring holds parts of up to kStages / k_blocks + 1 tiles.
   static constexpr int kTileQueue = 4;
@@ -225,7 +229,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if (ptx::smem_address(smem_raw) % 1024 != 0) __trap();
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&smem.full[s], Config::kFullArrivals);
-      ptx::mbarrier_init(&smem.empty[s], layout::kGemmConsumerWarps);
+      ptx::mbarrier_init(&smem.empty[s], layout::kGemmConsumerWarps * Config::kEmptyArrivalsPerWarp);
     }
     for (int q = 0; q < Config::kTileQueue; ++q) {
       ptx::mbarrier_init(&smem.queue_full[q], 1);
@@ -437,8 +441,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   pipeline::PipelineState<kStages> state;
   // After the block's batch has completed its reads of the stage.
   auto release_stage = [&](int stage) {
-    __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
+    if constexpr (Config::kEmptyArrivalsPerWarp == 32) {
+      ptx::mbarrier_arrive(&smem.empty[stage]);
+    } else {
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
+    }
   };
 
   // One tile of Columns::kBlockN token columns, from its first stage (already full) to its stored

@@ -106,9 +106,12 @@ void dispatch_token_tile(const MoeForwardLaunch& f, const GemmArguments& g, cuda
 
 template <GemmOp kOp>
 void dispatch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t stream) {
-  // fp8 FC1 copies its rows from x's quantized copy (the gather's rows_by_token).
+  // fp8 FC1 may copy its rows from x's quantized copy (the gather's rows_by_token).
+  if constexpr (kOp == GemmOp::fc1_swiglu) {
+    if (f.fp8 && f.fc1_copies_token_rows) return dispatch_token_tile<cutlass::float_e4m3_t, kOp, true>(f, g, stream);
+  }
   if (f.fp8) {
-    dispatch_token_tile<cutlass::float_e4m3_t, kOp, kOp == GemmOp::fc1_swiglu>(f, g, stream);
+    dispatch_token_tile<cutlass::float_e4m3_t, kOp, false>(f, g, stream);
   } else {
     dispatch_token_tile<cutlass::bfloat16_t, kOp, false>(f, g, stream);
   }
@@ -171,7 +174,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   gather.slot_rank = routing.slot_rank;
   gather.expert_offsets = routing.expert_offsets;
   gather.pool_slot = w.at<int32_t>(ws, w.pool_slot);
-  gather.rows_by_token = f.fp8;  // FC1 copies its rows (see dispatch_gemm)
+  gather.rows_by_token = f.fp8 && f.fc1_copies_token_rows;  // FC1 copies its rows (see dispatch_gemm)
   gather.activations = w.at<void>(ws, w.activations);
   gather.activation_scales = w.at<float>(ws, w.activation_scales);
   launch_overlapping_previous(f.fp8 ? gather_quantize_kernel<true> : gather_quantize_kernel<false>,

@@ -23,6 +23,7 @@ struct MoeForwardLaunch {
   bool fp8;
   bool ue8m0;
   int token_tile;             // 16, 32 or 64
+  bool fc1_copies_token_rows; // fp8: the gather writes a row per token, FC1 copies its rows from it
   bool deterministic;         // slot store + ordered combine, else atomic combine
   int grid;                   // persistent CTAs of the GEMMs
   // Routing.
