@@ -40,7 +40,8 @@ struct MoeWorkspaceLayout {
   size_t routed_weights = 0;     // fp32 [T*k]: routing weight of each slot
   size_t slot_rank = 0;          // int32 [T*k]: position of the slot inside its expert's segment
   size_t pool_slot = 0;          // int32 [pool_rows]: slot of each pool row (padding rows unset)
-  size_t activations = 0;        // [pool_rows, H] gathered (and quantized) activations
+  size_t activations = 0;        // [pool_rows, H] gathered (and quantized) activations; where FC1
+                                 // copies its rows, one per token (row = token)
   size_t activation_scales = 0;  // fp32 [H/128, pool_rows] (fp8_block), K-block-major for TMA
   size_t fc1_output = 0;         // [pool_rows, I] SwiGLU output, the FC2 input
   size_t fc1_scales = 0;         // fp32 [I/128, pool_rows] (fp8_block), K-block-major for TMA
