@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The README's benchmark table, from the committed bench/results JSON (megamoe-bench --json).
+"""The README's benchmark table and its expert-parallel figures, from the committed bench/results
+JSON (megamoe-bench --json, megamoe-ep-bench --json).
 
   python3 tools/readme_table.py --write   rewrite the table and the figures around it in README.md
   python3 tools/readme_table.py --check   exit 1 when README.md says something the JSON does not
@@ -25,6 +26,39 @@ def load(workload):
     return records
 
 
+def load_ep():
+    path = ROOT / "bench" / "results" / "ep-dsv3-fp8_block.json"
+    records = sorted(json.loads(path.read_text()), key=lambda r: r["tokens_per_rank"])
+    if len(records) != 2:
+        sys.exit(f"{path}: the README quotes a small and a large batch; the JSON has {len(records)} records")
+    return records
+
+
+def ep_substitutions(small, large):
+    """The expert-parallel paragraph's figures; a group of whitespace keeps the README's line breaks."""
+    def share_of_peer(r):
+        return 2 * r["nvlink_bytes_each_way"] / ((r["dispatch_us"] + r["combine_us"]) * 1e-6) / (r["peer_copy_gbps"] * 1e9)
+    sizes = f"{small['tokens_per_rank']} / {large['tokens_per_rank']}"
+    return [
+        (r"\([0-9]+ GB/s one-way peer copy, [0-9.]+ µs per cross-rank barrier",
+         lambda m: f"({small['peer_copy_gbps']:.0f} GB/s one-way peer copy, {small['barrier_us']:.1f} µs per "
+                   "cross-rank barrier"),
+        (r"round trip takes [0-9.]+ µs at [0-9]+ tokens per rank \(goal 40\) and [0-9]+ µs at [0-9]+,",
+         lambda m: f"round trip takes {small['round_trip_graph_us']:.1f} µs at {small['tokens_per_rank']} tokens per "
+                   f"rank (goal 40) and {large['round_trip_graph_us']:.0f} µs at {large['tokens_per_rank']},"),
+        (r"dispatch takes [0-9.]+ / [0-9.]+ µs and combine [0-9.]+ / [0-9.]+(\s+)µs at [0-9]+ / [0-9]+ tokens per "
+         r"rank: [0-9]+% of the peer bandwidth at [0-9]+",
+         lambda m: f"dispatch takes {small['dispatch_us']:.1f} / {large['dispatch_us']:.1f} µs and combine "
+                   f"{small['combine_us']:.1f} / {large['combine_us']:.1f}{m.group(1)}µs at {sizes} tokens per rank: "
+                   f"{share_of_peer(large) * 100:.0f}% of the peer bandwidth at {large['tokens_per_rank']}"),
+        (r"The whole EP(\s+)forward \(dispatch, local experts, combine\) takes [0-9]+ / [0-9]+ µs against [0-9]+ / "
+         r"[0-9]+ µs",
+         lambda m: f"The whole EP{m.group(1)}forward (dispatch, local experts, combine) takes "
+                   f"{small['ep_forward_us']:.0f} / {large['ep_forward_us']:.0f} µs against {small['baseline_us']:.0f} / "
+                   f"{large['baseline_us']:.0f} µs"),
+    ]
+
+
 def us(value):
     return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
 
@@ -46,7 +80,7 @@ def table(results):
     return lines
 
 
-def rewrite(text, results):
+def rewrite(text, results, ep):
     lines = text.split("\n")
     start = next((i for i, line in enumerate(lines) if line.startswith(TABLE_HEADER)), None)
     if start is None:
@@ -69,7 +103,7 @@ def rewrite(text, results):
         (r"dsv3 at [0-9]+ tokens reaches [0-9]+ TFLOP/s of useful FP8 work, [0-9]+% of the dense rate",
          f"dsv3 at {largest['tokens']} tokens reaches {useful:.0f} TFLOP/s of useful FP8 work, {share:.0f}% of the "
          "dense rate"),
-    ]
+    ] + ep_substitutions(*ep)
     for pattern, replacement in substitutions:
         text, count = re.subn(pattern, replacement, text)
         if count != 1:
@@ -85,10 +119,10 @@ def main():
     args = parser.parse_args()
     readme = ROOT / "README.md"
     text = readme.read_text()
-    wanted = rewrite(text, {w: load(w) for w in WORKLOADS})
+    wanted = rewrite(text, {w: load(w) for w in WORKLOADS}, load_ep())
     if args.write:
         readme.write_text(wanted)
-        print("README.md: benchmark table written from bench/results")
+        print("README.md: benchmark table and figures written from bench/results")
         return 0
     if wanted != text:
         old, new = text.split("\n"), wanted.split("\n")
@@ -97,7 +131,7 @@ def main():
                 print(f"README.md:{i + 1}: says\n  {a}\nbut bench/results gives\n  {b}")
         print("run: python3 tools/readme_table.py --write")
         return 1
-    print("README.md: benchmark table matches bench/results")
+    print("README.md: benchmark table and figures match bench/results")
     return 0
 
 
