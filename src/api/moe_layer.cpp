@@ -34,6 +34,17 @@ bool print_configs() {
   return enabled;
 }
 
+// MEGAMOE_FC1_ROW_COPY=0 or 1 overrides the planner's choice of how fp8 FC1 reads its token rows
+// (plan::fc1_copies_token_rows), for A/B runs and for the test that both ways agree bit for bit.
+// Read at every forward, so that one process can compare both.
+bool fc1_copies_token_rows(const MoeSpec& spec, int planned_rows) {
+  const char* value = std::getenv("MEGAMOE_FC1_ROW_COPY");
+  const bool fp8 = spec.precision == Precision::fp8_block;
+  if (value != nullptr && std::string(value) == "0") return false;
+  if (value != nullptr && std::string(value) == "1") return fp8;
+  return plan::fc1_copies_token_rows(spec, planned_rows);
+}
+
 }  // namespace
 
 struct MoeLayer::Impl {
@@ -132,7 +143,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   f.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
   const int planned_rows = inputs.expected_valid_tokens > 0 ? inputs.expected_valid_tokens : inputs.num_tokens;
   f.token_tile = plan::choose_token_tile(spec_, std::max(planned_rows, 1));
-  f.fc1_copies_token_rows = plan::fc1_copies_token_rows(spec_, std::max(planned_rows, 1));
+  f.fc1_copies_token_rows = fc1_copies_token_rows(spec_, std::max(planned_rows, 1));
   if (f.token_tile > impl_->workspace_layout.row_padding) {
     throw Error(ErrorCode::unsupported, "internal: token tile " + std::to_string(f.token_tile) +
                                             " exceeds the workspace padding " +

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -325,6 +326,28 @@ TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+// fp8 FC1 reads its token rows from the gathered pool, or copies them from one quantized row per
+// token (where experts get few rows): the same bytes into the same stages, so the same output bit
+// for bit. 2048 tokens forces the copy onto full 64-row tiles, which the planner never gives it.
+TEST(MoeLayer, TokenRowCopyMatchesThePoolBitForBit) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  for (int tokens : {7, 128, 2048}) {
+    SCOPED_TRACE(std::to_string(tokens) + " tokens");
+    const Case c{"qwen35-a3b", Precision::fp8_block, tokens, RoutingKind::workload, Skew::uniform,
+                 CombineMode::deterministic};
+    LayerFixture& f = fixture_for(c, rng.seed());
+    const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+    std::vector<bf16_t> y[2];
+    for (int copy = 0; copy < 2; ++copy) {
+      ASSERT_EQ(setenv("MEGAMOE_FC1_ROW_COPY", copy ? "1" : "0", 1), 0);
+      y[copy] = run_device(*f.layer, f.spec, in, c.tokens, CombineMode::deterministic);
+    }
+    unsetenv("MEGAMOE_FC1_ROW_COPY");
+    EXPECT_EQ(std::memcmp(y[0].data(), y[1].data(), y[0].size() * sizeof(bf16_t)), 0);
+  }
 }
 
 // The kernels' shared-memory limits belong to each device: a process that spreads a model's layers
