@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -36,13 +37,12 @@ bool print_configs() {
 
 // MEGAMOE_FC1_ROW_COPY=0 or 1 overrides the planner's choice of how fp8 FC1 reads its token rows
 // (plan::fc1_copies_token_rows), for A/B runs and for the test that both ways agree bit for bit.
-// Read at every forward, so that one process can compare both.
-bool fc1_copies_token_rows(const MoeSpec& spec, int planned_rows) {
+// Read when a layer is built (a process compares both with two layers), not at every forward.
+std::optional<bool> fc1_row_copy_override() {
   const char* value = std::getenv("MEGAMOE_FC1_ROW_COPY");
-  const bool fp8 = spec.precision == Precision::fp8_block;
   if (value != nullptr && std::string(value) == "0") return false;
-  if (value != nullptr && std::string(value) == "1") return fp8;
-  return plan::fc1_copies_token_rows(spec, planned_rows);
+  if (value != nullptr && std::string(value) == "1") return true;
+  return std::nullopt;
 }
 
 }  // namespace
@@ -58,6 +58,7 @@ struct MoeLayer::Impl {
   int num_sms = 0;
   plan::DeviceFacts facts;
   std::set<int> printed_token_tiles;  // MEGAMOE_PRINT_CONFIGS=1: each configuration printed once
+  std::optional<bool> fc1_row_copy;   // MEGAMOE_FC1_ROW_COPY, else the planner's per call
 
   ~Impl() {
     for (void* p : {static_cast<void*>(w13), static_cast<void*>(w13_scales), static_cast<void*>(w2),
@@ -102,6 +103,7 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_to
   try {
     impl_->num_sms = prop.multiProcessorCount;
     impl_->facts = plan::DeviceFacts::h200_measured();
+    impl_->fc1_row_copy = fc1_row_copy_override();
     impl_->facts.name = prop.name;
     impl_->facts.num_sms = prop.multiProcessorCount;
     impl_->facts.smem_per_block_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
@@ -143,7 +145,8 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   f.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
   const int planned_rows = inputs.expected_valid_tokens > 0 ? inputs.expected_valid_tokens : inputs.num_tokens;
   f.token_tile = plan::choose_token_tile(spec_, std::max(planned_rows, 1));
-  f.fc1_copies_token_rows = fc1_copies_token_rows(spec_, std::max(planned_rows, 1));
+  f.fc1_copies_token_rows =
+      f.fp8 && impl_->fc1_row_copy.value_or(plan::fc1_copies_token_rows(spec_, std::max(planned_rows, 1)));
   if (f.token_tile > impl_->workspace_layout.row_padding) {
     throw Error(ErrorCode::unsupported, "internal: token tile " + std::to_string(f.token_tile) +
                                             " exceeds the workspace padding " +

@@ -334,19 +334,22 @@ TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
 TEST(MoeLayer, TokenRowCopyMatchesThePoolBitForBit) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
+  const Case workload{"qwen35-a3b", Precision::fp8_block, 1, RoutingKind::workload, Skew::uniform,
+                      CombineMode::deterministic};
+  LayerFixture& f = fixture_for(workload, rng.seed());
+  // The switch is read when a layer is built: one layer each way, on the fixture's packed weights.
+  std::unique_ptr<MoeLayer> layer[2];
+  for (int copy = 0; copy < 2; ++copy) {
+    ASSERT_EQ(setenv("MEGAMOE_FC1_ROW_COPY", copy ? "1" : "0", 1), 0);
+    layer[copy] = std::make_unique<MoeLayer>(f.spec, f.packed, kMaxTokens);
+  }
+  unsetenv("MEGAMOE_FC1_ROW_COPY");
   for (int tokens : {7, 128, 2048}) {
     SCOPED_TRACE(std::to_string(tokens) + " tokens");
-    const Case c{"qwen35-a3b", Precision::fp8_block, tokens, RoutingKind::workload, Skew::uniform,
-                 CombineMode::deterministic};
-    LayerFixture& f = fixture_for(c, rng.seed());
-    const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
-    std::vector<bf16_t> y[2];
-    for (int copy = 0; copy < 2; ++copy) {
-      ASSERT_EQ(setenv("MEGAMOE_FC1_ROW_COPY", copy ? "1" : "0", 1), 0);
-      y[copy] = run_device(*f.layer, f.spec, in, c.tokens, CombineMode::deterministic);
-    }
-    unsetenv("MEGAMOE_FC1_ROW_COPY");
-    EXPECT_EQ(std::memcmp(y[0].data(), y[1].data(), y[0].size() * sizeof(bf16_t)), 0);
+    const Inputs in = make_inputs(rng, f.spec, tokens, workload.skew);
+    const std::vector<bf16_t> pool = run_device(*layer[0], f.spec, in, tokens, CombineMode::deterministic);
+    const std::vector<bf16_t> copied = run_device(*layer[1], f.spec, in, tokens, CombineMode::deterministic);
+    EXPECT_EQ(std::memcmp(pool.data(), copied.data(), pool.size() * sizeof(bf16_t)), 0);
   }
 }
 

@@ -108,7 +108,7 @@ template <GemmOp kOp>
 void dispatch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t stream) {
   // fp8 FC1 may copy its rows from x's quantized copy (the gather's rows_by_token).
   if constexpr (kOp == GemmOp::fc1_swiglu) {
-    if (f.fp8 && f.fc1_copies_token_rows) return dispatch_token_tile<cutlass::float_e4m3_t, kOp, true>(f, g, stream);
+    if (f.fc1_copies_token_rows) return dispatch_token_tile<cutlass::float_e4m3_t, kOp, true>(f, g, stream);
   }
   if (f.fp8) {
     dispatch_token_tile<cutlass::float_e4m3_t, kOp, false>(f, g, stream);
@@ -125,6 +125,9 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   const layout::MoeWorkspaceLayout& w = f.workspace_layout;
   const int T = f.num_tokens;
   if (T == 0) return;
+  if (f.fc1_copies_token_rows && !f.fp8) {
+    throw Error(ErrorCode::unsupported, "internal: FC1 copies token rows from the fp8 copy of x only");
+  }
   void* ws = f.workspace;
   RoutingParams routing{};
   routing.num_tokens = T;
@@ -174,7 +177,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   gather.slot_rank = routing.slot_rank;
   gather.expert_offsets = routing.expert_offsets;
   gather.pool_slot = w.at<int32_t>(ws, w.pool_slot);
-  gather.rows_by_token = f.fp8 && f.fc1_copies_token_rows;  // FC1 copies its rows (see dispatch_gemm)
+  gather.rows_by_token = f.fc1_copies_token_rows;  // FC1 copies its rows (see dispatch_gemm)
   gather.activations = w.at<void>(ws, w.activations);
   gather.activation_scales = w.at<float>(ws, w.activation_scales);
   launch_overlapping_previous(f.fp8 ? gather_quantize_kernel<true> : gather_quantize_kernel<false>,
