@@ -45,6 +45,18 @@ std::optional<bool> fc1_row_copy_override() {
   return std::nullopt;
 }
 
+// MEGAMOE_TOKEN_TILE=16, 32 or 64 overrides the planner's token tile (plan::choose_token_tile) of
+// every call, for measurements; the output does not depend on it. Read when a layer is built.
+std::optional<int> token_tile_override() {
+  const char* value = std::getenv("MEGAMOE_TOKEN_TILE");
+  if (value == nullptr) return std::nullopt;
+  const std::string tile(value);
+  if (tile != "16" && tile != "32" && tile != "64") {
+    throw Error(ErrorCode::invalid_argument, "MEGAMOE_TOKEN_TILE must be 16, 32 or 64, not '" + tile + "'");
+  }
+  return std::stoi(tile);
+}
+
 }  // namespace
 
 struct MoeLayer::Impl {
@@ -59,6 +71,7 @@ struct MoeLayer::Impl {
   plan::DeviceFacts facts;
   std::set<int> printed_token_tiles;  // MEGAMOE_PRINT_CONFIGS=1: each configuration printed once
   std::optional<bool> fc1_row_copy;   // MEGAMOE_FC1_ROW_COPY, else the planner's per call
+  std::optional<int> token_tile;      // MEGAMOE_TOKEN_TILE, else the planner's per call
 
   ~Impl() {
     for (void* p : {static_cast<void*>(w13), static_cast<void*>(w13_scales), static_cast<void*>(w2),
@@ -104,12 +117,18 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_to
     impl_->num_sms = prop.multiProcessorCount;
     impl_->facts = plan::DeviceFacts::h200_measured();
     impl_->fc1_row_copy = fc1_row_copy_override();
+    impl_->token_tile = token_tile_override();
     impl_->facts.name = prop.name;
     impl_->facts.num_sms = prop.multiProcessorCount;
     impl_->facts.smem_per_block_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
     // The planner sizes the workspace (one source of truth with what it reports): its padding
     // covers the token tile of every call up to max_tokens.
     impl_->workspace_layout = plan::plan_moe(spec, max_tokens, max_tokens, impl_->facts).workspace;
+    if (impl_->token_tile.value_or(0) > impl_->workspace_layout.row_padding) {
+      impl_->workspace_layout =
+          layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden, spec.intermediate, max_tokens,
+                                           *impl_->token_tile, spec.precision == Precision::fp8_block);
+    }
     impl_->w13 = upload(weights.w13);
     impl_->w13_scales = upload(weights.w13_scales);
     impl_->w2 = upload(weights.w2);
@@ -144,7 +163,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   f.fp8 = spec_.precision == Precision::fp8_block;
   f.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
   const int planned_rows = inputs.expected_valid_tokens > 0 ? inputs.expected_valid_tokens : inputs.num_tokens;
-  f.token_tile = plan::choose_token_tile(spec_, std::max(planned_rows, 1));
+  f.token_tile = impl_->token_tile.value_or(plan::choose_token_tile(spec_, std::max(planned_rows, 1)));
   f.fc1_copies_token_rows =
       f.fp8 && impl_->fc1_row_copy.value_or(plan::fc1_copies_token_rows(spec_, std::max(planned_rows, 1)));
   if (f.token_tile > impl_->workspace_layout.row_padding) {

@@ -9,8 +9,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "common/gpu_test.hpp"
 #include "common/test_random.hpp"
@@ -328,29 +331,61 @@ TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   cudaStreamDestroy(stream);
 }
 
+// Layers on the fixture's packed weights, one built under each value of an environment switch the
+// layer reads when it is built, and what they give for the same inputs: the same y bit for bit.
+void expect_same_output_under(const char* variable, std::initializer_list<const char*> values,
+                              std::initializer_list<int> token_counts) {
+  test::SeededRng rng;
+  const Case workload{"qwen35-a3b", Precision::fp8_block, 1, RoutingKind::workload, Skew::uniform,
+                      CombineMode::deterministic};
+  LayerFixture& f = fixture_for(workload, rng.seed());
+  std::vector<std::unique_ptr<MoeLayer>> layers;
+  for (const char* value : values) {
+    ASSERT_EQ(setenv(variable, value, 1), 0);
+    layers.push_back(std::make_unique<MoeLayer>(f.spec, f.packed, kMaxTokens));
+  }
+  unsetenv(variable);
+  for (int tokens : token_counts) {
+    const Inputs in = make_inputs(rng, f.spec, tokens, workload.skew);
+    const std::vector<bf16_t> first = run_device(*layers[0], f.spec, in, tokens, CombineMode::deterministic);
+    for (size_t v = 1; v < layers.size(); ++v) {
+      SCOPED_TRACE(std::to_string(tokens) + " tokens, " + variable + "=" + *(values.begin() + v));
+      const std::vector<bf16_t> other = run_device(*layers[v], f.spec, in, tokens, CombineMode::deterministic);
+      EXPECT_EQ(std::memcmp(first.data(), other.data(), first.size() * sizeof(bf16_t)), 0);
+    }
+  }
+}
+
 // fp8 FC1 reads its token rows from the gathered pool, or copies them from one quantized row per
 // token (where experts get few rows): the same bytes into the same stages, so the same output bit
 // for bit. 2048 tokens forces the copy onto full 64-row tiles, which the planner never gives it.
 TEST(MoeLayer, TokenRowCopyMatchesThePoolBitForBit) {
   MEGAMOE_REQUIRE_HOPPER();
+  expect_same_output_under("MEGAMOE_FC1_ROW_COPY", {"0", "1"}, {7, 128, 2048});
+}
+
+// A token's output element is the same sums in the same order whatever the token tile: the tile
+// only decides which tokens share a wgmma. 1000 tokens puts 16-token tiles on experts of ~32 rows,
+// several tiles each, and 64-token tiles on their short last subtiles.
+TEST(MoeLayer, TokenTileLeavesTheOutputUnchangedBitForBit) {
+  MEGAMOE_REQUIRE_HOPPER();
+  expect_same_output_under("MEGAMOE_TOKEN_TILE", {"16", "32", "64"}, {7, 128, 1000});
+}
+
+TEST(MoeLayer, UnsupportedTokenTileOverrideIsRefused) {
+  MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
-  const Case workload{"qwen35-a3b", Precision::fp8_block, 1, RoutingKind::workload, Skew::uniform,
-                      CombineMode::deterministic};
-  LayerFixture& f = fixture_for(workload, rng.seed());
-  // The switch is read when a layer is built: one layer each way, on the fixture's packed weights.
-  std::unique_ptr<MoeLayer> layer[2];
-  for (int copy = 0; copy < 2; ++copy) {
-    ASSERT_EQ(setenv("MEGAMOE_FC1_ROW_COPY", copy ? "1" : "0", 1), 0);
-    layer[copy] = std::make_unique<MoeLayer>(f.spec, f.packed, kMaxTokens);
+  const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
+  LayerFixture& f = fixture_for(c, rng.seed());
+  ASSERT_EQ(setenv("MEGAMOE_TOKEN_TILE", "48", 1), 0);
+  try {
+    MoeLayer layer(f.spec, f.packed, kMaxTokens);
+    ADD_FAILURE() << "a layer was built with MEGAMOE_TOKEN_TILE=48";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("MEGAMOE_TOKEN_TILE"), std::string::npos) << e.what();
   }
-  unsetenv("MEGAMOE_FC1_ROW_COPY");
-  for (int tokens : {7, 128, 2048}) {
-    SCOPED_TRACE(std::to_string(tokens) + " tokens");
-    const Inputs in = make_inputs(rng, f.spec, tokens, workload.skew);
-    const std::vector<bf16_t> pool = run_device(*layer[0], f.spec, in, tokens, CombineMode::deterministic);
-    const std::vector<bf16_t> copied = run_device(*layer[1], f.spec, in, tokens, CombineMode::deterministic);
-    EXPECT_EQ(std::memcmp(pool.data(), copied.data(), pool.size() * sizeof(bf16_t)), 0);
-  }
+  unsetenv("MEGAMOE_TOKEN_TILE");
 }
 
 // The kernels' shared-memory limits belong to each device: a process that spreads a model's layers
