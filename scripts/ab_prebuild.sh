@@ -23,6 +23,7 @@ rm -rf "$prebuilt"
 # Build here (A in build-gpu, incrementally; the others afresh), whatever was carried in before.
 MEGAMOE_AB_PREBUILT='' MEGAMOE_AB_SCRATCH=$scratch build_variants "${targets[*]}" "$@"
 for v in "${!names[@]}"; do
+  [ -n "${envs[$v]}" ] && continue  # runs A's binaries
   mkdir -p "$staging/${names[$v]}"
   for t in "${targets[@]}"; do
     binary=$(target_binary "${roots[$v]}/build-gpu" "$t")
@@ -32,6 +33,6 @@ for v in "${!names[@]}"; do
   done
   source_hash "${roots[$v]}" >"$staging/${names[$v]}/source_hash"
 done
-mkdir -p "$prebuilt" && tar -cJf "$prebuilt/variants.tar.xz" -C "$staging" "${names[@]}" || exit 1
+mkdir -p "$prebuilt" && tar -cJf "$prebuilt/variants.tar.xz" -C "$staging" $(ls "$staging") || exit 1
 echo "$(du -h "$prebuilt/variants.tar.xz" | cut -f1) in $prebuilt/variants.tar.xz (${names[*]}: ${targets[*]});" \
   "carry \".ab-prebuilt\" and set MEGAMOE_AB_PREBUILT=.ab-prebuilt for gpu_ab.sh / gpu2_ab.sh with the same patches"

@@ -12,7 +12,7 @@
 # (a gtest filter of the layer suite), every variant also runs those GPU tests, so that a wrong
 # variant shows before a full gpu_check.sh is spent on it.
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: gpu_ab.sh CHANGE.patch [CHANGE.patch ...]"; exit 2; }
+[ $# -ge 1 ] || { echo "usage: gpu_ab.sh CHANGE.patch|env:NAME=VALUE[,...] ..."; exit 2; }
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 log=$out/ab.log
 precision=${MEGAMOE_AB_PRECISION:-fp8_block}
@@ -31,7 +31,7 @@ for case in ${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35
   for ((round = 1; round <= rounds; ++round)); do
     for v in "${!names[@]}"; do
       echo "== ${names[$v]}: $workload $precision, $tokens tokens, L2 scrubbed, round $round of $rounds" | tee -a "$log"
-      "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown >"$log.part" 2>&1 ||
+      env ${envs[$v]} "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown >"$log.part" 2>&1 ||
         status=1
       grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||empty kernel|error|Error' "$log.part" | tee -a "$log"
       rm -f "$log.part"
@@ -41,7 +41,7 @@ done
 if [ -n "${MEGAMOE_AB_TESTS:-}" ]; then
   for v in "${!names[@]}"; do
     echo "== ${names[$v]}: layer tests $MEGAMOE_AB_TESTS" | tee -a "$log"
-    MEGAMOE_REQUIRE_GPU=1 "${roots[$v]}/build-gpu/tests/test_api_moe_layer" --gtest_brief=1 \
+    env ${envs[$v]} MEGAMOE_REQUIRE_GPU=1 "${roots[$v]}/build-gpu/tests/test_api_moe_layer" --gtest_brief=1 \
       --gtest_filter="$MEGAMOE_AB_TESTS" >"$log.part" 2>&1 || status=1
     grep -E '^\[  (PASSED|FAILED) |Failure|error' "$log.part" | head -20 | tee -a "$log"
     rm -f "$log.part"

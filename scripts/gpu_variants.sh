@@ -1,10 +1,13 @@
 # Sourced by the A/B scripts (gpu_ab.sh, gpu2_ab.sh) after gpu_build.sh: variant A is this tree,
 # variant B1, B2, ... a copy of it with the patch given as the 1st, 2nd, ... argument applied
-# (`git diff main > change.patch` on a checkout of main; patches travel as untracked files).
-#   build_variants "TARGET ..." PATCH...
-# fills names[] and roots[] and builds the TARGETs of every variant side by side (each build is
-# mostly one long nvcc compile), appending to LOG=$log; it exits on a patch that does not apply or
-# a build that fails. Variant Bi is built in $MEGAMOE_AB_SCRATCH/Bi/build-gpu (default: a fresh
+# (`git diff main > change.patch` on a checkout of main; patches travel as untracked files), or,
+# for an argument env:NAME=VALUE[,NAME=VALUE...], A's own binaries run with those variables set
+# (a switch the library reads, such as MEGAMOE_TOKEN_TILE or MEGAMOE_FC1_ROW_COPY: nothing to build).
+#   build_variants "TARGET ..." VARIANT...
+# fills names[], roots[] and envs[] (each variant's NAME=VALUE words, empty but for env: variants;
+# run its binaries under `env ${envs[$v]}`) and builds the TARGETs of every variant side by side
+# (each build is mostly one long nvcc compile), appending to LOG=$log; it exits on a patch that
+# does not apply or a build that fails. Variant Bi is built in $MEGAMOE_AB_SCRATCH/Bi/build-gpu (default: a fresh
 # temporary folder), so that a later command of the same device call can run its binaries.
 # With MEGAMOE_AB_PREBUILT=DIR (a carried folder that scripts/ab_prebuild.sh filled on a machine
 # without a GPU: DIR/variants.tar.xz), a variant whose sources hash as its source_hash there says
@@ -51,11 +54,19 @@ build_variants() {
   shift
   names=(A)
   roots=("$root")
+  envs=("")
   local scratch
   scratch=${MEGAMOE_AB_SCRATCH:-$(mktemp -d)}
   mkdir -p "$scratch"
   for i in $(seq 1 $#); do
     local patch_file variant
+    if [[ ${!i} == env:* ]]; then
+      names+=("B$i")
+      roots+=("$root")
+      envs+=("$(echo "${!i#env:}" | tr ',' ' ')")
+      echo "B$i = A with ${envs[$i]}" | tee -a "$log"
+      continue
+    fi
     patch_file=$(realpath "${!i}")
     variant=$scratch/B$i
     cp -r "$root" "$variant" && rm -rf "$variant/build-gpu" "$variant/.ab-prebuilt"
@@ -63,6 +74,7 @@ build_variants() {
     echo "B$i = A + $(basename "$patch_file")" | tee -a "$log"
     names+=("B$i")
     roots+=("$variant")
+    envs+=("")
   done
   local prebuilt_variants=  # read by take_prebuilt
   if [ -f "${MEGAMOE_AB_PREBUILT:-}/variants.tar.xz" ]; then
@@ -72,7 +84,7 @@ build_variants() {
   fi
   local pids=()
   for v in "${!names[@]}"; do
-    if take_prebuilt "$v" "${targets[@]}"; then
+    if [ -n "${envs[$v]}" ] || take_prebuilt "$v" "${targets[@]}"; then  # an env: variant runs A's binaries
       pids+=("")
       continue
     fi
