@@ -41,15 +41,18 @@ struct MoePlan {
 };
 
 // Token tile (wgmma N) of the grouped GEMMs for a call of `tokens` tokens: the expected rows per
-// touched expert under uniform routing, rounded up to 16, 32 or 64.
+// touched expert under uniform routing, rounded up to 16, 32 or 64. At 512 and 1024 qwen35-a3b
+// tokens the expectation is a hair above 16 and 32 (a few experts stay untouched), so the tile is
+// the next one up, 32 and 64: they beat 16 and 32 there by 24 and 20 us (bench/NOTES.md,
+// eighteenth session, run 5). Where below that the wider tile starts to pay is not measured.
 int choose_token_tile(const MoeSpec& spec, int tokens);
 
 // Whether fp8 FC1 copies its token rows from the gather's one quantized row per token
 // (kernels/permute/stage_row_copy.cuh) instead of loading a pool of k copies per token: where the
 // expected rows per touched expert stay within kMaxRowsPerExpertForRowCopy. The copying warp
-// pays per row: at 1024 qwen35-a3b tokens (~32 rows per expert) the layer gained 17 us, at 8192
-// (~256, full 64-row tiles) FC1 lost 50% (bench/NOTES.md, seventeenth session, run 5); between
-// 32 and 64 rows is not measured, so 2048 tokens (~64) keeps the pool.
+// pays per row: at 1024 qwen35-a3b tokens (~32 rows per expert) the layer gained 17 us, at 2048
+// (~64) it lost 17 and at 8192 (~256, full 64-row tiles) FC1 lost 50% (bench/NOTES.md, seventeenth
+// session, run 5, and eighteenth, run 2).
 inline constexpr double kMaxRowsPerExpertForRowCopy = 40;
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens);
 
