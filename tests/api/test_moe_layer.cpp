@@ -331,10 +331,11 @@ TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   cudaStreamDestroy(stream);
 }
 
-// Layers on the fixture's packed weights, one built under each value of an environment switch the
-// layer reads when it is built, and what they give for the same inputs: the same y bit for bit.
+// Layers on the fixture's packed weights for up to `max_tokens` tokens, one built under each value
+// of an environment switch the layer reads when it is built, and what they give for the same
+// inputs: the same y bit for bit.
 void expect_same_output_under(const char* variable, std::initializer_list<const char*> values,
-                              std::initializer_list<int> token_counts) {
+                              std::initializer_list<int> token_counts, int max_tokens = kMaxTokens) {
   test::SeededRng rng;
   const Case workload{"qwen35-a3b", Precision::fp8_block, 1, RoutingKind::workload, Skew::uniform,
                       CombineMode::deterministic};
@@ -342,7 +343,7 @@ void expect_same_output_under(const char* variable, std::initializer_list<const 
   std::vector<std::unique_ptr<MoeLayer>> layers;
   for (const char* value : values) {
     ASSERT_EQ(setenv(variable, value, 1), 0);
-    layers.push_back(std::make_unique<MoeLayer>(f.spec, f.packed, kMaxTokens));
+    layers.push_back(std::make_unique<MoeLayer>(f.spec, f.packed, max_tokens));
   }
   unsetenv(variable);
   for (int tokens : token_counts) {
@@ -366,10 +367,12 @@ TEST(MoeLayer, TokenRowCopyMatchesThePoolBitForBit) {
 
 // A token's output element is the same sums in the same order whatever the token tile: the tile
 // only decides which tokens share a wgmma. 1000 tokens puts 16-token tiles on experts of ~32 rows,
-// several tiles each, and 64-token tiles on their short last subtiles.
+// several tiles each, and 64-token tiles on their short last subtiles. A layer for at most 128
+// tokens plans 16-token tiles, so the wider ones need the workspace padded for them.
 TEST(MoeLayer, TokenTileLeavesTheOutputUnchangedBitForBit) {
   MEGAMOE_REQUIRE_HOPPER();
   expect_same_output_under("MEGAMOE_TOKEN_TILE", {"16", "32", "64"}, {7, 128, 1000});
+  expect_same_output_under("MEGAMOE_TOKEN_TILE", {"16", "32", "64"}, {7, 128}, 128);
 }
 
 TEST(MoeLayer, UnsupportedTokenTileOverrideIsRefused) {
