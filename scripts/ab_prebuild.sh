@@ -34,5 +34,6 @@ for v in "${!names[@]}"; do
   source_hash "${roots[$v]}" >"$staging/${names[$v]}/source_hash"
 done
 mkdir -p "$prebuilt" && tar -cJf "$prebuilt/variants.tar.xz" -C "$staging" $(ls "$staging") || exit 1
-echo "$(du -h "$prebuilt/variants.tar.xz" | cut -f1) in $prebuilt/variants.tar.xz (${names[*]}: ${targets[*]});" \
+echo "$(du -h "$prebuilt/variants.tar.xz" | cut -f1) in $prebuilt/variants.tar.xz ($(ls "$staging" | xargs): ${targets[*]};" \
+  "env: variants run A's);" \
   "carry \".ab-prebuilt\" and set MEGAMOE_AB_PREBUILT=.ab-prebuilt for gpu_ab.sh / gpu2_ab.sh with the same patches"
