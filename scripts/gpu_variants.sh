@@ -7,8 +7,9 @@
 # fills names[], roots[] and envs[] (each variant's NAME=VALUE words, empty but for env: variants;
 # run its binaries under `env ${envs[$v]}`) and builds the TARGETs of every variant side by side
 # (each build is mostly one long nvcc compile), appending to LOG=$log; it exits on a patch that
-# does not apply or a build that fails. Variant Bi is built in $MEGAMOE_AB_SCRATCH/Bi/build-gpu (default: a fresh
-# temporary folder), so that a later command of the same device call can run its binaries.
+# does not apply or a build that fails. Variant Bi is built in $MEGAMOE_AB_SCRATCH/Bi/build-gpu
+# (default: a fresh temporary folder), so that a later command of the same device call can run
+# its binaries.
 # With MEGAMOE_AB_PREBUILT=DIR (a carried folder that scripts/ab_prebuild.sh filled on a machine
 # without a GPU: DIR/variants.tar.xz), a variant whose sources hash as its source_hash there says
 # takes its binaries from there instead of building them: device minutes go to measuring.
