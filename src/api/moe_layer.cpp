@@ -125,9 +125,7 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_to
     // covers the token tile of every call up to max_tokens.
     impl_->workspace_layout = plan::plan_moe(spec, max_tokens, max_tokens, impl_->facts).workspace;
     if (impl_->token_tile.value_or(0) > impl_->workspace_layout.row_padding) {
-      impl_->workspace_layout =
-          layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden, spec.intermediate, max_tokens,
-                                           *impl_->token_tile, spec.precision == Precision::fp8_block);
+      impl_->workspace_layout = plan::workspace_layout(spec, max_tokens, *impl_->token_tile);
     }
     impl_->w13 = upload(weights.w13);
     impl_->w13_scales = upload(weights.w13_scales);
@@ -162,10 +160,10 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   f.intermediate = spec_.intermediate;
   f.fp8 = spec_.precision == Precision::fp8_block;
   f.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
-  const int planned_rows = inputs.expected_valid_tokens > 0 ? inputs.expected_valid_tokens : inputs.num_tokens;
-  f.token_tile = impl_->token_tile.value_or(plan::choose_token_tile(spec_, std::max(planned_rows, 1)));
-  f.fc1_copies_token_rows =
-      f.fp8 && impl_->fc1_row_copy.value_or(plan::fc1_copies_token_rows(spec_, std::max(planned_rows, 1)));
+  const int planned_tokens =
+      std::max(inputs.expected_valid_tokens > 0 ? inputs.expected_valid_tokens : inputs.num_tokens, 1);
+  f.token_tile = impl_->token_tile.value_or(plan::choose_token_tile(spec_, planned_tokens));
+  f.fc1_copies_token_rows = f.fp8 && impl_->fc1_row_copy.value_or(plan::fc1_copies_token_rows(spec_, planned_tokens));
   if (f.token_tile > impl_->workspace_layout.row_padding) {
     throw Error(ErrorCode::unsupported, "internal: token tile " + std::to_string(f.token_tile) +
                                             " exceeds the workspace padding " +

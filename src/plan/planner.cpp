@@ -39,8 +39,12 @@ int token_tile_for_rows(int rows_per_expert) {
   return std::clamp(next_pow2(rows_per_expert), kMinTokenTile, layout::kGemmMaxTokenTile);
 }
 
+double mean_rows_per_expert(const MoeSpec& spec, int tokens) {
+  return static_cast<double>(tokens) * spec.top_k / expected_touched_experts(spec, tokens);
+}
+
 int expected_rows_per_expert(const MoeSpec& spec, int tokens) {
-  return static_cast<int>(std::ceil(static_cast<double>(tokens) * spec.top_k / expected_touched_experts(spec, tokens)));
+  return static_cast<int>(std::ceil(mean_rows_per_expert(spec, tokens)));
 }
 
 GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int rows_per_expert, double touched_experts,
@@ -102,8 +106,12 @@ int choose_token_tile(const MoeSpec& spec, int tokens) {
 }
 
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens) {
-  const double rows_per_expert = static_cast<double>(tokens) * spec.top_k / expected_touched_experts(spec, tokens);
-  return spec.precision == Precision::fp8_block && rows_per_expert <= kMaxRowsPerExpertForRowCopy;
+  return spec.precision == Precision::fp8_block && mean_rows_per_expert(spec, tokens) <= kMaxRowsPerExpertForRowCopy;
+}
+
+layout::MoeWorkspaceLayout workspace_layout(const MoeSpec& spec, int max_tokens, int row_padding) {
+  return layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden, spec.intermediate, max_tokens,
+                                          row_padding, spec.precision == Precision::fp8_block);
 }
 
 DeviceFacts DeviceFacts::h200_measured() {
@@ -145,8 +153,7 @@ MoePlan plan_moe(const MoeSpec& spec, int tokens, int max_tokens, const DeviceFa
 
   // The pool is sized for the largest token tile any token count up to max_tokens may choose.
   const int row_padding = std::max({plan.fc1.token_tile, plan.fc2.token_tile, choose_token_tile(spec, max_tokens)});
-  plan.workspace = layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden, spec.intermediate,
-                                                    max_tokens, row_padding, spec.precision == Precision::fp8_block);
+  plan.workspace = workspace_layout(spec, max_tokens, row_padding);
   return plan;
 }
 

@@ -56,6 +56,10 @@ int choose_token_tile(const MoeSpec& spec, int tokens);
 inline constexpr double kMaxRowsPerExpertForRowCopy = 40;
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens);
 
+// The workspace of up to `max_tokens` tokens with each expert's pool segment padded to
+// `row_padding` rows (the largest token tile a call may use).
+layout::MoeWorkspaceLayout workspace_layout(const MoeSpec& spec, int max_tokens, int row_padding);
+
 // Chooses configs for `tokens` and sizes the workspace for up to `max_tokens`
 // (1 <= tokens <= max_tokens). Throws megamoe::Error when the device cannot host any config.
 MoePlan plan_moe(const MoeSpec& spec, int tokens, int max_tokens, const DeviceFacts& facts);
