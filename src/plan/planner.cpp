@@ -35,10 +35,6 @@ double expected_touched_experts(const MoeSpec& spec, int tokens) {
   return spec.num_experts * (1.0 - std::pow(untouched_by_one, tokens));
 }
 
-int token_tile_for_rows(int rows_per_expert) {
-  return std::clamp(next_pow2(rows_per_expert), kMinTokenTile, layout::kGemmMaxTokenTile);
-}
-
 double mean_rows_per_expert(const MoeSpec& spec, int tokens) {
   return static_cast<double>(tokens) * spec.top_k / expected_touched_experts(spec, tokens);
 }
@@ -47,8 +43,19 @@ int expected_rows_per_expert(const MoeSpec& spec, int tokens) {
   return static_cast<int>(std::ceil(mean_rows_per_expert(spec, tokens)));
 }
 
-GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int rows_per_expert, double touched_experts,
+// The rows a token tile should hold so that few experts take a second one: the mean rows per
+// touched expert plus kTokenTileSpread standard deviations of the counts (uniform routing's are
+// Poisson-like: the deviation is the mean's square root).
+double rows_to_cover(double mean_rows) { return mean_rows + kTokenTileSpread * std::sqrt(mean_rows); }
+
+int token_tile_for_rows(double mean_rows) {
+  return std::clamp(next_pow2(static_cast<int>(std::ceil(rows_to_cover(mean_rows)))), kMinTokenTile,
+                    layout::kGemmMaxTokenTile);
+}
+
+GemmConfig choose_gemm(const char* name, const MoeSpec& spec, double mean_rows, double touched_experts,
                        int out_channels, const DeviceFacts& facts) {
+  const int rows_per_expert = static_cast<int>(std::ceil(mean_rows));
   const bool fp8 = spec.precision == Precision::fp8_block;
   GemmConfig c;
   c.name = name;
@@ -58,16 +65,17 @@ GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int rows_per_exper
   c.swap_ab = true;
   c.math_warpgroups = layout::kGemmMathWarpgroups;
   c.channel_tile = layout::kGemmChannelTile;
-  c.token_tile = token_tile_for_rows(rows_per_expert);
+  c.token_tile = token_tile_for_rows(mean_rows);
   c.block_m = c.channel_tile;
   c.block_n = c.token_tile;
   c.reasons.push_back(format("swapAB: expert channels on wgmma M (%lld rows: %lld math warpgroups x %lld x m64), "
                              "tokens on N, so small batches pad N instead of M=64",
                              c.channel_tile, c.math_warpgroups,
                              c.channel_tile / (c.math_warpgroups * kWgmmaRowsPerWarpgroup)));
-  c.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert, within [16, 64] (two fp32 "
-                             "accumulator sets of 256 channels x 64 tokens per CTA are the register budget)",
-                             c.token_tile, rows_per_expert));
+  c.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert, ~%lld with their spread, within "
+                             "[16, 64] (two fp32 accumulator sets of 256 channels x 64 tokens per CTA are the "
+                             "register budget)",
+                             c.token_tile, rows_per_expert, static_cast<long long>(std::ceil(rows_to_cover(mean_rows)))));
   c.stage_bytes = layout::gemm_stage_bytes(c.token_tile, fp8);
   const int fixed_bytes = layout::gemm_fixed_bytes();
   c.stages = layout::gemm_stages(c.token_tile, fp8, facts.smem_per_block_optin);
@@ -102,7 +110,7 @@ Floors make_floors(const MoeSpec& spec, int tokens, double routed_rows, double t
 }  // namespace
 
 int choose_token_tile(const MoeSpec& spec, int tokens) {
-  return token_tile_for_rows(expected_rows_per_expert(spec, tokens));
+  return token_tile_for_rows(mean_rows_per_expert(spec, tokens));
 }
 
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens) {
@@ -148,8 +156,9 @@ MoePlan plan_moe(const MoeSpec& spec, int tokens, int max_tokens, const DeviceFa
   plan.tokens = tokens;
   const double touched = expected_touched_experts(spec, tokens);
   plan.expected_rows_per_expert = expected_rows_per_expert(spec, tokens);
-  plan.fc1 = choose_gemm("fc1", spec, plan.expected_rows_per_expert, touched, 2 * spec.intermediate, facts);
-  plan.fc2 = choose_gemm("fc2", spec, plan.expected_rows_per_expert, touched, spec.hidden, facts);
+  const double mean_rows = mean_rows_per_expert(spec, tokens);
+  plan.fc1 = choose_gemm("fc1", spec, mean_rows, touched, 2 * spec.intermediate, facts);
+  plan.fc2 = choose_gemm("fc2", spec, mean_rows, touched, spec.hidden, facts);
 
   // The pool is sized for the largest token tile any token count up to max_tokens may choose.
   const int row_padding = std::max({plan.fc1.token_tile, plan.fc2.token_tile, choose_token_tile(spec, max_tokens)});

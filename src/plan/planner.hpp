@@ -40,11 +40,13 @@ struct MoePlan {
   layout::MoeWorkspaceLayout workspace;
 };
 
-// Token tile (wgmma N) of the grouped GEMMs for a call of `tokens` tokens: the expected rows per
-// touched expert under uniform routing, rounded up to 16, 32 or 64. At 512 and 1024 qwen35-a3b
-// tokens the expectation is a hair above 16 and 32 (a few experts stay untouched), so the tile is
-// the next one up, 32 and 64: they beat 16 and 32 there by 24 and 20 us (bench/NOTES.md,
-// eighteenth session, run 5). Where below that the wider tile starts to pay is not measured.
+// Token tile (wgmma N) of the grouped GEMMs for a call of `tokens` tokens: the narrowest of 16, 32
+// and 64 that holds the expected rows per touched expert under uniform routing plus
+// kTokenTileSpread standard deviations of their spread. A tile that only holds the mean leaves the
+// ~45% of experts above it a second tile, which streams their weights again: at 512 and 1024
+// qwen35-a3b tokens (16 and 32 rows per expert) tiles of 32 and 64 beat 16 and 32 by 24 and 20 us
+// (bench/NOTES.md, eighteenth session, run 5). The spread is a prediction from those two points.
+inline constexpr double kTokenTileSpread = 2.0;
 int choose_token_tile(const MoeSpec& spec, int tokens);
 
 // Whether fp8 FC1 copies its token rows from the gather's one quantized row per token

@@ -144,5 +144,16 @@ TEST(Floors, RoutedFloorsCountDistinctValidExperts) {
   EXPECT_NEAR(f.weight_bytes, 9 * 3.0 * 2048 * 512 * 2, 1e-3);
 }
 
+// The token tile holds the mean rows per touched expert plus their spread (planner.hpp): uniform
+// routing over qwen35-a3b's 256 experts moves to 32-token tiles at a mean of ~9.8 rows (313
+// tokens) and to 64 at ~22.5 (721), and the bench's buckets keep the tiles measured there.
+TEST(Planner, TokenTileCoversTheSpreadOfRowsPerExpert) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  const std::pair<int, int> tile_at[] = {{1, 16},    {16, 16},   {128, 16},  {312, 16},  {313, 32},
+                                         {512, 32},  {720, 32},  {721, 64},  {1000, 64}, {1024, 64},
+                                         {2048, 64}, {8192, 64}};
+  for (const auto& [tokens, tile] : tile_at) EXPECT_EQ(choose_token_tile(spec, tokens), tile) << tokens << " tokens";
+}
+
 }  // namespace
 }  // namespace megamoe::plan

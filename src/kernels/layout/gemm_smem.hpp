@@ -23,7 +23,7 @@ inline constexpr int kSm90SmemPerBlockOptin = 232448;  // 227 KiB
 MEGAMOE_HOST_DEVICE constexpr int gemm_token_scale_stride(int token_tile) { return token_tile < 32 ? 32 : token_tile; }
 
 // Rows of the token blocks a stage is loaded in. With 64-token tiles an expert's last tile drops
-// to 32 rows when at most 32 of its rows are left (the planner picks 64 from ~33 expected rows
+// to 32 rows when at most 32 of its rows are left (the planner picks 64 from ~23 expected rows
 // per expert, so without it half of those experts' tiles would be padding, and the math warps
 // spend their time on padded columns), and each expert's pool segment is padded to 32 rows only.
 // Smaller tiles keep one block: a half of 16 rows would put the second half's 16 token scales
