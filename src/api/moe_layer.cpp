@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <iostream>
 #include <optional>
 #include <set>
@@ -35,26 +36,35 @@ bool print_configs() {
   return enabled;
 }
 
+// A planner override from the environment, read when a layer is built (a process compares two
+// settings with two layers), not at every forward: unset, or one of `allowed`. Anything else is
+// refused, so that a mistyped measurement does not quietly run the planner's own choice.
+std::optional<std::string> environment_override(const char* name, std::initializer_list<const char*> allowed,
+                                                const char* allowed_in_words) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return std::nullopt;
+  for (const char* candidate : allowed) {
+    if (std::string(value) == candidate) return std::string(value);
+  }
+  throw Error(ErrorCode::invalid_argument,
+              std::string(name) + " must be " + allowed_in_words + ", not '" + value + "'");
+}
+
 // MEGAMOE_FC1_ROW_COPY=0 or 1 overrides the planner's choice of how fp8 FC1 reads its token rows
 // (plan::fc1_copies_token_rows), for A/B runs and for the test that both ways agree bit for bit.
-// Read when a layer is built (a process compares both with two layers), not at every forward.
 std::optional<bool> fc1_row_copy_override() {
-  const char* value = std::getenv("MEGAMOE_FC1_ROW_COPY");
-  if (value != nullptr && std::string(value) == "0") return false;
-  if (value != nullptr && std::string(value) == "1") return true;
-  return std::nullopt;
+  const std::optional<std::string> value = environment_override("MEGAMOE_FC1_ROW_COPY", {"0", "1"}, "0 or 1");
+  if (!value) return std::nullopt;
+  return *value == "1";
 }
 
 // MEGAMOE_TOKEN_TILE=16, 32 or 64 overrides the planner's token tile (plan::choose_token_tile) of
-// every call, for measurements; the output does not depend on it. Read when a layer is built.
+// every call, for measurements; the output does not depend on it.
 std::optional<int> token_tile_override() {
-  const char* value = std::getenv("MEGAMOE_TOKEN_TILE");
-  if (value == nullptr) return std::nullopt;
-  const std::string tile(value);
-  if (tile != "16" && tile != "32" && tile != "64") {
-    throw Error(ErrorCode::invalid_argument, "MEGAMOE_TOKEN_TILE must be 16, 32 or 64, not '" + tile + "'");
-  }
-  return std::stoi(tile);
+  const std::optional<std::string> value =
+      environment_override("MEGAMOE_TOKEN_TILE", {"16", "32", "64"}, "16, 32 or 64");
+  if (!value) return std::nullopt;
+  return std::stoi(*value);
 }
 
 }  // namespace

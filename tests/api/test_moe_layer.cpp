@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/gpu_test.hpp"
@@ -375,20 +376,25 @@ TEST(MoeLayer, TokenTileLeavesTheOutputUnchangedBitForBit) {
   expect_same_output_under("MEGAMOE_TOKEN_TILE", {"16", "32", "64"}, {7, 128}, 128);
 }
 
-TEST(MoeLayer, UnsupportedTokenTileOverrideIsRefused) {
+// A mistyped override must not quietly run the planner's own choice.
+TEST(MoeLayer, UnsupportedOverridesAreRefused) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
   LayerFixture& f = fixture_for(c, rng.seed());
-  ASSERT_EQ(setenv("MEGAMOE_TOKEN_TILE", "48", 1), 0);
-  try {
-    MoeLayer layer(f.spec, f.packed, kMaxTokens);
-    ADD_FAILURE() << "a layer was built with MEGAMOE_TOKEN_TILE=48";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find("MEGAMOE_TOKEN_TILE"), std::string::npos) << e.what();
+  const std::pair<const char*, const char*> overrides[] = {
+      {"MEGAMOE_TOKEN_TILE", "48"}, {"MEGAMOE_FC1_ROW_COPY", "yes"}, {"MEGAMOE_FC1_ROW_COPY", ""}};
+  for (const auto& [name, value] : overrides) {
+    ASSERT_EQ(setenv(name, value, 1), 0);
+    try {
+      MoeLayer layer(f.spec, f.packed, kMaxTokens);
+      ADD_FAILURE() << "a layer was built with " << name << "='" << value << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+    unsetenv(name);
   }
-  unsetenv("MEGAMOE_TOKEN_TILE");
 }
 
 // The kernels' shared-memory limits belong to each device: a process that spreads a model's layers
