@@ -28,6 +28,17 @@ __device__ __forceinline__ void cp_async_4_or_zero(void* smem_destination, const
                : "memory");
 }
 
+// `bytes` (a multiple of 16) from global to shared memory by the bulk-copy unit, counted against
+// `barrier`'s transaction count (PTX "cp.async.bulk"): what a TMA load writes into a stage, without
+// a tensor map.
+__device__ __forceinline__ void bulk_copy_to_shared(void* smem_destination, const void* global_source, uint32_t bytes,
+                                                    uint64_t* barrier) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_address(smem_destination)),
+               "l"(global_source), "r"(bytes), "r"(smem_address(barrier))
+               : "memory");
+}
+
 // One arrival on the current phase of `barrier`, made when every cp.async this thread issued so far
 // has landed. The arrival is one of those the barrier was initialized to expect (.noinc): a
 // barrier that also waits for TMA bytes counts it next to the arrive.expect_tx.
