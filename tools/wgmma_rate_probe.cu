@@ -19,6 +19,11 @@
 //            again once both CTAs' math warps have handed it back
 //   coupled  as shared, but each CTA copies the whole weight block itself: what the pairing of
 //            the two CTAs' stages costs without the multicast
+//   stream-hbm / shared-hbm  as stream / shared (256 x 64 only), the weight blocks read from a
+//            buffer far larger than L2 instead, four CTAs on each block at a time (as an expert's
+//            four 64-token tiles at 8192 tokens): one from HBM and three from L2 if L2 keeps it.
+//            Nsight Compute's dram__bytes_read.sum of the two tells whether multicast loads find
+//            each other's lines in L2 (FC1 in pairs read twice the HBM bytes, bench/NOTES.md)
 // Prints the time per K block and the rate, beside the tile's tensor work at the fp8 peak (4096
 // MACs per cycle per SM, dense), per case. 256 x 128 (what the GEMM cannot hold twice in
 // registers) runs the cases without promotion only.
@@ -57,14 +62,20 @@ constexpr int kKBlocks = 4096;           // per CTA and call
 constexpr int kSourceBytes = 8 << 20;    // the copies' source: stays in L2
 constexpr Replays kCalls{2, 10};
 
-enum class Case { tensor, promote, copy, stream, shared, coupled };
+enum class Case { tensor, promote, copy, stream, shared, coupled, stream_hbm, shared_hbm };
 const char* case_name(Case c) {
-  const char* names[] = {"tensor", "promote", "copy", "stream", "shared", "coupled"};
+  const char* names[] = {"tensor", "promote", "copy", "stream", "shared", "coupled", "stream-hbm", "shared-hbm"};
   return names[static_cast<int>(c)];
 }
-constexpr bool clustered(Case c) { return c == Case::shared || c == Case::coupled; }
-constexpr bool copies(Case c) { return c == Case::copy || c == Case::stream || clustered(c); }
-constexpr bool promotes(Case c) { return c == Case::promote || c == Case::stream || clustered(c); }
+constexpr bool multicasts(Case c) { return c == Case::shared || c == Case::shared_hbm; }
+constexpr bool clustered(Case c) { return multicasts(c) || c == Case::coupled; }
+constexpr bool from_hbm(Case c) { return c == Case::stream_hbm || c == Case::shared_hbm; }
+constexpr bool copies(Case c) { return c == Case::copy || c == Case::stream || clustered(c) || from_hbm(c); }
+constexpr bool promotes(Case c) { return c == Case::promote || c == Case::stream || clustered(c) || from_hbm(c); }
+// The HBM cases' weights: each group of kCtasPerWeightBlock CTAs walks its own kKBlocks blocks
+// (33 groups x 128 MB on an H200), so no two groups read the same bytes.
+constexpr size_t kHbmBytes = size_t{8} << 30;
+constexpr int kCtasPerWeightBlock = 4;
 constexpr int kClusterCtas = 2;  // the shared case
 
 template <int kChannels, int kTokens>
@@ -92,7 +103,8 @@ struct ProbeTile {
 };
 
 template <int kChannels, int kTokens, Case kCase>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_rate_kernel(const uint8_t* source, float* sink) {
+__global__ void __launch_bounds__(kThreads, 1) wgmma_rate_kernel(const uint8_t* source, const uint8_t* weights,
+                                                                 float* sink) {
   using T = ProbeTile<kChannels, kTokens>;
   constexpr int kStages = T::kStages;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -125,12 +137,17 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_rate_kernel(const uint8_t* 
       if constexpr (copies(kCase)) {
         ptx::mbarrier_arrive_expect_tx(&smem.full[state.stage], kA + kB);
         const uint8_t* from = window + (kb % 8) * 4096;
+        const uint8_t* a_from = from;
+        if constexpr (from_hbm(kCase)) {
+          const size_t block = static_cast<size_t>(blockIdx.x / kCtasPerWeightBlock) * kKBlocks + kb;
+          a_from = weights + block * kA % kHbmBytes;
+        }
         Element* a = smem.a.begin() + state.stage * kA;
-        if constexpr (kCase == Case::shared) {
+        if constexpr (multicasts(kCase)) {
           const uint32_t half = kA / kCtas;
-          ptx::bulk_copy_multicast(a + rank * half, from + rank * half, half, &smem.full[state.stage], (1u << kCtas) - 1);
+          ptx::bulk_copy_multicast(a + rank * half, a_from + rank * half, half, &smem.full[state.stage], (1u << kCtas) - 1);
         } else {
-          ptx::bulk_copy_to_shared(a, from, kA, &smem.full[state.stage]);
+          ptx::bulk_copy_to_shared(a, a_from, kA, &smem.full[state.stage]);
         }
         ptx::bulk_copy_to_shared(smem.b.begin() + state.stage * kB, from + kA, kB, &smem.full[state.stage]);
       } else {
@@ -192,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_rate_kernel(const uint8_t* 
 }
 
 template <int kChannels, int kTokens, Case kCase>
-void run_case(const uint8_t* source, float* sink, int sms, cudaStream_t stream) {
+void run_case(const uint8_t* source, const uint8_t* weights, float* sink, int sms, cudaStream_t stream) {
   using T = ProbeTile<kChannels, kTokens>;
   const int smem_bytes = static_cast<int>(sizeof(typename T::SharedStorage));
   auto* kernel = &wgmma_rate_kernel<kChannels, kTokens, kCase>;
@@ -210,7 +227,7 @@ void run_case(const uint8_t* source, float* sink, int sms, cudaStream_t stream) 
   config.attrs = &cluster;
   config.numAttrs = 1;
   const double ms = median_ms(stream, kCalls, [&] {
-    MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, source, sink));
+    MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, source, weights, sink));
     MEGAMOE_CHECK_LAUNCH("wgmma_rate_kernel");
   });
   const int ctas = static_cast<int>(config.gridDim.x);
@@ -225,15 +242,19 @@ void run_case(const uint8_t* source, float* sink, int sms, cudaStream_t stream) 
 // A shape whose two fp32 fragments (accumulators and the batch to promote) exceed the math
 // warpgroups' registers runs the tensor case only.
 template <int kChannels, int kTokens>
-void run_shape(const uint8_t* source, float* sink, int sms, cudaStream_t stream) {
-  run_case<kChannels, kTokens, Case::tensor>(source, sink, sms, stream);
-  run_case<kChannels, kTokens, Case::copy>(source, sink, sms, stream);
+void run_shape(const uint8_t* source, const uint8_t* weights, float* sink, int sms, cudaStream_t stream) {
+  run_case<kChannels, kTokens, Case::tensor>(source, weights, sink, sms, stream);
+  run_case<kChannels, kTokens, Case::copy>(source, weights, sink, sms, stream);
   constexpr int kFragmentRegisters = kChannels * kTokens / (128 * kMathWarpgroups);
   if constexpr (2 * kFragmentRegisters <= 128) {
-    run_case<kChannels, kTokens, Case::promote>(source, sink, sms, stream);
-    run_case<kChannels, kTokens, Case::stream>(source, sink, sms, stream);
-    run_case<kChannels, kTokens, Case::shared>(source, sink, sms, stream);
-    run_case<kChannels, kTokens, Case::coupled>(source, sink, sms, stream);
+    run_case<kChannels, kTokens, Case::promote>(source, weights, sink, sms, stream);
+    run_case<kChannels, kTokens, Case::stream>(source, weights, sink, sms, stream);
+    run_case<kChannels, kTokens, Case::shared>(source, weights, sink, sms, stream);
+    run_case<kChannels, kTokens, Case::coupled>(source, weights, sink, sms, stream);
+  }
+  if constexpr (kChannels == 256 && kTokens == 64) {
+    run_case<kChannels, kTokens, Case::stream_hbm>(source, weights, sink, sms, stream);
+    run_case<kChannels, kTokens, Case::shared_hbm>(source, weights, sink, sms, stream);
   }
   std::fflush(stdout);
 }
@@ -258,6 +279,8 @@ int main(int argc, char** argv) {
     cudaStream_t stream;
     MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
     DeviceBuffer source(kSourceBytes);
+    DeviceBuffer hbm_weights(kHbmBytes);
+    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(hbm_weights.as<void>(), 0x3C, kHbmBytes, stream));
     DeviceBuffer sink(sizeof(float) * kThreads);
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(source.as<void>(), 0x3C, kSourceBytes, stream));
     const int sms = prop.multiProcessorCount;
@@ -265,12 +288,13 @@ int main(int argc, char** argv) {
                 prop.name, sms, kKBlocks, kCalls.timed);
     std::printf("  tile (channels x tokens), case, stages, time per K block, rate, the tile's tensor work at peak\n");
     const uint8_t* src = source.as<const uint8_t>();
+    const uint8_t* weights = hbm_weights.as<const uint8_t>();
     float* out = sink.as<float>();
-    run_shape<256, 16>(src, out, sms, stream);
-    run_shape<256, 32>(src, out, sms, stream);
-    run_shape<256, 64>(src, out, sms, stream);
-    run_shape<128, 128>(src, out, sms, stream);
-    run_shape<256, 128>(src, out, sms, stream);
+    run_shape<256, 16>(src, weights, out, sms, stream);
+    run_shape<256, 32>(src, weights, out, sms, stream);
+    run_shape<256, 64>(src, weights, out, sms, stream);
+    run_shape<128, 128>(src, weights, out, sms, stream);
+    run_shape<256, 128>(src, weights, out, sms, stream);
     MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "megamoe-wgmma-probe: %s\n", e.what());
