@@ -21,12 +21,12 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <exception>
 #include <string>
 #include <vector>
 
 #include "buffer_reader.cuh"
 #include "device_timing.hpp"
+#include "probe_main.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/ptx/mbarrier.cuh"
 #include "kernels/pipeline/pipeline_state.cuh"
@@ -185,20 +185,7 @@ void run_shape(const Shape3& shape, const std::vector<int>& grids, const std::ve
 
 int main(int argc, char** argv) {
   using namespace megamoe::bench;
-  if (argc > 1) {
-    std::fprintf(stderr, "usage: megamoe-tma-probe (no arguments; the cases are fixed, see the source header)\n");
-    return 2;
-  }
-  try {
-    cudaDeviceProp prop{};
-    MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    if (prop.major != 9) {
-      std::fprintf(stderr, "megamoe-tma-probe needs a Hopper GPU (sm_90); found %s (sm_%d%d)\n", prop.name, prop.major,
-                   prop.minor);
-      return 1;
-    }
-    cudaStream_t stream;
-    MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  return run_probe("megamoe-tma-probe", argc, [](const cudaDeviceProp& prop, cudaStream_t stream) {
     BufferReader scrub(stream, 2 * static_cast<size_t>(prop.l2CacheSize), prop.multiProcessorCount);
     const int sms = prop.multiProcessorCount;
     std::printf("%s, %d SMs; L2 scrubbed before each call; median of %d calls\n", prop.name, sms, kCalls.timed);
@@ -207,10 +194,5 @@ int main(int argc, char** argv) {
     run_shape({"fc2-like", 2048, 512, 256}, {32, sms}, {3, 6}, {0}, false, scrub, stream);
     // 16 MB of weights, each tile read by ~33 CTAs: all but the first read hit L2.
     run_shape({"l2-resident", 1024, 2048, 8}, {sms}, {4, 6}, {0}, true, scrub, stream);
-    MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "megamoe-tma-probe: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

@@ -36,10 +36,10 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <exception>
 #include <vector>
 
 #include "device_timing.hpp"
+#include "probe_main.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/pipeline/pipeline_state.cuh"
 #include "kernels/ptx/cluster.cuh"
@@ -264,20 +264,7 @@ void run_shape(const uint8_t* source, const uint8_t* weights, float* sink, int s
 
 int main(int argc, char** argv) {
   using namespace megamoe::bench;
-  if (argc > 1) {
-    std::fprintf(stderr, "usage: megamoe-wgmma-probe (no arguments; the cases are fixed, see the source header)\n");
-    return 2;
-  }
-  try {
-    cudaDeviceProp prop{};
-    MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    if (prop.major != 9) {
-      std::fprintf(stderr, "megamoe-wgmma-probe needs a Hopper GPU (sm_90); found %s (sm_%d%d)\n", prop.name,
-                   prop.major, prop.minor);
-      return 1;
-    }
-    cudaStream_t stream;
-    MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  return run_probe("megamoe-wgmma-probe", argc, [](const cudaDeviceProp& prop, cudaStream_t stream) {
     DeviceBuffer source(kSourceBytes);
     DeviceBuffer hbm_weights(kHbmBytes);
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(hbm_weights.as<void>(), 0x3C, kHbmBytes, stream));
@@ -295,10 +282,5 @@ int main(int argc, char** argv) {
     run_shape<256, 64>(src, weights, out, sms, stream);
     run_shape<128, 128>(src, weights, out, sms, stream);
     run_shape<256, 128>(src, weights, out, sms, stream);
-    MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "megamoe-wgmma-probe: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }
