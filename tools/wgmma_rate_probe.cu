@@ -36,7 +36,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <vector>
 
 #include "device_timing.hpp"
 #include "probe_main.hpp"
@@ -45,7 +44,6 @@
 #include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/cp_async.cuh"
 #include "kernels/ptx/mbarrier.cuh"
-#include "kernels/ptx/sync.cuh"
 
 namespace megamoe::bench {
 namespace {
@@ -128,7 +126,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_rate_kernel(const uint8_t* 
   pipeline::PipelineState<kStages> state;
 
   if (threadIdx.x == 0) {
-    // Each CTA copies from its own window of the source, which all CTAs' windows keep in L2.
+    // Each CTA copies from its own window of the source, which all CTAs' windows keep in L2 (the
+    // HBM cases take the weight block from their group's part of `weights` instead).
     constexpr uint32_t kA = kChannels * kBlockK, kB = kTokens * kBlockK;
     const uint32_t rank = kShared ? ptx::cluster_cta_rank() : 0;
     const uint8_t* window = source + (blockIdx.x * 64 * 1024) % (kSourceBytes - 128 * 1024);
