@@ -33,6 +33,13 @@ class MoeLayer {
   void forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs,
                CombineMode mode = CombineMode::deterministic);
 
+  // Routes later calls with `routing` instead of the spec's (experts, top_k and shapes stay):
+  // another router setting without a second copy of the weights, as a framework whose routing is
+  // a call argument needs. Validated as the constructor validates the spec (nothing changes on a
+  // throw). It waits for the device to be idle before it replaces a DeepseekGrouped bias, so it
+  // is not for use during CUDA-graph capture or between a forward and the work that needs it.
+  void set_routing(const Routing& routing);
+
   // Synchronizes `stream`, returns how many routed ids were invalid (>= E, or a duplicate within
   // a token) since the last call, and resets the count. Invalid ids contribute nothing.
   long take_invalid_routing_ids(cudaStream_t stream);

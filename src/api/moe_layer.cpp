@@ -67,6 +67,14 @@ std::optional<int> token_tile_override() {
   return std::stoi(*value);
 }
 
+// What the routing kernel holds beyond what validate(spec) checks.
+void require_routing_supported(const Routing& routing) {
+  if (const auto* grouped = std::get_if<DeepseekGrouped>(&routing); grouped && grouped->n_group > kernels::kMaxGroups) {
+    throw Error(ErrorCode::unsupported, "deepseek_grouped: n_group=" + std::to_string(grouped->n_group) +
+                                            " exceeds the " + std::to_string(kernels::kMaxGroups) + " the routing kernel holds");
+  }
+}
+
 }  // namespace
 
 struct MoeLayer::Impl {
@@ -103,10 +111,7 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_to
     throw Error(ErrorCode::unsupported, "top_k=" + std::to_string(spec.top_k) + " exceeds the " +
                                             std::to_string(kernels::kMaxTopK) + " slots per token the kernels hold");
   }
-  if (const auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing); grouped && grouped->n_group > kernels::kMaxGroups) {
-    throw Error(ErrorCode::unsupported, "deepseek_grouped: n_group=" + std::to_string(grouped->n_group) +
-                                            " exceeds the " + std::to_string(kernels::kMaxGroups) + " the routing kernel holds");
-  }
+  require_routing_supported(spec.routing);
   if (spec.hidden % 8 != 0) throw Error(ErrorCode::unsupported, "hidden must be a multiple of 8");
 
   int device = 0;
@@ -194,7 +199,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
     f.n_group = grouped->n_group;
     f.topk_group = grouped->topk_group;
     f.routed_scaling_factor = grouped->routed_scaling_factor;
-    f.bias = impl_->bias;
+    f.bias = grouped->e_score_correction_bias.empty() ? nullptr : impl_->bias;  // empty: all zeros
   } else {
     f.routing_mode = 2;
   }
@@ -210,6 +215,22 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   f.workspace = impl_->workspace;
   f.workspace_layout = impl_->workspace_layout;
   kernels::launch_moe_forward(f, stream);
+}
+
+void MoeLayer::set_routing(const Routing& routing) {
+  MoeSpec candidate = spec_;
+  candidate.routing = routing;
+  validate(candidate);
+  require_routing_supported(routing);
+  const auto* grouped = std::get_if<DeepseekGrouped>(&routing);
+  if (grouped != nullptr && !grouped->e_score_correction_bias.empty()) {
+    // A forward in flight may still read the old bias.
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    if (impl_->bias == nullptr) impl_->bias = cuda_alloc<float>(grouped->e_score_correction_bias.size());
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(impl_->bias, grouped->e_score_correction_bias.data(),
+                                  grouped->e_score_correction_bias.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  spec_ = std::move(candidate);
 }
 
 long MoeLayer::take_invalid_routing_ids(cudaStream_t stream) {

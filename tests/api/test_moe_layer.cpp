@@ -397,6 +397,36 @@ TEST(MoeLayer, UnsupportedOverridesAreRefused) {
   }
 }
 
+// A layer re-routed with set_routing computes what a layer built with that routing computes, bit
+// for bit, and a routing the kernels cannot hold is refused without changing the layer's.
+TEST(MoeLayer, SetRoutingMatchesALayerBuiltWithThatRouting) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case softmax{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
+  const Case grouped{"small", Precision::fp8_block, 7, RoutingKind::grouped, Skew::uniform, CombineMode::deterministic};
+  const MoeSpec grouped_spec = spec_for(grouped, rng.seed());
+  LayerFixture& f = fixture_for(softmax, rng.seed());
+  MoeLayer rerouted(f.spec, f.packed, kMaxTokens);
+  MoeLayer built(grouped_spec, f.packed, kMaxTokens);
+  rerouted.set_routing(grouped_spec.routing);
+  const Inputs in = make_inputs(rng, f.spec, 100, Skew::uniform);
+  const std::vector<bf16_t> expected = run_device(built, grouped_spec, in, 100, CombineMode::deterministic);
+  const std::vector<bf16_t> actual = run_device(rerouted, grouped_spec, in, 100, CombineMode::deterministic);
+  EXPECT_EQ(std::memcmp(expected.data(), actual.data(), expected.size() * sizeof(bf16_t)), 0);
+
+  DeepseekGrouped too_many_groups = std::get<DeepseekGrouped>(grouped_spec.routing);
+  too_many_groups.n_group = 5;  // 16 experts do not split into 5 groups
+  EXPECT_THROW(rerouted.set_routing(too_many_groups), Error);
+  const std::vector<bf16_t> after = run_device(rerouted, grouped_spec, in, 100, CombineMode::deterministic);
+  EXPECT_EQ(std::memcmp(expected.data(), after.data(), expected.size() * sizeof(bf16_t)), 0);
+
+  // Back to softmax: the bias of the grouped routing must not leak into it.
+  rerouted.set_routing(f.spec.routing);
+  const std::vector<bf16_t> softmax_expected = run_device(*f.layer, f.spec, in, 100, CombineMode::deterministic);
+  const std::vector<bf16_t> softmax_actual = run_device(rerouted, f.spec, in, 100, CombineMode::deterministic);
+  EXPECT_EQ(std::memcmp(softmax_expected.data(), softmax_actual.data(), softmax_expected.size() * sizeof(bf16_t)), 0);
+}
+
 // The kernels' shared-memory limits belong to each device: a process that spreads a model's layers
 // over several GPUs must find them raised on every one. Needs two GPUs (scripts/gpu2_check.sh).
 TEST(MoeLayer, RunsOnEveryGpuOfOneProcess) {
