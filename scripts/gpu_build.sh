@@ -17,7 +17,7 @@ gpu_build() {
     echo "missing .deps/cutlass: run scripts/deps.sh here and carry .deps" | tee -a "$log"
     return 1
   fi
-  if cmake -S "$root" -B "$build" -G Ninja -DMEGAMOE_REQUIRE_CUDA=ON >>"$log" 2>&1 &&
+  if cmake -S "$root" -B "$build" -G Ninja -DMEGAMOE_REQUIRE_CUDA=ON -DMEGAMOE_TORCH=ON >>"$log" 2>&1 &&
      cmake --build "$build" --parallel "$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
     return 0
   fi

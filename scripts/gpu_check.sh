@@ -67,6 +67,12 @@ for exe in "$build"/tests/test_kernels_* "$build"/tests/test_api_moe_layer; do
   done
 done
 
+# The Python package's GPU suite (pytest, through CTest for its environment).
+start=$(date +%s)
+ctest --test-dir "$build" -R '^python\.gpu$' --output-on-failure >"$out/python.log" 2>&1 || status=1
+note "python (pytest, gpu): $(grep -E '[0-9]+ (passed|failed)' "$out/python.log" | tail -1) ($(( $(date +%s) - start )) s)"
+cat "$out/python.log" >>"$out/tests.log" && rm "$out/python.log"
+
 # The README's usage as a program: it must run as written.
 if "$build/megamoe-example-forward" >>"$out/tests.log" 2>&1; then
   note "megamoe-example-forward: ok ($(grep -E 'us per graph replay' "$out/tests.log" | tail -1))"

@@ -1,0 +1,293 @@
+// torch.ops.megamoe: MoeLayer as PyTorch custom ops (the Python package in python/megamoe wraps
+// them). A layer lives in this library's registry under an integer handle, as vLLM's custom
+// all-reduce passes its state: the ops then take only tensors and scalars, torch.compile treats the
+// handle as a constant, and a CUDA graph captures forward's kernels on the current stream.
+// Arguments are checked here as well as in Python: an op called directly gets the same clear
+// errors (ValueError for bad values, TypeError for bad dtypes, NotImplementedError for what the
+// kernels do not support) before any kernel runs.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "megamoe/error.hpp"
+#include "megamoe/layer.hpp"
+#include "megamoe/weights.hpp"
+
+namespace megamoe::torch_ops {
+namespace {
+
+// megamoe::Error as the Python exception its code stands for.
+template <class Fn>
+auto translating_errors(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const Error& e) {
+    switch (e.code()) {
+      case ErrorCode::unsupported: TORCH_CHECK_NOT_IMPLEMENTED(false, e.what());
+      case ErrorCode::invalid_spec:
+      case ErrorCode::invalid_argument:
+      case ErrorCode::null_pointer:
+      case ErrorCode::misaligned_pointer:
+      case ErrorCode::aliasing:
+      case ErrorCode::capacity_exceeded: TORCH_CHECK_VALUE(false, e.what());
+      default: TORCH_CHECK(false, e.what());
+    }
+  }
+}
+
+struct RegisteredLayer {
+  std::unique_ptr<MoeLayer> layer;
+  c10::DeviceIndex device;
+};
+
+// Handles start at 1 and are never reused, so a stale handle is refused rather than aliased.
+class Registry {
+ public:
+  int64_t add(RegisteredLayer entry) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    layers_.emplace(next_, std::make_shared<RegisteredLayer>(std::move(entry)));
+    return next_++;
+  }
+  std::shared_ptr<RegisteredLayer> find(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = layers_.find(handle);
+    TORCH_CHECK_VALUE(it != layers_.end(), "megamoe: no layer with handle ", handle, " (destroyed, or never created)");
+    return it->second;
+  }
+  void remove(int64_t handle) {
+    std::shared_ptr<RegisteredLayer> entry;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = layers_.find(handle);
+      if (it == layers_.end()) return;
+      entry = std::move(it->second);
+      layers_.erase(it);
+    }
+    c10::cuda::CUDAGuard guard(entry->device);
+    entry.reset();  // frees the layer's device memory on its device
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int64_t, std::shared_ptr<RegisteredLayer>> layers_;
+  int64_t next_ = 1;
+};
+
+Registry& registry() {
+  static Registry instance;
+  return instance;
+}
+
+Precision precision_from(const std::string& name) {
+  if (name == "bf16") return Precision::bf16;
+  if (name == "fp8_block") return Precision::fp8_block;
+  TORCH_CHECK_VALUE(false, "megamoe: precision must be 'bf16' or 'fp8_block', not '", name, "'");
+}
+
+ScaleFormat scale_format_from(const std::string& name) {
+  if (name == "fp32") return ScaleFormat::fp32;
+  if (name == "ue8m0") return ScaleFormat::ue8m0;
+  TORCH_CHECK_VALUE(false, "megamoe: scale_format must be 'fp32' or 'ue8m0', not '", name, "'");
+}
+
+Routing routing_from(const std::string& mode, bool renormalize, int64_t n_group, int64_t topk_group,
+                     double routed_scaling_factor, const std::optional<at::Tensor>& bias) {
+  if (mode == "softmax") return SoftmaxTopK{.renormalize = renormalize};
+  if (mode == "precomputed") return Precomputed{};
+  TORCH_CHECK_VALUE(mode == "deepseek_grouped", "megamoe: routing must be 'softmax', 'deepseek_grouped' or 'precomputed', not '",
+                    mode, "'");
+  DeepseekGrouped grouped{.n_group = static_cast<int>(n_group),
+                          .topk_group = static_cast<int>(topk_group),
+                          .routed_scaling_factor = static_cast<float>(routed_scaling_factor),
+                          .renormalize = renormalize};
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1, "megamoe: the routing bias must be 1-D [num_experts], got ", bias->sizes());
+    const at::Tensor host = bias->to(at::kCPU, at::kFloat).contiguous();
+    grouped.e_score_correction_bias.assign(host.data_ptr<float>(), host.data_ptr<float>() + host.numel());
+  }
+  return grouped;
+}
+
+// A host copy of `t` as `dtype`, contiguous: what prepare_weights reads.
+at::Tensor host_contiguous(const at::Tensor& t, at::ScalarType dtype) { return t.to(at::kCPU, dtype).contiguous(); }
+
+// Packs the vLLM-layout weights on the host (w13 [E, 2I, H], gate rows then up rows; w2 [E, H, I];
+// bf16, fp32, or float8_e4m3fn with one fp32 scale per 128 x 128 block) and builds a layer for
+// up to max_tokens tokens on device `device_index`.
+int64_t create_layer(const at::Tensor& w13, const at::Tensor& w2, const std::optional<at::Tensor>& w13_scale,
+                     const std::optional<at::Tensor>& w2_scale, int64_t top_k, const std::string& precision,
+                     const std::string& scale_format, const std::string& routing, bool renormalize, int64_t n_group,
+                     int64_t topk_group, double routed_scaling_factor, const std::optional<at::Tensor>& bias,
+                     int64_t max_tokens, int64_t device_index) {
+  TORCH_CHECK_VALUE(w13.dim() == 3 && w2.dim() == 3, "megamoe: w13 must be [E, 2I, H] and w2 [E, H, I]; got ",
+                    w13.sizes(), " and ", w2.sizes());
+  const int64_t E = w13.size(0), two_i = w13.size(1), H = w13.size(2);
+  TORCH_CHECK_VALUE(two_i % 2 == 0, "megamoe: w13's second dimension (2I, gate rows then up rows) must be even, got ",
+                    two_i);
+  TORCH_CHECK_VALUE(w2.size(0) == E && w2.size(1) == H && w2.size(2) == two_i / 2, "megamoe: w2 must be [E, H, I] = [",
+                    E, ", ", H, ", ", two_i / 2, "] to match w13 ", w13.sizes(), "; got ", w2.sizes());
+  TORCH_CHECK_TYPE(w13.scalar_type() == w2.scalar_type(), "megamoe: w13 and w2 must share a dtype; got ",
+                   w13.scalar_type(), " and ", w2.scalar_type());
+
+  MoeSpec spec;
+  spec.num_experts = static_cast<int>(E);
+  spec.top_k = static_cast<int>(top_k);
+  spec.hidden = static_cast<int>(H);
+  spec.intermediate = static_cast<int>(two_i / 2);
+  spec.precision = precision_from(precision);
+  spec.scale_format = scale_format_from(scale_format);
+  spec.routing = routing_from(routing, renormalize, n_group, topk_group, routed_scaling_factor, bias);
+
+  WeightsView view;
+  at::Tensor w13_host, w2_host, w13_scale_host, w2_scale_host;
+  switch (w13.scalar_type()) {
+    case at::kBFloat16: view.dtype = DType::bf16; break;
+    case at::kFloat: view.dtype = DType::fp32; break;
+    case at::kFloat8_e4m3fn: view.dtype = DType::fp8_e4m3; break;
+    default:
+      TORCH_CHECK_TYPE(false, "megamoe: weights must be bfloat16, float32 or float8_e4m3fn; got ", w13.scalar_type());
+  }
+  w13_host = host_contiguous(w13, w13.scalar_type());
+  w2_host = host_contiguous(w2, w2.scalar_type());
+  view.w13 = w13_host.data_ptr();
+  view.w2 = w2_host.data_ptr();
+  if (view.dtype == DType::fp8_e4m3) {
+    TORCH_CHECK_VALUE(w13_scale.has_value() && w2_scale.has_value(),
+                      "megamoe: float8_e4m3fn weights need w13_scale [E, 2I/128, H/128] and w2_scale [E, H/128, I/128]");
+    const std::vector<int64_t> w13_blocks{E, (two_i + 127) / 128, (H + 127) / 128};
+    const std::vector<int64_t> w2_blocks{E, (H + 127) / 128, (two_i / 2 + 127) / 128};
+    TORCH_CHECK_VALUE(w13_scale->sizes() == at::IntArrayRef(w13_blocks), "megamoe: w13_scale must be ", w13_blocks,
+                      ", got ", w13_scale->sizes());
+    TORCH_CHECK_VALUE(w2_scale->sizes() == at::IntArrayRef(w2_blocks), "megamoe: w2_scale must be ", w2_blocks, ", got ",
+                      w2_scale->sizes());
+    w13_scale_host = host_contiguous(*w13_scale, at::kFloat);
+    w2_scale_host = host_contiguous(*w2_scale, at::kFloat);
+    view.w13_scales = w13_scale_host.data_ptr<float>();
+    view.w2_scales = w2_scale_host.data_ptr<float>();
+  } else {
+    TORCH_CHECK_VALUE(!w13_scale.has_value() && !w2_scale.has_value(),
+                      "megamoe: weight scales go with float8_e4m3fn weights only; these are ", w13.scalar_type());
+  }
+
+  return translating_errors([&] {
+    // Packing a large layer takes a while on the host: say how far it got, every ~10%, past 2 s.
+    const auto start = std::chrono::steady_clock::now();
+    int reported = 0;
+    const PackProgress progress = [&](int done, int total) {
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (seconds < 2.0 || (done * 10 / total <= reported && done != total)) return;
+      reported = done * 10 / total;
+      std::fprintf(stderr, "megamoe: packed %d of %d experts (%.1f s)\n", done, total, seconds);
+    };
+    const PackedWeights packed = prepare_weights(spec, view, progress);
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+    RegisteredLayer entry{std::make_unique<MoeLayer>(spec, packed, static_cast<int>(max_tokens)),
+                          static_cast<c10::DeviceIndex>(device_index)};
+    return registry().add(std::move(entry));
+  });
+}
+
+void destroy_layer(int64_t handle) { registry().remove(handle); }
+
+void set_routing(int64_t handle, const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
+                 double routed_scaling_factor, const std::optional<at::Tensor>& bias) {
+  const auto entry = registry().find(handle);
+  const Routing next = routing_from(routing, renormalize, n_group, topk_group, routed_scaling_factor, bias);
+  c10::cuda::CUDAGuard guard(entry->device);
+  translating_errors([&] { entry->layer->set_routing(next); });
+}
+
+void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t rows, int64_t columns,
+                 c10::DeviceIndex device) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device, "megamoe: ", name, " must be on cuda:", device,
+                    " (the layer's device), not ", t.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "megamoe: ", name, " must be ", dtype, ", not ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && t.size(1) == columns, "megamoe: ", name, " must be [", rows,
+                    ", ", columns, "], got ", t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "megamoe: ", name, " must be contiguous (call .contiguous())");
+}
+
+// y [T, H] bf16 for x [T, H] bf16, routed from router_logits [T, E] fp32 or, with precomputed
+// routing, from topk_ids [T, k] int32 (-1: not routed here) and topk_weights [T, k] fp32.
+at::Tensor forward(int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& router_logits,
+                   const std::optional<at::Tensor>& topk_ids, const std::optional<at::Tensor>& topk_weights,
+                   bool deterministic) {
+  const auto entry = registry().find(handle);
+  MoeLayer& layer = *entry->layer;
+  const MoeSpec& spec = layer.spec();
+  TORCH_CHECK_VALUE(x.dim() == 2, "megamoe: x must be [tokens, hidden], got ", x.sizes());
+  const int64_t T = x.size(0);
+  check_input(x, "x", at::kBFloat16, T, spec.hidden, entry->device);
+  TORCH_CHECK_VALUE(T <= layer.max_tokens(), "megamoe: ", T, " tokens exceed the ", layer.max_tokens(),
+                    " this layer was prepared for (max_tokens)");
+  const bool precomputed = std::holds_alternative<Precomputed>(spec.routing);
+  if (precomputed) {
+    TORCH_CHECK_VALUE(topk_ids.has_value() && topk_weights.has_value() && !router_logits.has_value(),
+                      "megamoe: precomputed routing takes topk_ids and topk_weights, not router_logits");
+    check_input(*topk_ids, "topk_ids", at::kInt, T, spec.top_k, entry->device);
+    check_input(*topk_weights, "topk_weights", at::kFloat, T, spec.top_k, entry->device);
+  } else {
+    TORCH_CHECK_VALUE(router_logits.has_value() && !topk_ids.has_value() && !topk_weights.has_value(),
+                      "megamoe: ", to_string(spec.routing), " routing takes router_logits, not topk_ids/topk_weights");
+    check_input(*router_logits, "router_logits", at::kFloat, T, spec.num_experts, entry->device);
+  }
+  at::Tensor y = at::empty({T, spec.hidden}, x.options());
+  if (T == 0) return y;
+  c10::cuda::CUDAGuard guard(entry->device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(entry->device).stream();
+  MoeInputs inputs;
+  inputs.num_tokens = static_cast<int>(T);
+  inputs.x = x.data_ptr();
+  if (precomputed) {
+    inputs.topk_ids = topk_ids->data_ptr<int32_t>();
+    inputs.topk_weights = topk_weights->data_ptr<float>();
+  } else {
+    inputs.router_logits = router_logits->data_ptr<float>();
+  }
+  translating_errors([&] {
+    layer.forward(stream, inputs, MoeOutputs{y.data_ptr()}, deterministic ? CombineMode::deterministic : CombineMode::fast);
+  });
+  return y;
+}
+
+int64_t invalid_routing_ids(int64_t handle) {
+  const auto entry = registry().find(handle);
+  c10::cuda::CUDAGuard guard(entry->device);
+  return translating_errors(
+      [&] { return entry->layer->take_invalid_routing_ids(c10::cuda::getCurrentCUDAStream(entry->device).stream()); });
+}
+
+int64_t workspace_bytes(int64_t handle) { return static_cast<int64_t>(registry().find(handle)->layer->workspace_bytes()); }
+
+}  // namespace
+
+TORCH_LIBRARY(megamoe, m) {
+  m.def("create_layer(Tensor w13, Tensor w2, Tensor? w13_scale, Tensor? w2_scale, int top_k, str precision, "
+        "str scale_format, str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, "
+        "Tensor? bias, int max_tokens, int device_index) -> int",
+        &create_layer);
+  m.def("destroy_layer(int layer) -> ()", &destroy_layer);
+  m.def("set_routing(int layer, str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, "
+        "Tensor? bias) -> ()",
+        &set_routing);
+  m.def("forward(int layer, Tensor x, Tensor? router_logits, Tensor? topk_ids, Tensor? topk_weights, "
+        "bool deterministic) -> Tensor");
+  m.def("invalid_routing_ids(int layer) -> int", &invalid_routing_ids);
+  m.def("workspace_bytes(int layer) -> int", &workspace_bytes);
+}
+
+TORCH_LIBRARY_IMPL(megamoe, CUDA, m) { m.impl("forward", &forward); }
+
+}  // namespace megamoe::torch_ops

@@ -1,0 +1,20 @@
+"""megamoe: a whole Mixture-of-Experts layer (routing, FC1 gate+up, SwiGLU, FC2, weighted combine)
+on NVIDIA Hopper GPUs, as PyTorch custom ops (torch.ops.megamoe.*).
+
+    import megamoe
+    weights = megamoe.prepare_weights(w13, w2, top_k=8, precision="fp8_block")  # vLLM layout
+    y = megamoe.fused_moe(x, weights, router_logits)
+"""
+
+from megamoe.layer import MegaMoE, MoeWeights, fused_moe, prepare_weights
+from megamoe.routing import DeepseekRouting, PrecomputedRouting, SoftmaxRouting
+
+__all__ = [
+    "DeepseekRouting",
+    "MegaMoE",
+    "MoeWeights",
+    "PrecomputedRouting",
+    "SoftmaxRouting",
+    "fused_moe",
+    "prepare_weights",
+]

@@ -1,0 +1,305 @@
+"""prepare_weights, fused_moe and MegaMoE: megamoe's layer as PyTorch calls.
+
+Every argument is checked here, before any kernel runs: TypeError for a wrong dtype, ValueError for
+a wrong shape, device, contiguity or value. The ops check again (torch.ops.megamoe.* called
+directly get the same errors) and raise NotImplementedError for what the kernels do not support.
+"""
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from megamoe._ops import ops
+from megamoe.routing import (
+    DeepseekRouting,
+    PrecomputedRouting,
+    Routing,
+    SoftmaxRouting,
+    as_routing,
+    op_arguments,
+)
+
+PRECISIONS = ("bf16", "fp8_block")
+SCALE_FORMATS = ("fp32", "ue8m0")
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+_PRECOMPUTED = PrecomputedRouting()
+
+
+def _require_tensor(value, name: str, dims: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"megamoe: {name} must be a torch.Tensor, not {type(value).__name__}")
+    if value.dim() != dims:
+        raise ValueError(f"megamoe: {name} must have {dims} dimensions, got shape {tuple(value.shape)}")
+    return value
+
+
+class MoeWeights:
+    """Expert weights packed for megamoe's kernels on one GPU, with the layer's workspace for up to
+    `max_tokens` tokens per call (from prepare_weights).
+
+    Calls that use the same MoeWeights share its workspace, so two of them must not run at the
+    same time: keep them on one stream, or order them with events (CUDA graphs replayed one after
+    the other are fine).
+    """
+
+    def __init__(self, *, handle: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 precision: str, scale_format: str, routing: Routing, max_tokens: int, device: torch.device):
+        self._handle = handle
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden = hidden
+        self.intermediate = intermediate
+        self.precision = precision
+        self.scale_format = scale_format
+        self.routing = routing  # for calls with router_logits and no routing of their own
+        self._active_routing = routing  # what the layer routes with now (the last call's)
+        self.max_tokens = max_tokens
+        self.device = device
+
+    def __del__(self):
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            try:
+                ops.destroy_layer(handle)
+            except Exception:  # interpreter shutdown: the process frees the device memory
+                pass
+
+    @property
+    def workspace_bytes(self) -> int:
+        return ops.workspace_bytes(self._handle)
+
+    def invalid_routing_ids(self) -> int:
+        """How many routed ids were invalid (>= num_experts, or repeated within a token) since the
+        last call; they contributed nothing. Synchronizes the current stream."""
+        return ops.invalid_routing_ids(self._handle)
+
+    def _route_with(self, routing: Routing) -> None:
+        if routing is self._active_routing or routing == self._active_routing:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"megamoe: the last call routed with {self._active_routing}; switching to {routing} uploads "
+                "the new settings, which cannot happen during CUDA graph capture. Make one call with this "
+                "routing before capturing."
+            )
+        ops.set_routing(self._handle, *op_arguments(routing))
+        self._active_routing = routing
+
+    def __repr__(self) -> str:
+        return (
+            f"MoeWeights(num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden}, "
+            f"intermediate={self.intermediate}, precision={self.precision!r}, routing={self.routing}, "
+            f"max_tokens={self.max_tokens}, device={self.device})"
+        )
+
+
+def prepare_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    top_k: int,
+    precision: str = "fp8_block",
+    w13_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    scale_format: str = "fp32",
+    routing: Union[Routing, str] = "softmax",
+    max_tokens: int = 8192,
+    device: Optional[Union[torch.device, str, int]] = None,
+) -> MoeWeights:
+    """Packs vLLM-layout expert weights for the kernels and uploads them to `device` (default: the
+    current CUDA device).
+
+    w13 [E, 2I, H] holds each expert's gate rows then up rows, w2 [E, H, I] its down projection, as
+    bfloat16 or float32 tensors (any device), or as float8_e4m3fn with one float32 scale per 128 x
+    128 block (w13_scale [E, 2I/128, H/128], w2_scale [E, H/128, I/128], DeepSeek-V3's
+    weight_scale_inv). precision "fp8_block" quantizes to that format (scale_format "ue8m0" makes
+    every scale a power of two), "bf16" keeps bf16. The packing runs on the host; a large layer
+    reports its progress on stderr.
+    """
+    _require_tensor(w13, "w13", 3)
+    _require_tensor(w2, "w2", 3)
+    if w13.dtype not in _WEIGHT_DTYPES:
+        raise TypeError(f"megamoe: weights must be bfloat16, float32 or float8_e4m3fn, not {w13.dtype}")
+    if w2.dtype != w13.dtype:
+        raise TypeError(f"megamoe: w13 and w2 must share a dtype, got {w13.dtype} and {w2.dtype}")
+    num_experts, two_i, hidden = w13.shape
+    if two_i % 2:
+        raise ValueError(f"megamoe: w13 [E, 2I, H] needs an even second dimension (gate rows, then up rows), got {two_i}")
+    intermediate = two_i // 2
+    if tuple(w2.shape) != (num_experts, hidden, intermediate):
+        raise ValueError(
+            f"megamoe: w2 must be [E, H, I] = {[num_experts, hidden, intermediate]} to match w13 "
+            f"{list(w13.shape)}, got {list(w2.shape)}"
+        )
+    fp8_input = w13.dtype == torch.float8_e4m3fn
+    if fp8_input:
+        expected = {
+            "w13_scale": (w13_scale, (num_experts, -(-two_i // 128), -(-hidden // 128))),
+            "w2_scale": (w2_scale, (num_experts, -(-hidden // 128), -(-intermediate // 128))),
+        }
+        for name, (scale, shape) in expected.items():
+            if scale is None:
+                raise ValueError(f"megamoe: float8_e4m3fn weights need {name} of shape {list(shape)}")
+            _require_tensor(scale, name, 3)
+            if tuple(scale.shape) != shape:
+                raise ValueError(f"megamoe: {name} must be {list(shape)}, got {list(scale.shape)}")
+    elif w13_scale is not None or w2_scale is not None:
+        raise ValueError(f"megamoe: weight scales go with float8_e4m3fn weights only; these are {w13.dtype}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"megamoe: precision must be one of {PRECISIONS}, not {precision!r}")
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"megamoe: scale_format must be one of {SCALE_FORMATS}, not {scale_format!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"megamoe: top_k must be an int in [1, {num_experts}], not {top_k!r}")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"megamoe: max_tokens must be a positive int, not {max_tokens!r}")
+    routing = as_routing(routing)
+    if not torch.cuda.is_available():
+        raise RuntimeError("megamoe: no CUDA device is visible; the layer runs on Hopper GPUs (sm_90)")
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"megamoe: device must be a CUDA device, not {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    handle = ops.create_layer(
+        w13.detach(), w2.detach(),
+        None if w13_scale is None else w13_scale.detach(),
+        None if w2_scale is None else w2_scale.detach(),
+        top_k, precision, scale_format, *op_arguments(routing), max_tokens, device.index,
+    )
+    return MoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=hidden,
+                      intermediate=intermediate, precision=precision, scale_format=scale_format,
+                      routing=routing, max_tokens=max_tokens, device=device)
+
+
+def _check_activation(t: torch.Tensor, name: str, rows: int, columns: int, device: torch.device) -> None:
+    if tuple(t.shape) != (rows, columns):
+        raise ValueError(f"megamoe: {name} must be [{rows}, {columns}], got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"megamoe: {name} must be on {device} (the weights' device), not {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"megamoe: {name} must be contiguous (call .contiguous())")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    weights: MoeWeights,
+    router_logits: Optional[torch.Tensor] = None,
+    *,
+    topk_ids: Optional[torch.Tensor] = None,
+    topk_weights: Optional[torch.Tensor] = None,
+    routing: Optional[Union[Routing, str]] = None,
+    deterministic: bool = True,
+) -> torch.Tensor:
+    """y [T, H] bfloat16 = the MoE layer of `weights` applied to x [T, H] bfloat16.
+
+    Route with router_logits [T, E] (float32, or bfloat16/float16, converted), by `routing` or the
+    weights' own, or pass topk_ids [T, k] (int32 or int64; -1: not routed here) and topk_weights
+    [T, k] (float). deterministic=True reduces each token's k expert rows in a fixed order (the
+    same bits every run); False adds them with atomics. Enqueues on the current stream without
+    host synchronization, so it can be captured in a CUDA graph and traced by torch.compile.
+    """
+    if not isinstance(weights, MoeWeights):
+        raise TypeError(f"megamoe: weights must come from megamoe.prepare_weights, not {type(weights).__name__}")
+    _require_tensor(x, "x", 2)
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"megamoe: x must be bfloat16, not {x.dtype} (convert with x.to(torch.bfloat16))")
+    tokens = x.shape[0]
+    _check_activation(x, "x", tokens, weights.hidden, weights.device)
+    if tokens > weights.max_tokens:
+        raise ValueError(f"megamoe: {tokens} tokens exceed the {weights.max_tokens} the weights were prepared for (max_tokens)")
+    precomputed = topk_ids is not None or topk_weights is not None
+    if precomputed:
+        if router_logits is not None:
+            raise ValueError("megamoe: pass either router_logits or topk_ids with topk_weights, not both")
+        if topk_ids is None or topk_weights is None:
+            raise ValueError("megamoe: topk_ids and topk_weights go together")
+        chosen = _PRECOMPUTED if routing is None else as_routing(routing)
+        if not isinstance(chosen, PrecomputedRouting):
+            raise ValueError(f"megamoe: topk_ids/topk_weights are precomputed routing, not {chosen}")
+        _require_tensor(topk_ids, "topk_ids", 2)
+        _require_tensor(topk_weights, "topk_weights", 2)
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"megamoe: topk_ids must be int32 or int64, not {topk_ids.dtype}")
+        if not topk_weights.is_floating_point():
+            raise TypeError(f"megamoe: topk_weights must be a floating-point tensor, not {topk_weights.dtype}")
+        _check_activation(topk_ids, "topk_ids", tokens, weights.top_k, weights.device)
+        _check_activation(topk_weights, "topk_weights", tokens, weights.top_k, weights.device)
+        topk_ids = topk_ids.to(torch.int32)
+        topk_weights = topk_weights.to(torch.float32)
+    else:
+        if router_logits is None:
+            raise ValueError("megamoe: pass router_logits [T, E], or topk_ids and topk_weights")
+        chosen = weights.routing if routing is None else as_routing(routing)
+        if isinstance(chosen, PrecomputedRouting):
+            raise ValueError(
+                "megamoe: these weights were prepared for precomputed routing; with router_logits pass "
+                "routing=SoftmaxRouting(...) or DeepseekRouting(...)"
+            )
+        _require_tensor(router_logits, "router_logits", 2)
+        if not router_logits.is_floating_point():
+            raise TypeError(f"megamoe: router_logits must be a floating-point tensor, not {router_logits.dtype}")
+        _check_activation(router_logits, "router_logits", tokens, weights.num_experts, weights.device)
+        router_logits = router_logits.to(torch.float32)
+    weights._route_with(chosen)
+    return ops.forward(weights._handle, x, router_logits, topk_ids, topk_weights, deterministic)
+
+
+class MegaMoE(nn.Module):
+    """The experts of a Mixture-of-Experts block (with their routing) on megamoe's kernels.
+
+    Built from vLLM-layout weights (see prepare_weights); forward(hidden_states [..., H] bfloat16,
+    router_logits [..., E]) returns the block's output in hidden_states' shape. The router itself
+    (the gate's Linear) and any shared experts stay in the caller's model.
+    """
+
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        top_k: int,
+        routing: Union[Routing, str] = "softmax",
+        precision: str = "fp8_block",
+        w13_scale: Optional[torch.Tensor] = None,
+        w2_scale: Optional[torch.Tensor] = None,
+        scale_format: str = "fp32",
+        max_tokens: int = 8192,
+        deterministic: bool = True,
+        device: Optional[Union[torch.device, str, int]] = None,
+    ):
+        super().__init__()
+        self.weights = prepare_weights(w13, w2, top_k=top_k, precision=precision, w13_scale=w13_scale,
+                                       w2_scale=w2_scale, scale_format=scale_format, routing=routing,
+                                       max_tokens=max_tokens, device=device)
+        self.deterministic = deterministic
+
+    @classmethod
+    def from_weights(cls, weights: MoeWeights, *, deterministic: bool = True) -> "MegaMoE":
+        """A module over weights already prepared (shared with other modules or fused_moe calls)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.weights = weights
+        module.deterministic = deterministic
+        return module
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: Optional[torch.Tensor] = None,
+        topk_ids: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        shape = hidden_states.shape
+        flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
+        y = fused_moe(flat(hidden_states), self.weights, flat(router_logits), topk_ids=flat(topk_ids),
+                      topk_weights=flat(topk_weights), deterministic=self.deterministic)
+        return y.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return repr(self.weights)
+
+
+__all__ = ["MoeWeights", "prepare_weights", "fused_moe", "MegaMoE", "SoftmaxRouting", "DeepseekRouting",
+           "PrecomputedRouting"]

@@ -1,0 +1,73 @@
+"""How a token picks its experts: the routing modes of the layer, as the op arguments carry them."""
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class SoftmaxRouting:
+    """Softmax over all experts, then the top k (Qwen-MoE, Mixtral); renormalize makes the k
+    weights sum to 1."""
+
+    renormalize: bool = False
+
+
+@dataclass(frozen=True)
+class DeepseekRouting:
+    """DeepSeek-V3 routing: s = sigmoid(logit), choice = s + bias; the best topk_group of n_group
+    groups (a group scores the sum of its two best choices) hold the candidates; the top k of them
+    by choice are taken with weights s, renormalized if asked, times routed_scaling_factor."""
+
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    renormalize: bool = True
+    e_score_correction_bias: Optional[Tuple[float, ...]] = field(default=None)
+
+    def __post_init__(self):
+        bias = self.e_score_correction_bias
+        if isinstance(bias, torch.Tensor):
+            if bias.dim() != 1:
+                raise ValueError(f"megamoe: e_score_correction_bias must be 1-D [num_experts], got {tuple(bias.shape)}")
+            bias = bias.detach().to("cpu", torch.float32).tolist()
+        if bias is not None:
+            object.__setattr__(self, "e_score_correction_bias", tuple(float(b) for b in bias))
+
+
+@dataclass(frozen=True)
+class PrecomputedRouting:
+    """The caller routes: topk_ids [T, k] (-1: not routed here) and topk_weights [T, k]."""
+
+
+Routing = Union[SoftmaxRouting, DeepseekRouting, PrecomputedRouting]
+
+
+def as_routing(routing: Union[Routing, str]) -> Routing:
+    if isinstance(routing, (SoftmaxRouting, DeepseekRouting, PrecomputedRouting)):
+        return routing
+    named = {"softmax": SoftmaxRouting, "precomputed": PrecomputedRouting}
+    if isinstance(routing, str) and routing in named:
+        return named[routing]()
+    raise ValueError(
+        f"megamoe: routing must be SoftmaxRouting(...), DeepseekRouting(...), PrecomputedRouting() "
+        f"or one of {sorted(named)}, not {routing!r}"
+    )
+
+
+def op_arguments(routing: Routing) -> tuple:
+    """(mode, renormalize, n_group, topk_group, routed_scaling_factor, bias) as the ops take them."""
+    if isinstance(routing, SoftmaxRouting):
+        return ("softmax", routing.renormalize, 1, 1, 1.0, None)
+    if isinstance(routing, PrecomputedRouting):
+        return ("precomputed", False, 1, 1, 1.0, None)
+    bias: Optional[Sequence[float]] = routing.e_score_correction_bias
+    return (
+        "deepseek_grouped",
+        routing.renormalize,
+        routing.n_group,
+        routing.topk_group,
+        routing.routed_scaling_factor,
+        None if bias is None else torch.tensor(bias, dtype=torch.float32),
+    )

@@ -1,0 +1,97 @@
+"""The MoE layer written plainly in PyTorch (fp32 math on unquantized weights): what the tests
+compare megamoe with. Routing follows megamoe's conventions (src/ref/routing.cpp): DeepSeek scores
+are computed in double and rounded to float, group scores are the sum of a group's two best."""
+
+import torch
+
+
+def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool):
+    probabilities = torch.softmax(logits.double(), dim=-1)
+    weights, ids = torch.topk(probabilities, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.int(), weights.float()
+
+
+def route_deepseek(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int, routed_scaling_factor: float,
+                   renormalize: bool, bias: torch.Tensor):
+    tokens, experts = logits.shape
+    scores = torch.sigmoid(logits.double()).float()
+    choice = (scores.double() + bias.double()).float()
+    groups = choice.view(tokens, n_group, experts // n_group)
+    per_group = min(2, experts // n_group)
+    group_scores = groups.topk(per_group, dim=-1).values.double().sum(dim=-1).float()
+    kept = group_scores.topk(topk_group, dim=-1).indices
+    mask = torch.zeros(tokens, n_group, dtype=torch.bool, device=logits.device).scatter_(1, kept, True)
+    eligible = choice.masked_fill(~mask.repeat_interleave(experts // n_group, dim=1), float("-inf"))
+    ids = eligible.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids).double()
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids.int(), (weights * routed_scaling_factor).float()
+
+
+# megamoe's fp8_block format (src/ref/fp8_codec.cpp): a block's scale is amax / 448 (amax at
+# least 1e-4), its values are E4M3 codes of value * 448 / amax, rounded to nearest even.
+E4M3_MAX = 448.0
+MIN_BLOCK_AMAX = 1e-4
+
+
+def _quantized(values: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """values as their E4M3 codes times the block scale; amax broadcasts over each block."""
+    amax = amax.clamp_min(MIN_BLOCK_AMAX)
+    codes = (values * (E4M3_MAX / amax)).to(torch.float8_e4m3fn)
+    return codes.float() * (amax / E4M3_MAX)
+
+
+def quantize_rows_per_128(values: torch.Tensor) -> torch.Tensor:
+    """[T, C] fp32 through one scale per token per 128 channels (activations, FC1's output)."""
+    blocks = values.float().reshape(values.shape[0], -1, 128)
+    return _quantized(blocks, blocks.abs().amax(dim=-1, keepdim=True)).reshape(values.shape)
+
+
+def quantize_expert(w13: torch.Tensor, w2: torch.Tensor):
+    """One expert's weights as prepare_weights(precision="fp8_block") stores them, dequantized, in
+    the vLLM layout: w2 [H, I] in 128 x 128 blocks; w13 [2I, H] in the blocks of its packed form,
+    where a block holds 64 gate rows and the 64 up rows of the same channels (the packing
+    interleaves them by 8 for SwiGLU)."""
+    two_i, hidden = w13.shape
+    intermediate = two_i // 2
+    gate = w13[:intermediate].float().reshape(intermediate // 64, 64, hidden // 128, 128)
+    up = w13[intermediate:].float().reshape(intermediate // 64, 64, hidden // 128, 128)
+    amax = torch.maximum(gate.abs().amax(dim=(1, 3), keepdim=True), up.abs().amax(dim=(1, 3), keepdim=True))
+    w13_q = torch.cat([_quantized(gate, amax).reshape(intermediate, hidden),
+                       _quantized(up, amax).reshape(intermediate, hidden)])
+    blocks = w2.float().reshape(hidden // 128, 128, intermediate // 128, 128)
+    w2_q = _quantized(blocks, blocks.abs().amax(dim=(1, 3), keepdim=True)).reshape(hidden, intermediate)
+    return w13_q, w2_q
+
+
+def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  precision: str = "unquantized") -> torch.Tensor:
+    """y [T, H] fp32: sum over a token's slots of weight * (silu(gate) * up) @ w2[e]^T, where
+    [gate | up] = x @ w13[e]^T; ids of -1 contribute nothing. precision "unquantized" is the plain
+    math; "bf16" rounds the SwiGLU output to bf16 as the kernels do between FC1 and FC2;
+    "fp8_block" quantizes as megamoe does: weights (quantize_expert), x and the SwiGLU output per
+    token per 128 channels."""
+    intermediate = w2.shape[2]
+    activation_cast = {"unquantized": lambda a: a, "bf16": lambda a: a.to(torch.bfloat16).float(),
+                       "fp8_block": quantize_rows_per_128}[precision]
+    if precision == "fp8_block":
+        x = quantize_rows_per_128(x)
+    y = torch.zeros(x.shape[0], w13.shape[2], dtype=torch.float32, device=x.device)
+    for expert in torch.unique(ids[ids >= 0]).tolist():
+        rows, slots = (ids == expert).nonzero(as_tuple=True)
+        w13_e, w2_e = w13[expert].float(), w2[expert].float()
+        if precision == "fp8_block":
+            w13_e, w2_e = quantize_expert(w13_e, w2_e)
+        h = x[rows].float() @ w13_e.t()
+        activated = activation_cast(torch.nn.functional.silu(h[:, :intermediate]) * h[:, intermediate:])
+        out = activated @ w2_e.t()
+        y.index_add_(0, rows, out * weights[rows, slots].float().unsqueeze(1))
+    return y
+
+
+def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-300)).item()

@@ -1,0 +1,291 @@
+"""megamoe.layer (prepare_weights, fused_moe, MegaMoE) against the MoE layer written plainly in
+PyTorch, on fresh random data: the named workloads' shapes at several token counts, CUDA-graph
+capture and replay, torch.compile, and the errors bad inputs raise. Outputs are checked against
+unquantized fp32 math: tightly for bf16, loosely for fp8_block (its quantization error)."""
+
+import math
+
+import pytest
+import torch
+
+import megamoe
+from conftest import SEED
+from moe_reference import moe_reference, relative_l2, route_deepseek, route_softmax
+
+# Named workloads (src/plan/workloads.cpp): experts, top_k, hidden, intermediate, routing.
+DSV3_ROUTING = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, renormalize=True)
+WORKLOADS = {
+    "qwen35-a3b": (256, 8, 2048, 512, "softmax"),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, "softmax"),
+    "dsv3": (256, 8, 7168, 2048, "deepseek"),
+}
+# Relative L2 error bounds. Tight: against the reference that quantizes as megamoe does (bf16:
+# the rounding of the slot rows and y, 2.3e-3 seen on H200). fp8_block: 1.6e-2 to 2.1e-2 seen with
+# these normal weights, where the C++ suite (tests/api/test_moe_layer.cpp, uniform weights) sees
+# 2e-3 to 5e-3 against the same reference (the two references agree to 1e-7 on the CPU): the
+# device's FC1 output differs from fp32 math by more on normal weights (the tensor cores' fp8
+# accumulation inside a K block is the suspect, bench/NOTES.md twenty-first session), which moves
+# values across E4M3 steps when it is requantized for FC2. A wrong scale or a lost K block costs
+# O(1). Loose: against unquantized math (fp8_block quantizes weights, x and FC1's output, ~6.5%).
+TIGHT = {"bf16": 4e-3, "fp8_block": 3e-2}
+LOOSE = {"bf16": 1e-2, "fp8_block": 0.1}
+
+
+class Problem:
+    """Random weights of one workload in the vLLM layout, on the GPU, and their prepared form."""
+
+    def __init__(self, workload: str, precision: str, device: torch.device, weights: str = "normal",
+                 max_tokens: int = 4096):
+        experts, top_k, hidden, intermediate, routing = WORKLOADS[workload]
+        generator = torch.Generator(device=device).manual_seed(SEED + sum(map(ord, workload + precision + weights)))
+
+        def draw(*shape):  # standard deviation 1 / sqrt(fan-in); "uniform" as the C++ suite draws
+            fan_in = shape[-1]
+            if weights == "uniform":
+                values = (torch.rand(*shape, device=device, generator=generator) * 2 - 1) * math.sqrt(3.0)
+            else:
+                values = torch.randn(*shape, device=device, generator=generator)
+            return (values / math.sqrt(fan_in)).to(torch.bfloat16)
+
+        self.w13 = draw(experts, 2 * intermediate, hidden)
+        self.w2 = draw(experts, hidden, intermediate)
+        self.top_k = top_k
+        self.bias = None
+        if routing == "deepseek":
+            self.bias = torch.rand(experts, device=device, generator=generator) * 0.1 - 0.05
+            self.routing = megamoe.DeepseekRouting(**DSV3_ROUTING, e_score_correction_bias=self.bias)
+        else:
+            self.routing = megamoe.SoftmaxRouting(renormalize=workload == "qwen3-30b-a3b")
+        self.weights = megamoe.prepare_weights(self.w13, self.w2, top_k=top_k, precision=precision,
+                                               routing=self.routing, max_tokens=max_tokens, device=device)
+
+    def route(self, logits: torch.Tensor):
+        if isinstance(self.routing, megamoe.DeepseekRouting):
+            return route_deepseek(logits, self.top_k, DSV3_ROUTING["n_group"], DSV3_ROUTING["topk_group"],
+                                  DSV3_ROUTING["routed_scaling_factor"], DSV3_ROUTING["renormalize"], self.bias)
+        return route_softmax(logits, self.top_k, self.routing.renormalize)
+
+    def inputs(self, tokens: int, seed: int):
+        generator = torch.Generator(device=self.w13.device).manual_seed(SEED + seed)
+        x = torch.randn(tokens, self.w13.shape[2], device=self.w13.device, generator=generator).to(torch.bfloat16)
+        logits = torch.randn(tokens, self.w13.shape[0], device=self.w13.device, generator=generator)
+        return x, logits
+
+
+_problems = {}
+
+
+def problem(workload: str, precision: str, device: torch.device, weights: str = "normal") -> Problem:
+    """One problem alive at a time: dsv3's weights alone are 22 GB in bf16."""
+    key = (workload, precision, weights)
+    if key not in _problems:
+        _problems.clear()
+        torch.cuda.empty_cache()
+        _problems[key] = Problem(workload, precision, device, weights)
+    return _problems[key]
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+CASES = [(w, p, t, "normal") for w in ("qwen35-a3b", "qwen3-30b-a3b") for p in ("bf16", "fp8_block")
+         for t in (1, 7, 128, 1000)]
+CASES += [("dsv3", "fp8_block", t, "normal") for t in (1, 7, 128, 1000)]
+CASES += [("qwen35-a3b", "fp8_block", t, "uniform") for t in (7, 1000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("workload,precision,tokens,weights", CASES)
+def test_matches_plain_pytorch(hopper, workload, precision, tokens, weights):
+    p = problem(workload, precision, hopper, weights)
+    x, logits = p.inputs(tokens, seed=tokens)
+    y = megamoe.fused_moe(x, p.weights, logits)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    assert torch.isfinite(y).all()
+    ids, weights = p.route(logits)
+    expected = moe_reference(x, p.w13, p.w2, ids, weights, precision)
+    tight = relative_l2(y, expected)
+    loose = relative_l2(y, moe_reference(x, p.w13, p.w2, ids, weights))
+    print(f"relative L2 error: {tight:.3e} against the quantizing reference, {loose:.3e} against unquantized math")
+    assert tight < TIGHT[precision], f"relative L2 error {tight:.3e} against the quantizing reference"
+    assert loose < LOOSE[precision], f"relative L2 error {loose:.3e} against unquantized math"
+    # The same routing passed as ids (the reference's weights, within ~1e-6 of the kernel's).
+    y_ids = megamoe.fused_moe(x, p.weights, topk_ids=ids, topk_weights=weights)
+    error = relative_l2(y_ids, expected)
+    assert error < TIGHT[precision], f"precomputed ids: relative L2 error {error:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_runs_are_bit_identical(hopper, deterministic):
+    p = problem("qwen35-a3b", "fp8_block", hopper)
+    x, logits = p.inputs(1000, seed=5)
+    first = megamoe.fused_moe(x, p.weights, logits, deterministic=deterministic)
+    ids, weights = p.route(logits)
+    assert relative_l2(first, moe_reference(x, p.w13, p.w2, ids, weights, "fp8_block")) < TIGHT["fp8_block"]
+    if deterministic:
+        for _ in range(10):
+            assert torch.equal(megamoe.fused_moe(x, p.weights, logits), first)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_what_eager_computes(hopper):
+    p = problem("qwen35-a3b", "fp8_block", hopper)
+    x, logits = p.inputs(128, seed=1)
+    static_x, static_logits = x.clone(), logits.clone()
+    megamoe.fused_moe(static_x, p.weights, static_logits)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = megamoe.fused_moe(static_x, p.weights, static_logits)
+    for seed in (2, 3):
+        x, logits = p.inputs(128, seed=seed)
+        static_x.copy_(x)
+        static_logits.copy_(logits)
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, megamoe.fused_moe(x, p.weights, logits))
+
+
+class _Block(torch.nn.Module):
+    """A model's MoE block around MegaMoE: the router's Linear, the experts, a residual."""
+
+    def __init__(self, experts: megamoe.MegaMoE, gate: torch.Tensor):
+        super().__init__()
+        self.experts = experts
+        self.gate = torch.nn.Parameter(gate, requires_grad=False)
+
+    def forward(self, hidden_states):
+        router_logits = torch.nn.functional.linear(hidden_states.float(), self.gate)
+        return hidden_states + self.experts(hidden_states, router_logits)
+
+
+@pytest.mark.gpu
+def test_torch_compile_traces_the_op(hopper):
+    p = problem("qwen35-a3b", "bf16", hopper)
+    experts = megamoe.MegaMoE.from_weights(p.weights)
+    gate = torch.randn(p.w13.shape[0], p.w13.shape[2], device=hopper) / math.sqrt(p.w13.shape[2])
+    block = _Block(experts, gate)
+    compiled = torch.compile(block, fullgraph=True)
+    for tokens in (16, 300):
+        x, _ = p.inputs(tokens, seed=tokens)
+        hidden = x.view(1, tokens, -1)
+        eager = block(hidden)  # also settles the layer's routing, which a compiled call does not switch
+        assert torch.equal(compiled(hidden), eager)
+
+
+@pytest.mark.gpu
+def test_megamoe_module_keeps_the_input_shape(hopper):
+    p = problem("qwen35-a3b", "bf16", hopper)
+    module = megamoe.MegaMoE(p.w13, p.w2, top_k=p.top_k, precision="bf16", routing=p.routing, max_tokens=64)
+    x, logits = p.inputs(6, seed=11)
+    y = module(x.view(2, 3, -1), logits.view(2, 3, -1))
+    assert y.shape == (2, 3, p.w13.shape[2])
+    assert torch.equal(y.view(6, -1), megamoe.fused_moe(x, p.weights, logits))
+
+
+@pytest.mark.gpu
+def test_routing_can_change_between_calls(hopper):
+    p = problem("qwen35-a3b", "bf16", hopper)
+    x, logits = p.inputs(64, seed=7)
+    softmax = megamoe.fused_moe(x, p.weights, logits)
+    bias = torch.linspace(-0.05, 0.05, p.w13.shape[0])
+    grouped = megamoe.DeepseekRouting(n_group=8, topk_group=4, routed_scaling_factor=2.5, e_score_correction_bias=bias)
+    y = megamoe.fused_moe(x, p.weights, logits, routing=grouped)
+    ids, weights = route_deepseek(logits, p.top_k, 8, 4, 2.5, True, bias.to(hopper))
+    assert relative_l2(y, moe_reference(x, p.w13, p.w2, ids, weights, "bf16")) < TIGHT["bf16"]
+    assert torch.equal(megamoe.fused_moe(x, p.weights, logits, routing=p.routing), softmax)
+
+
+@pytest.mark.gpu
+def test_unrouted_and_invalid_ids(hopper):
+    p = problem("qwen35-a3b", "bf16", hopper)
+    x, logits = p.inputs(32, seed=9)
+    ids, weights = p.route(logits)
+    ids[:, p.top_k // 2:] = -1  # not routed here: contributes nothing
+    expected = moe_reference(x, p.w13, p.w2, ids, weights, "bf16")
+    bad = ids.clone()
+    bad[0, -1] = p.w13.shape[0]  # out of range: counted, contributes nothing
+    bad[1, -1] = bad[1, 0]       # a duplicate: likewise
+    p.weights.invalid_routing_ids()
+    y = megamoe.fused_moe(x, p.weights, topk_ids=bad.long(), topk_weights=weights)
+    assert p.weights.invalid_routing_ids() == 2
+    assert relative_l2(y, expected) < TIGHT["bf16"]
+
+
+@pytest.mark.gpu
+def test_bad_calls_raise_before_any_kernel(hopper):
+    p = problem("qwen35-a3b", "bf16", hopper)
+    x, logits = p.inputs(8, seed=3)
+    E = p.w13.shape[0]
+    with pytest.raises(TypeError, match="bfloat16"):
+        megamoe.fused_moe(x.float(), p.weights, logits)
+    with pytest.raises(ValueError, match=r"x must be \[8, 2048\]"):
+        megamoe.fused_moe(x[:, :1024].contiguous(), p.weights, logits)
+    with pytest.raises(ValueError, match="contiguous"):
+        megamoe.fused_moe(torch.cat([x, x], dim=1)[:, ::2], p.weights, logits)
+    with pytest.raises(ValueError, match="must be on cuda"):
+        megamoe.fused_moe(x.cpu(), p.weights, logits)
+    with pytest.raises(ValueError, match="router_logits must be"):
+        megamoe.fused_moe(x, p.weights, logits[:, : E // 2].contiguous())
+    with pytest.raises(ValueError, match="not both"):
+        megamoe.fused_moe(x, p.weights, logits, topk_ids=torch.zeros(8, p.top_k, dtype=torch.int32, device=hopper),
+                          topk_weights=torch.zeros(8, p.top_k, device=hopper))
+    with pytest.raises(ValueError, match="go together"):
+        megamoe.fused_moe(x, p.weights, topk_ids=torch.zeros(8, p.top_k, dtype=torch.int32, device=hopper))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        megamoe.fused_moe(x, p.weights, topk_ids=torch.zeros(8, p.top_k, device=hopper),
+                          topk_weights=torch.zeros(8, p.top_k, device=hopper))
+    with pytest.raises(ValueError, match="max_tokens"):
+        small = megamoe.prepare_weights(p.w13, p.w2, top_k=p.top_k, precision="bf16", max_tokens=4)
+        megamoe.fused_moe(x, small, logits)
+    # The ops themselves check as well (an op called without the Python layer).
+    with pytest.raises(TypeError, match="BFloat16"):
+        torch.ops.megamoe.forward(p.weights._handle, x.half(), logits, None, None, True)
+    with pytest.raises(ValueError, match="no layer with handle"):
+        torch.ops.megamoe.forward(10**9, x, logits, None, None, True)
+    with pytest.raises(NotImplementedError, match="top_k"):
+        megamoe.prepare_weights(p.w13, p.w2, top_k=64, precision="bf16", max_tokens=4)
+    # Nothing above left a kernel behind that failed.
+    torch.cuda.synchronize()
+
+
+def test_prepare_weights_checks_its_arguments():
+    """Runs without a GPU: every check comes before the weights are packed or uploaded."""
+    w13 = torch.zeros(4, 256, 128, dtype=torch.bfloat16)
+    w2 = torch.zeros(4, 128, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\] = \[4, 128, 128\]"):
+        megamoe.prepare_weights(w13, w2[:, :64], top_k=2)
+    with pytest.raises(ValueError, match="3 dimensions"):
+        megamoe.prepare_weights(w13[0], w2, top_k=2)
+    with pytest.raises(ValueError, match="even second dimension"):
+        megamoe.prepare_weights(w13[:, :255], w2, top_k=2)
+    with pytest.raises(TypeError, match="share a dtype"):
+        megamoe.prepare_weights(w13, w2.float(), top_k=2)
+    with pytest.raises(TypeError, match="bfloat16, float32 or float8_e4m3fn"):
+        megamoe.prepare_weights(w13.half(), w2.half(), top_k=2)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        megamoe.prepare_weights(w13.tolist(), w2, top_k=2)
+    with pytest.raises(ValueError, match="precision"):
+        megamoe.prepare_weights(w13, w2, top_k=2, precision="fp8")
+    with pytest.raises(ValueError, match="scale_format"):
+        megamoe.prepare_weights(w13, w2, top_k=2, scale_format="e8m0")
+    with pytest.raises(ValueError, match="top_k"):
+        megamoe.prepare_weights(w13, w2, top_k=5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        megamoe.prepare_weights(w13, w2, top_k=2, max_tokens=0)
+    with pytest.raises(ValueError, match="routing"):
+        megamoe.prepare_weights(w13, w2, top_k=2, routing="sigmoid")
+    with pytest.raises(ValueError, match="float8_e4m3fn weights only"):
+        megamoe.prepare_weights(w13, w2, top_k=2, w13_scale=torch.ones(4, 2, 1))
+    fp8_w13, fp8_w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"need w13_scale of shape \[4, 2, 1\]"):
+        megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2)
+    with pytest.raises(ValueError, match=r"w2_scale must be \[4, 1, 1\]"):
+        megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4, 2, 1), w2_scale=torch.ones(4, 2, 1))
+
+
+def test_fused_moe_wants_prepared_weights():
+    with pytest.raises(TypeError, match="prepare_weights"):
+        megamoe.fused_moe(torch.zeros(1, 128, dtype=torch.bfloat16), object(), torch.zeros(1, 4))
