@@ -211,8 +211,8 @@ void set_routing(int64_t handle, const std::string& routing, bool renormalize, i
 
 void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t rows, int64_t columns,
                  c10::DeviceIndex device) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device, "megamoe: ", name, " must be on cuda:", device,
-                    " (the layer's device), not ", t.device());
+  TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device, "megamoe: ", name, " must be on cuda:",
+                    static_cast<int>(device), " (the layer's device), not ", t.device());
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, "megamoe: ", name, " must be ", dtype, ", not ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && t.size(1) == columns, "megamoe: ", name, " must be [", rows,
                     ", ", columns, "], got ", t.sizes());

@@ -20,14 +20,15 @@ WORKLOADS = {
     "dsv3": (256, 8, 7168, 2048, "deepseek"),
 }
 # Relative L2 error bounds. Tight: against the reference that quantizes as megamoe does (bf16:
-# the rounding of the slot rows and y, 2.3e-3 seen on H200). fp8_block: 1.6e-2 to 2.1e-2 seen with
-# these normal weights, where the C++ suite (tests/api/test_moe_layer.cpp, uniform weights) sees
-# 2e-3 to 5e-3 against the same reference (the two references agree to 1e-7 on the CPU): the
-# device's FC1 output differs from fp32 math by more on normal weights (the tensor cores' fp8
-# accumulation inside a K block is the suspect, bench/NOTES.md twenty-first session), which moves
-# values across E4M3 steps when it is requantized for FC2. A wrong scale or a lost K block costs
-# O(1). Loose: against unquantized math (fp8_block quantizes weights, x and FC1's output, ~6.5%).
-TIGHT = {"bf16": 4e-3, "fp8_block": 3e-2}
+# the rounding of the slot rows and y, 2.3e-3 seen on H200). fp8_block: 1.6e-2 to 2.5e-2 seen here
+# with normal weights (the spread is widest at one token) and 1.2e-2 to 1.4e-2 with uniform ones,
+# where the C++ suite (tests/api/test_moe_layer.cpp, uniform weights, fp64 reference) sees 2e-3
+# to 5e-3; the two references agree to 1e-7 on the same data (a CPU cross-check), so what differs
+# between the suites is not yet known (bench/NOTES.md, twenty-first session). The bound keeps a
+# margin over what was seen; the C++ suite holds the tight fp8 check. A wrong scale or a lost K
+# block costs O(1). Loose: against unquantized math (fp8_block quantizes weights, x and FC1's
+# output: ~6.3% seen).
+TIGHT = {"bf16": 4e-3, "fp8_block": 4e-2}
 LOOSE = {"bf16": 1e-2, "fp8_block": 0.1}
 
 
