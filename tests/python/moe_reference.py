@@ -38,10 +38,14 @@ MIN_BLOCK_AMAX = 1e-4
 
 
 def _quantized(values: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """values as their E4M3 codes times the block scale; amax broadcasts over each block."""
-    amax = amax.clamp_min(MIN_BLOCK_AMAX)
-    codes = (values * (E4M3_MAX / amax)).to(torch.float8_e4m3fn)
-    return codes.float() * (amax / E4M3_MAX)
+    """values as their E4M3 codes times the block scale; amax broadcasts over each block.
+    The factor and the scale are IEEE divisions of two tensors, as megamoe's are: `448 / amax`
+    (a Python number over a tensor) multiplies by amax's reciprocal, one ulp off at times, which
+    moves products that land on a rounding tie (frequent with bf16 inputs) to the other side."""
+    amax = amax.float().clamp_min(MIN_BLOCK_AMAX)
+    e4m3_max = torch.full_like(amax, E4M3_MAX)
+    codes = (values * (e4m3_max / amax)).to(torch.float8_e4m3fn)
+    return codes.float() * (amax / e4m3_max)
 
 
 def quantize_rows_per_128(values: torch.Tensor) -> torch.Tensor:
