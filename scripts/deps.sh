@@ -41,11 +41,13 @@ if [ "$(cat "$deps/cutlass/VERSION" 2>/dev/null)" != "$cutlass_version" ]; then
 fi
 
 # The Python package (python/) builds against the python3 on PATH's PyTorch, and its tests run
-# under pytest: PyPI's torch 2.11 is the CUDA 13.0 build the GPU machines carry. MEGAMOE_TORCH=OFF
-# skips both (CMake then skips the package too).
-if [ "${MEGAMOE_TORCH:-AUTO}" != OFF ] && ! python3 -c "import torch, pytest, numpy" 2>/dev/null; then
-  echo "[deps] installing PyTorch 2.11 (CUDA 13.0 build), pytest and numpy with pip"
-  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "torch==2.11.0" pytest numpy
+# under pytest (with matplotlib for the benchmark's plot, transformers for the Hugging Face
+# example's layout check): PyPI's torch 2.11 is the CUDA 13.0 build the GPU machines carry.
+# MEGAMOE_TORCH=OFF skips them all (CMake then skips the package too).
+if [ "${MEGAMOE_TORCH:-AUTO}" != OFF ] && ! python3 -c "import torch, pytest, numpy, matplotlib, transformers" 2>/dev/null; then
+  echo "[deps] installing PyTorch 2.11 (CUDA 13.0 build), pytest, numpy, matplotlib and transformers with pip"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "torch==2.11.0" pytest numpy \
+    matplotlib "transformers>=5"
 fi
 
 if [ ! -f "$deps/googletest/CMakeLists.txt" ]; then

@@ -3,6 +3,7 @@ PyTorch, on fresh random data: the named workloads' shapes at several token coun
 capture and replay, torch.compile, and the errors bad inputs raise. Outputs are checked against
 unquantized fp32 math: tightly for bf16, loosely for fp8_block (its quantization error)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -10,15 +11,9 @@ import torch
 
 import megamoe
 from conftest import SEED
+from megamoe.workloads import WORKLOADS
 from moe_reference import moe_reference, quantize_rows_per_128, relative_l2, route_deepseek, route_softmax
 
-# Named workloads (src/plan/workloads.cpp): experts, top_k, hidden, intermediate, routing.
-DSV3_ROUTING = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, renormalize=True)
-WORKLOADS = {
-    "qwen35-a3b": (256, 8, 2048, 512, "softmax"),
-    "qwen3-30b-a3b": (128, 8, 2048, 768, "softmax"),
-    "dsv3": (256, 8, 7168, 2048, "deepseek"),
-}
 # Relative L2 error bounds, as the C++ suite's (tests/api/test_moe_layer.cpp). Tight: against the
 # reference that quantizes as megamoe does (bf16: the rounding of the slot rows and y, 2.4e-3
 # seen on H200; fp8_block: the device's fp32 FC1 output moves a few values and block amaxes
@@ -33,7 +28,8 @@ class Problem:
 
     def __init__(self, workload: str, precision: str, device: torch.device, weights: str = "normal",
                  max_tokens: int = 4096):
-        experts, top_k, hidden, intermediate, routing = WORKLOADS[workload]
+        w = WORKLOADS[workload]
+        experts, top_k, hidden, intermediate = w.experts, w.top_k, w.hidden, w.intermediate
         generator = torch.Generator(device=device).manual_seed(SEED + sum(map(ord, workload + precision + weights)))
 
         def draw(*shape):  # standard deviation 1 / sqrt(fan-in); "uniform" as the C++ suite draws
@@ -48,19 +44,19 @@ class Problem:
         self.w2 = draw(experts, hidden, intermediate)
         self.top_k = top_k
         self.bias = None
-        if routing == "deepseek":
+        self.routing = w.routing
+        if isinstance(w.routing, megamoe.DeepseekRouting):
             self.bias = torch.rand(experts, device=device, generator=generator) * 0.1 - 0.05
-            self.routing = megamoe.DeepseekRouting(**DSV3_ROUTING, e_score_correction_bias=self.bias)
-        else:
-            self.routing = megamoe.SoftmaxRouting(renormalize=workload == "qwen3-30b-a3b")
+            self.routing = dataclasses.replace(w.routing, e_score_correction_bias=self.bias)
         self.weights = megamoe.prepare_weights(self.w13, self.w2, top_k=top_k, precision=precision,
                                                routing=self.routing, max_tokens=max_tokens, device=device)
 
     def route(self, logits: torch.Tensor):
-        if isinstance(self.routing, megamoe.DeepseekRouting):
-            return route_deepseek(logits, self.top_k, DSV3_ROUTING["n_group"], DSV3_ROUTING["topk_group"],
-                                  DSV3_ROUTING["routed_scaling_factor"], DSV3_ROUTING["renormalize"], self.bias)
-        return route_softmax(logits, self.top_k, self.routing.renormalize)
+        r = self.routing
+        if isinstance(r, megamoe.DeepseekRouting):
+            return route_deepseek(logits, self.top_k, r.n_group, r.topk_group, r.routed_scaling_factor, r.renormalize,
+                                  self.bias)
+        return route_softmax(logits, self.top_k, r.renormalize)
 
     def inputs(self, tokens: int, seed: int):
         generator = torch.Generator(device=self.w13.device).manual_seed(SEED + seed)
