@@ -8,7 +8,7 @@ the weights stream from HBM as they do between a model's layers):
   torch bf16: softmax/top-k routing, a sort into expert order, torch._grouped_mm for FC1 and FC2,
     SwiGLU and an index_add_ combine;
   torch fp8: the same with torch._scaled_grouped_mm on E4M3 weights and activations with one
-    scale per row (per token, per output channel), each expert's rows padded to 16.
+    scale per row (per token, per output channel).
 Floors (DESIGN.md "Measuring", measured in the same run): the touched experts' fp8 weight bytes
 over the copy bandwidth, and the useful FLOPs over torch._scaled_mm's dense E4M3 rate; the larger.
 Prints a table per workload, writes bench/results/torch-<workload>.json and a log-log plot of
@@ -85,13 +85,13 @@ def quantize_rows(values: torch.Tensor):
 
 class TorchMoe:
     """The MoE layer in plain PyTorch: routing, expert order, two grouped GEMMs, SwiGLU, combine.
-    fp8: E4M3 with row scales through torch._scaled_grouped_mm (segments padded to 16 rows, as
-    its kernels need); else bf16 through torch._grouped_mm."""
+    fp8: E4M3 with row scales through torch._scaled_grouped_mm; else bf16 through
+    torch._grouped_mm. `align` pads each expert's rows to a multiple (PyTorch 2.11's grouped GEMMs
+    take any group size, pytorch/pytorch#155466; older ones wanted 16)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, workload: Workload, bias: Optional[torch.Tensor],
-                 fp8: bool):
-        self.workload, self.bias, self.fp8 = workload, bias, fp8
-        self.align = 16 if fp8 else 1
+                 fp8: bool, align: int = 1):
+        self.workload, self.bias, self.fp8, self.align = workload, bias, fp8, align
         if fp8:
             # [E, N, K] row-major codes, multiplied as their [E, K, N] column-major transposes.
             self.w13, self.w13_scale = quantize_rows(w13)
