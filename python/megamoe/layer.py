@@ -65,6 +65,18 @@ class MoeWeights:
             except Exception:  # interpreter shutdown: the process frees the device memory
                 pass
 
+    def __deepcopy__(self, memo):
+        # The packed weights are never written, so copies of a module share them; the layer lives
+        # as long as any of them.
+        return self
+
+    def __copy__(self):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("megamoe: MoeWeights live on a GPU under a handle of this process and cannot be pickled; "
+                        "save the original weights and call prepare_weights again")
+
     @property
     def workspace_bytes(self) -> int:
         return ops.workspace_bytes(self._handle)

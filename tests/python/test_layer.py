@@ -293,3 +293,18 @@ def test_reference_quantization_is_megamoes():
     quantized = quantize_rows_per_128(block)
     assert quantized[0, 0].item() == 3.0625
     assert quantized[0, 1].item() == 28 * 3.0625 / 448
+
+
+def test_weights_are_shared_by_copies_and_not_pickled():
+    """Runs without a GPU (the handle names no layer, and destroying it is a no-op)."""
+    import copy
+    import pickle
+
+    weights = megamoe.MoeWeights(handle=-1, num_experts=4, top_k=2, hidden=128, intermediate=128,
+                                 precision="bf16", scale_format="fp32", routing=megamoe.SoftmaxRouting(),
+                                 max_tokens=8, device=torch.device("cuda", 0))
+    assert copy.deepcopy(weights) is weights and copy.copy(weights) is weights
+    module = megamoe.MegaMoE.from_weights(weights)
+    assert copy.deepcopy(module).weights is weights
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(weights)
