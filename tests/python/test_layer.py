@@ -308,3 +308,13 @@ def test_weights_are_shared_by_copies_and_not_pickled():
     assert copy.deepcopy(module).weights is weights
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(weights)
+
+
+def test_forward_has_a_fake_implementation():
+    """What torch.compile traces with (no GPU needed: fake CUDA tensors, and no layer is looked up)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 128, dtype=torch.bfloat16, device="cuda")
+        y = torch.ops.megamoe.forward(-1, x, torch.empty(5, 16, device="cuda"), None, None, True)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16 and y.device == x.device
