@@ -21,6 +21,8 @@ class MoeLayer {
   // Uploads the packed weights to the current device and allocates the workspace for up to
   // `max_tokens` tokens per call. Throws megamoe::Error.
   MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_tokens);
+  // The same from packed weights the caller holds elsewhere (host or device memory): copied.
+  MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int max_tokens);
   ~MoeLayer();
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;

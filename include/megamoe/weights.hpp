@@ -30,6 +30,8 @@ struct WeightsView {
 //  - bf16: 2-byte elements, no scales. fp8_block: E4M3 bytes and one fp32 scale per 128x128
 //    block of the packed matrix (w13_scales [E, 2I/128, H/128], w2_scales [E, H/128, I/128]);
 //    the value of an element is decode(byte) * scale.
+struct PackedWeightsView;
+
 struct PackedWeights {
   int num_experts = 0;
   int hidden = 0;
@@ -44,6 +46,28 @@ struct PackedWeights {
   int element_bytes() const { return precision == Precision::fp8_block ? 1 : 2; }
   // Bytes one expert's weights and scales occupy (what a touched expert costs to stream).
   size_t bytes_per_expert() const;
+  PackedWeightsView view() const;
+};
+
+// Packed weights in memory the caller owns, on the host or on a device: PackedWeights' layout,
+// as pointers (what prepare_weights produces, or the same bytes packed elsewhere, e.g. by the
+// Python package on the GPU). Sizes follow from the shapes: w13 2*I*H and w2 H*I elements per
+// expert, and for fp8_block one scale per 128 x 128 block of each.
+struct PackedWeightsView {
+  int num_experts = 0;
+  int hidden = 0;
+  int intermediate = 0;
+  Precision precision = Precision::bf16;
+  ScaleFormat scale_format = ScaleFormat::fp32;
+  const uint8_t* w13 = nullptr;
+  const float* w13_scales = nullptr;  // fp8_block only
+  const uint8_t* w2 = nullptr;
+  const float* w2_scales = nullptr;   // fp8_block only
+
+  size_t w13_bytes() const;
+  size_t w2_bytes() const;
+  size_t w13_scale_count() const;
+  size_t w2_scale_count() const;
 };
 
 // Called after each expert is packed (done experts, total); long packs report progress with it.
@@ -52,6 +76,8 @@ using PackProgress = std::function<void(int done, int total)>;
 // Throws megamoe::Error(invalid_argument) unless `packed` was prepared for `spec` (same shapes,
 // precision and, for fp8_block, scale format).
 void validate_packed(const MoeSpec& spec, const PackedWeights& packed);
+// The same for a view, whose pointers must also be set (scales for fp8_block only).
+void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed);
 
 // Validates the spec and the view, then packs. Throws megamoe::Error on bad input.
 // From fp8_e4m3 input: w2's packed blocks are the checkpoint's blocks, so an fp8_block spec with

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -123,14 +124,13 @@ Routing routing_from(const std::string& mode, bool renormalize, int64_t n_group,
 // A host copy of `t` as `dtype`, contiguous: what prepare_weights reads.
 at::Tensor host_contiguous(const at::Tensor& t, at::ScalarType dtype) { return t.to(at::kCPU, dtype).contiguous(); }
 
-// Packs the vLLM-layout weights on the host (w13 [E, 2I, H], gate rows then up rows; w2 [E, H, I];
-// bf16, fp32, or float8_e4m3fn with one fp32 scale per 128 x 128 block) and builds a layer for
-// up to max_tokens tokens on device `device_index`.
-int64_t create_layer(const at::Tensor& w13, const at::Tensor& w2, const std::optional<at::Tensor>& w13_scale,
-                     const std::optional<at::Tensor>& w2_scale, int64_t top_k, const std::string& precision,
-                     const std::string& scale_format, const std::string& routing, bool renormalize, int64_t n_group,
-                     int64_t topk_group, double routed_scaling_factor, const std::optional<at::Tensor>& bias,
-                     int64_t max_tokens, int64_t device_index) {
+// Packs vLLM-layout weights on the host (w13 [E, 2I, H], gate rows then up rows; w2 [E, H, I];
+// bf16, fp32, or float8_e4m3fn with one fp32 scale per 128 x 128 block): PackedWeights as CPU
+// tensors [w13 bytes [E, 2I, H * element bytes], w13 scales [E, 2I/128, H/128], w2 bytes, w2
+// scales] (empty scales for bf16). python/megamoe/packing.py packs the same bytes on any device.
+std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2, const std::optional<at::Tensor>& w13_scale,
+                                     const std::optional<at::Tensor>& w2_scale, const std::string& precision,
+                                     const std::string& scale_format) {
   TORCH_CHECK_VALUE(w13.dim() == 3 && w2.dim() == 3, "megamoe: w13 must be [E, 2I, H] and w2 [E, H, I]; got ",
                     w13.sizes(), " and ", w2.sizes());
   const int64_t E = w13.size(0), two_i = w13.size(1), H = w13.size(2);
@@ -141,17 +141,15 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w2, const std::opt
   TORCH_CHECK_TYPE(w13.scalar_type() == w2.scalar_type(), "megamoe: w13 and w2 must share a dtype; got ",
                    w13.scalar_type(), " and ", w2.scalar_type());
 
-  MoeSpec spec;
+  MoeSpec spec;  // what packing reads of a spec: shapes and precision
   spec.num_experts = static_cast<int>(E);
-  spec.top_k = static_cast<int>(top_k);
+  spec.top_k = 1;
   spec.hidden = static_cast<int>(H);
   spec.intermediate = static_cast<int>(two_i / 2);
   spec.precision = precision_from(precision);
   spec.scale_format = scale_format_from(scale_format);
-  spec.routing = routing_from(routing, renormalize, n_group, topk_group, routed_scaling_factor, bias);
 
   WeightsView view;
-  at::Tensor w13_host, w2_host, w13_scale_host, w2_scale_host;
   switch (w13.scalar_type()) {
     case at::kBFloat16: view.dtype = DType::bf16; break;
     case at::kFloat: view.dtype = DType::fp32; break;
@@ -159,10 +157,11 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w2, const std::opt
     default:
       TORCH_CHECK_TYPE(false, "megamoe: weights must be bfloat16, float32 or float8_e4m3fn; got ", w13.scalar_type());
   }
-  w13_host = host_contiguous(w13, w13.scalar_type());
-  w2_host = host_contiguous(w2, w2.scalar_type());
+  const at::Tensor w13_host = host_contiguous(w13, w13.scalar_type());
+  const at::Tensor w2_host = host_contiguous(w2, w2.scalar_type());
   view.w13 = w13_host.data_ptr();
   view.w2 = w2_host.data_ptr();
+  at::Tensor w13_scale_host, w2_scale_host;
   if (view.dtype == DType::fp8_e4m3) {
     TORCH_CHECK_VALUE(w13_scale.has_value() && w2_scale.has_value(),
                       "megamoe: float8_e4m3fn weights need w13_scale [E, 2I/128, H/128] and w2_scale [E, H/128, I/128]");
@@ -192,8 +191,60 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w2, const std::opt
       std::fprintf(stderr, "megamoe: packed %d of %d experts (%.1f s)\n", done, total, seconds);
     };
     const PackedWeights packed = prepare_weights(spec, view, progress);
+    const int64_t element_bytes = packed.element_bytes();
+    auto bytes = [](const std::vector<uint8_t>& v, std::vector<int64_t> shape) {
+      at::Tensor out = at::empty(shape, at::kByte);
+      std::memcpy(out.data_ptr(), v.data(), v.size());
+      return out;
+    };
+    auto scales = [](const std::vector<float>& v, std::vector<int64_t> shape) {
+      at::Tensor out = at::empty(v.empty() ? std::vector<int64_t>{0} : shape, at::kFloat);
+      std::memcpy(out.data_ptr(), v.data(), v.size() * sizeof(float));
+      return out;
+    };
+    return std::vector<at::Tensor>{bytes(packed.w13, {E, two_i, H * element_bytes}),
+                                   scales(packed.w13_scales, {E, two_i / 128, H / 128}),
+                                   bytes(packed.w2, {E, H, two_i / 2 * element_bytes}),
+                                   scales(packed.w2_scales, {E, H / 128, two_i / 2 / 128})};
+  });
+}
+
+// A layer for up to max_tokens tokens on device `device_index`, from packed weights (pack_weights'
+// tensors, or the same bytes packed on the GPU) on the host or on a device: copied.
+int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
+                     const at::Tensor& w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                     int64_t top_k, const std::string& precision, const std::string& scale_format,
+                     const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
+                     double routed_scaling_factor, const std::optional<at::Tensor>& bias, int64_t max_tokens,
+                     int64_t device_index) {
+  MoeSpec spec;
+  spec.num_experts = static_cast<int>(num_experts);
+  spec.top_k = static_cast<int>(top_k);
+  spec.hidden = static_cast<int>(hidden);
+  spec.intermediate = static_cast<int>(intermediate);
+  spec.precision = precision_from(precision);
+  spec.scale_format = scale_format_from(scale_format);
+  spec.routing = routing_from(routing, renormalize, n_group, topk_group, routed_scaling_factor, bias);
+  PackedWeightsView view{spec.num_experts, spec.hidden, spec.intermediate, spec.precision, spec.scale_format};
+  const bool fp8 = spec.precision == Precision::fp8_block;
+  auto check_packed = [](const at::Tensor& t, const char* name, at::ScalarType dtype, size_t count) {
+    TORCH_CHECK_TYPE(t.scalar_type() == dtype, "megamoe: packed ", name, " must be ", dtype, ", not ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.is_contiguous() && static_cast<size_t>(t.numel()) == count, "megamoe: packed ", name,
+                      " must be contiguous with ", count, " elements, got ", t.sizes());
+  };
+  check_packed(w13, "w13", at::kByte, view.w13_bytes());
+  check_packed(w2, "w2", at::kByte, view.w2_bytes());
+  check_packed(w13_scales, "w13_scales", at::kFloat, view.w13_scale_count());
+  check_packed(w2_scales, "w2_scales", at::kFloat, view.w2_scale_count());
+  view.w13 = w13.data_ptr<uint8_t>();
+  view.w2 = w2.data_ptr<uint8_t>();
+  view.w13_scales = fp8 ? w13_scales.data_ptr<float>() : nullptr;
+  view.w2_scales = fp8 ? w2_scales.data_ptr<float>() : nullptr;
+  return translating_errors([&] {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
-    RegisteredLayer entry{std::make_unique<MoeLayer>(spec, packed, static_cast<int>(max_tokens)),
+    // Packed on the GPU on the current stream: done before the layer copies it.
+    if (w13.is_cuda()) c10::cuda::getCurrentCUDAStream(w13.get_device()).synchronize();
+    RegisteredLayer entry{std::make_unique<MoeLayer>(spec, view, static_cast<int>(max_tokens)),
                           static_cast<c10::DeviceIndex>(device_index)};
     return registry().add(std::move(entry));
   });
@@ -274,9 +325,12 @@ int64_t workspace_bytes(int64_t handle) { return static_cast<int64_t>(registry()
 }  // namespace
 
 TORCH_LIBRARY(megamoe, m) {
-  m.def("create_layer(Tensor w13, Tensor w2, Tensor? w13_scale, Tensor? w2_scale, int top_k, str precision, "
-        "str scale_format, str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, "
-        "Tensor? bias, int max_tokens, int device_index) -> int",
+  m.def("pack_weights(Tensor w13, Tensor w2, Tensor? w13_scale, Tensor? w2_scale, str precision, str scale_format) "
+        "-> Tensor[]",
+        &pack_weights);
+  m.def("create_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "
+        "int intermediate, int top_k, str precision, str scale_format, str routing, bool renormalize, int n_group, "
+        "int topk_group, float routed_scaling_factor, Tensor? bias, int max_tokens, int device_index) -> int",
         &create_layer);
   m.def("destroy_layer(int layer) -> ()", &destroy_layer);
   m.def("set_routing(int layer, str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, "

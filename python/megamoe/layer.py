@@ -10,6 +10,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from megamoe import packing
 from megamoe._ops import ops
 from megamoe.routing import (
     DeepseekRouting,
@@ -126,8 +127,9 @@ def prepare_weights(
     bfloat16 or float32 tensors (any device), or as float8_e4m3fn with one float32 scale per 128 x
     128 block (w13_scale [E, 2I/128, H/128], w2_scale [E, H/128, I/128], DeepSeek-V3's
     weight_scale_inv). precision "fp8_block" quantizes to that format (scale_format "ue8m0" makes
-    every scale a power of two), "bf16" keeps bf16. The packing runs on the host; a large layer
-    reports its progress on stderr.
+    every scale a power of two), "bf16" keeps bf16. Weights on a CUDA device are packed there
+    (megamoe.packing); others on the host, where a large layer reports its progress on stderr.
+    Both give the same bytes.
     """
     _require_tensor(w13, "w13", 3)
     _require_tensor(w2, "w2", 3)
@@ -174,12 +176,15 @@ def prepare_weights(
         raise ValueError(f"megamoe: device must be a CUDA device, not {device}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    handle = ops.create_layer(
-        w13.detach(), w2.detach(),
-        None if w13_scale is None else w13_scale.detach(),
-        None if w2_scale is None else w2_scale.detach(),
-        top_k, precision, scale_format, *op_arguments(routing), max_tokens, device.index,
-    )
+    detached = [None if t is None else t.detach() for t in (w13, w2, w13_scale, w2_scale)]
+    if w13.is_cuda:
+        # On the GPU with PyTorch (seconds for a large layer), the same bytes as the host packer.
+        w13, w2, w13_scale, w2_scale = [None if t is None else t.to(device) for t in detached]
+        packed = packing.pack_weights(w13, w2, precision, scale_format, w13_scale, w2_scale)
+    else:
+        packed = ops.pack_weights(*detached, precision, scale_format)
+    handle = ops.create_layer(*packed, num_experts, hidden, intermediate, top_k, precision, scale_format,
+                              *op_arguments(routing), max_tokens, device.index)
     return MoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=hidden,
                       intermediate=intermediate, precision=precision, scale_format=scale_format,
                       routing=routing, max_tokens=max_tokens, device=device)

@@ -20,12 +20,24 @@
 namespace megamoe {
 namespace {
 
+// A device copy of `count` elements at `source`, in host or device memory (null when empty).
+template <class T>
+T* copy_to_device(const T* source, size_t count) {
+  if (count == 0) return nullptr;
+  T* device = cuda_alloc<T>(count);
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(device, source, count * sizeof(T), cudaMemcpyDefault));
+  return device;
+}
+
 template <class T>
 T* upload(const std::vector<T>& host) {
-  if (host.empty()) return nullptr;
-  T* device = cuda_alloc<T>(host.size());
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return device;
+  return copy_to_device(host.data(), host.size());
+}
+
+// A PackedWeights' view, once its sizes are checked against its shapes.
+PackedWeightsView checked_view(const MoeSpec& spec, const PackedWeights& weights) {
+  validate_packed(spec, weights);
+  return weights.view();
 }
 
 bool print_configs() {
@@ -100,6 +112,9 @@ struct MoeLayer::Impl {
 };
 
 MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_tokens)
+    : MoeLayer(spec, checked_view(spec, weights), max_tokens) {}
+
+MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int max_tokens)
     : spec_(spec), max_tokens_(max_tokens), impl_(nullptr) {
   validate(spec);
   validate_packed(spec, weights);
@@ -142,10 +157,10 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_to
     if (impl_->token_tile.value_or(0) > impl_->workspace_layout.row_padding) {
       impl_->workspace_layout = plan::workspace_layout(spec, max_tokens, *impl_->token_tile);
     }
-    impl_->w13 = upload(weights.w13);
-    impl_->w13_scales = upload(weights.w13_scales);
-    impl_->w2 = upload(weights.w2);
-    impl_->w2_scales = upload(weights.w2_scales);
+    impl_->w13 = copy_to_device(weights.w13, weights.w13_bytes());
+    impl_->w13_scales = copy_to_device(weights.w13_scales, weights.w13_scale_count());
+    impl_->w2 = copy_to_device(weights.w2, weights.w2_bytes());
+    impl_->w2_scales = copy_to_device(weights.w2_scales, weights.w2_scale_count());
     if (const auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing)) {
       impl_->bias = upload(grouped->e_score_correction_bias);
     }

@@ -81,14 +81,51 @@ void decode_packed_row(const PackedWeights& packed, PackedMatrix matrix, int exp
 
 }  // namespace ref
 
-void validate_packed(const MoeSpec& spec, const PackedWeights& packed) {
+void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed) {
   if (packed.num_experts != spec.num_experts || packed.hidden != spec.hidden ||
       packed.intermediate != spec.intermediate || packed.precision != spec.precision ||
       (spec.precision == Precision::fp8_block && packed.scale_format != spec.scale_format)) {
     throw Error(ErrorCode::invalid_argument,
                 "packed weights were prepared for a different spec; call prepare_weights with this spec");
   }
+  if (packed.w13 == nullptr || packed.w2 == nullptr) {
+    throw Error(ErrorCode::null_pointer, "packed weights: w13 and w2 are required");
+  }
+  if (packed.precision == Precision::fp8_block && (packed.w13_scales == nullptr || packed.w2_scales == nullptr)) {
+    throw Error(ErrorCode::null_pointer, "packed fp8_block weights need w13_scales and w2_scales");
+  }
 }
+
+void validate_packed(const MoeSpec& spec, const PackedWeights& packed) {
+  const PackedWeightsView view = packed.view();
+  if (packed.w13.size() != view.w13_bytes() || packed.w2.size() != view.w2_bytes() ||
+      packed.w13_scales.size() != view.w13_scale_count() || packed.w2_scales.size() != view.w2_scale_count()) {
+    throw Error(ErrorCode::invalid_argument, "packed weights hold " + std::to_string(packed.w13.size()) + " + " +
+                                                 std::to_string(packed.w2.size()) + " bytes where their shapes need " +
+                                                 std::to_string(view.w13_bytes()) + " + " +
+                                                 std::to_string(view.w2_bytes()));
+  }
+  validate_packed(spec, view);
+}
+
+PackedWeightsView PackedWeights::view() const {
+  auto scales = [](const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
+  return PackedWeightsView{num_experts, hidden, intermediate, precision, scale_format,
+                           w13.data(), scales(w13_scales), w2.data(), scales(w2_scales)};
+}
+
+size_t PackedWeightsView::w13_bytes() const {
+  return 2ull * num_experts * intermediate * hidden * (precision == Precision::fp8_block ? 1 : 2);
+}
+
+size_t PackedWeightsView::w2_bytes() const { return w13_bytes() / 2; }
+
+size_t PackedWeightsView::w13_scale_count() const {
+  if (precision != Precision::fp8_block) return 0;
+  return 2ull * num_experts * (intermediate / ref::kQuantBlock) * (hidden / ref::kQuantBlock);
+}
+
+size_t PackedWeightsView::w2_scale_count() const { return w13_scale_count() / 2; }
 
 size_t PackedWeights::bytes_per_expert() const {
   const size_t elements = 3ull * hidden * intermediate;

@@ -169,6 +169,16 @@ def test_torch_compile_traces_the_op(hopper):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+def test_host_and_device_packing_give_the_same_layer(hopper, precision):
+    p = problem("qwen35-a3b", precision, hopper)  # packed on the GPU (megamoe.packing)
+    on_host = megamoe.prepare_weights(p.w13.cpu(), p.w2.cpu(), top_k=p.top_k, precision=precision,
+                                      routing=p.routing, max_tokens=256)  # the C++ packer
+    x, logits = p.inputs(200, seed=13)
+    assert torch.equal(megamoe.fused_moe(x, on_host, logits), megamoe.fused_moe(x, p.weights, logits))
+
+
+@pytest.mark.gpu
 def test_megamoe_module_keeps_the_input_shape(hopper):
     p = problem("qwen35-a3b", "bf16", hopper)
     module = megamoe.MegaMoE(p.w13, p.w2, top_k=p.top_k, precision="bf16", routing=p.routing, max_tokens=64)

@@ -188,5 +188,37 @@ TEST(PrepareWeights, RejectsBadInput) {
   EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp32}, bad), ErrorCode::invalid_spec);
 }
 
+// A view names the same bytes with the sizes its shapes imply; a view or a pack that does not
+// match its spec, lacks a pointer, or holds the wrong number of bytes is refused.
+TEST(PackedWeights, ViewsAreCheckedAgainstTheSpec) {
+  test::SeededRng rng;
+  const std::vector<float> w13 = rng.normals(3ull * 2 * 128 * 256, 0.05f), w2 = rng.normals(3ull * 256 * 128, 0.05f);
+  for (Precision precision : {Precision::bf16, Precision::fp8_block}) {
+    SCOPED_TRACE(to_string(precision));
+    const MoeSpec spec = small_spec(precision);
+    PackedWeights packed = prepare_weights(spec, WeightsView{w13.data(), w2.data(), DType::fp32});
+    const PackedWeightsView view = packed.view();
+    EXPECT_EQ(view.w13, packed.w13.data());
+    EXPECT_EQ(view.w13_bytes(), packed.w13.size());
+    EXPECT_EQ(view.w2_bytes(), packed.w2.size());
+    EXPECT_EQ(view.w13_scale_count(), packed.w13_scales.size());
+    EXPECT_EQ(view.w2_scale_count(), packed.w2_scales.size());
+    EXPECT_EQ(view.w13_scales == nullptr, precision == Precision::bf16);
+    EXPECT_NO_THROW(validate_packed(spec, view));
+    PackedWeightsView no_w2 = view;
+    no_w2.w2 = nullptr;
+    EXPECT_THROW(validate_packed(spec, no_w2), Error);
+    MoeSpec other = spec;
+    other.intermediate = 256;
+    EXPECT_THROW(validate_packed(other, view), Error);
+    packed.w2.pop_back();
+    EXPECT_THROW(validate_packed(spec, packed), Error);
+  }
+  const PackedWeights bf16 = prepare_weights(small_spec(Precision::bf16), WeightsView{w13.data(), w2.data(), DType::fp32});
+  PackedWeightsView fp8_without_scales = bf16.view();
+  fp8_without_scales.precision = Precision::fp8_block;
+  EXPECT_THROW(validate_packed(small_spec(Precision::fp8_block), fp8_without_scales), Error);
+}
+
 }  // namespace
 }  // namespace megamoe
