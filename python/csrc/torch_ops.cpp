@@ -209,14 +209,10 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
   });
 }
 
-// A layer for up to max_tokens tokens on device `device_index`, from packed weights (pack_weights'
-// tensors, or the same bytes packed on the GPU) on the host or on a device: copied.
-int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
-                     const at::Tensor& w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
-                     int64_t top_k, const std::string& precision, const std::string& scale_format,
-                     const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
-                     double routed_scaling_factor, const std::optional<at::Tensor>& bias, int64_t max_tokens,
-                     int64_t device_index) {
+MoeSpec spec_from(int64_t num_experts, int64_t hidden, int64_t intermediate, int64_t top_k,
+                  const std::string& precision, const std::string& scale_format, const std::string& routing,
+                  bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
+                  const std::optional<at::Tensor>& bias) {
   MoeSpec spec;
   spec.num_experts = static_cast<int>(num_experts);
   spec.top_k = static_cast<int>(top_k);
@@ -225,6 +221,29 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const 
   spec.precision = precision_from(precision);
   spec.scale_format = scale_format_from(scale_format);
   spec.routing = routing_from(routing, renormalize, n_group, topk_group, routed_scaling_factor, bias);
+  return spec;
+}
+
+// The spec's own checks (shapes the kernels' blocks divide, routing parameters), before weights
+// are packed anywhere.
+void check_spec(int64_t num_experts, int64_t hidden, int64_t intermediate, int64_t top_k, const std::string& precision,
+                const std::string& scale_format, const std::string& routing, bool renormalize, int64_t n_group,
+                int64_t topk_group, double routed_scaling_factor, const std::optional<at::Tensor>& bias) {
+  const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
+                                 renormalize, n_group, topk_group, routed_scaling_factor, bias);
+  translating_errors([&] { validate(spec); });
+}
+
+// A layer for up to max_tokens tokens on device `device_index`, from packed weights (pack_weights'
+// tensors, or the same bytes packed on the GPU) on the host or on a device: copied.
+int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
+                     const at::Tensor& w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                     int64_t top_k, const std::string& precision, const std::string& scale_format,
+                     const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
+                     double routed_scaling_factor, const std::optional<at::Tensor>& bias, int64_t max_tokens,
+                     int64_t device_index) {
+  const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
+                                 renormalize, n_group, topk_group, routed_scaling_factor, bias);
   PackedWeightsView view{spec.num_experts, spec.hidden, spec.intermediate, spec.precision, spec.scale_format};
   const bool fp8 = spec.precision == Precision::fp8_block;
   auto check_packed = [](const at::Tensor& t, const char* name, at::ScalarType dtype, size_t count) {
@@ -328,6 +347,9 @@ TORCH_LIBRARY(megamoe, m) {
   m.def("pack_weights(Tensor w13, Tensor w2, Tensor? w13_scale, Tensor? w2_scale, str precision, str scale_format) "
         "-> Tensor[]",
         &pack_weights);
+  m.def("check_spec(int num_experts, int hidden, int intermediate, int top_k, str precision, str scale_format, "
+        "str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, Tensor? bias) -> ()",
+        &check_spec);
   m.def("create_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "
         "int intermediate, int top_k, str precision, str scale_format, str routing, bool renormalize, int n_group, "
         "int topk_group, float routed_scaling_factor, Tensor? bias, int max_tokens, int device_index) -> int",

@@ -169,6 +169,11 @@ def prepare_weights(
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"megamoe: max_tokens must be a positive int, not {max_tokens!r}")
     routing = as_routing(routing)
+    ops.check_spec(num_experts, hidden, intermediate, top_k, precision, scale_format, *op_arguments(routing))
+    if fp8_input:
+        for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            if not (torch.isfinite(scale).all() and (scale > 0).all()):
+                raise ValueError(f"megamoe: {name} holds non-finite or non-positive block scales")
     if not torch.cuda.is_available():
         raise RuntimeError("megamoe: no CUDA device is visible; the layer runs on Hopper GPUs (sm_90)")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)

@@ -282,11 +282,17 @@ def test_prepare_weights_checks_its_arguments():
         megamoe.prepare_weights(w13, w2, top_k=2, routing="sigmoid")
     with pytest.raises(ValueError, match="float8_e4m3fn weights only"):
         megamoe.prepare_weights(w13, w2, top_k=2, w13_scale=torch.ones(4, 2, 1))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        megamoe.prepare_weights(w13[:, :, :64].contiguous(), w2[:, :64].contiguous(), top_k=2)
+    with pytest.raises(ValueError, match="n_group"):
+        megamoe.prepare_weights(w13, w2, top_k=2, routing=megamoe.DeepseekRouting(n_group=3, topk_group=1))
     fp8_w13, fp8_w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"need w13_scale of shape \[4, 2, 1\]"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2)
     with pytest.raises(ValueError, match=r"w2_scale must be \[4, 1, 1\]"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4, 2, 1), w2_scale=torch.ones(4, 2, 1))
+    with pytest.raises(ValueError, match="non-positive block scales"):
+        megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.zeros(4, 2, 1), w2_scale=torch.ones(4, 1, 1))
 
 
 def test_fused_moe_wants_prepared_weights():
