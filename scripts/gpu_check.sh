@@ -70,7 +70,7 @@ done
 # The Python package's GPU suite (pytest, through CTest for its environment).
 start=$(date +%s)
 ctest --test-dir "$build" -R '^python\.gpu$' --output-on-failure >"$out/python.log" 2>&1 || status=1
-note "python (pytest, gpu): $(grep -E '[0-9]+ (passed|failed)' "$out/python.log" | tail -1) ($(( $(date +%s) - start )) s)"
+note "python (pytest, gpu): $(grep -E ' in [0-9.]+s' "$out/python.log" | tail -1 | tr -d '=') ($(( $(date +%s) - start )) s)"
 cat "$out/python.log" >>"$out/tests.log" && rm "$out/python.log"
 
 # The README's usage as a program: it must run as written.
