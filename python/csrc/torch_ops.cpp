@@ -121,6 +121,21 @@ Routing routing_from(const std::string& mode, bool renormalize, int64_t n_group,
   return grouped;
 }
 
+MoeSpec spec_from(int64_t num_experts, int64_t hidden, int64_t intermediate, int64_t top_k,
+                  const std::string& precision, const std::string& scale_format, const std::string& routing,
+                  bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
+                  const std::optional<at::Tensor>& bias) {
+  MoeSpec spec;
+  spec.num_experts = static_cast<int>(num_experts);
+  spec.top_k = static_cast<int>(top_k);
+  spec.hidden = static_cast<int>(hidden);
+  spec.intermediate = static_cast<int>(intermediate);
+  spec.precision = precision_from(precision);
+  spec.scale_format = scale_format_from(scale_format);
+  spec.routing = routing_from(routing, renormalize, n_group, topk_group, routed_scaling_factor, bias);
+  return spec;
+}
+
 // A host copy of `t` as `dtype`, contiguous: what prepare_weights reads.
 at::Tensor host_contiguous(const at::Tensor& t, at::ScalarType dtype) { return t.to(at::kCPU, dtype).contiguous(); }
 
@@ -141,13 +156,8 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
   TORCH_CHECK_TYPE(w13.scalar_type() == w2.scalar_type(), "megamoe: w13 and w2 must share a dtype; got ",
                    w13.scalar_type(), " and ", w2.scalar_type());
 
-  MoeSpec spec;  // what packing reads of a spec: shapes and precision
-  spec.num_experts = static_cast<int>(E);
-  spec.top_k = 1;
-  spec.hidden = static_cast<int>(H);
-  spec.intermediate = static_cast<int>(two_i / 2);
-  spec.precision = precision_from(precision);
-  spec.scale_format = scale_format_from(scale_format);
+  // Packing reads a spec's shapes and precision only.
+  const MoeSpec spec = spec_from(E, H, two_i / 2, 1, precision, scale_format, "softmax", false, 1, 1, 1.0, std::nullopt);
 
   WeightsView view;
   switch (w13.scalar_type()) {
@@ -207,21 +217,6 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
                                    bytes(packed.w2, {E, H, two_i / 2 * element_bytes}),
                                    scales(packed.w2_scales, {E, H / 128, two_i / 2 / 128})};
   });
-}
-
-MoeSpec spec_from(int64_t num_experts, int64_t hidden, int64_t intermediate, int64_t top_k,
-                  const std::string& precision, const std::string& scale_format, const std::string& routing,
-                  bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
-                  const std::optional<at::Tensor>& bias) {
-  MoeSpec spec;
-  spec.num_experts = static_cast<int>(num_experts);
-  spec.top_k = static_cast<int>(top_k);
-  spec.hidden = static_cast<int>(hidden);
-  spec.intermediate = static_cast<int>(intermediate);
-  spec.precision = precision_from(precision);
-  spec.scale_format = scale_format_from(scale_format);
-  spec.routing = routing_from(routing, renormalize, n_group, topk_group, routed_scaling_factor, bias);
-  return spec;
 }
 
 // The spec's own checks (shapes the kernels' blocks divide, routing parameters), before weights

@@ -29,11 +29,6 @@ T* copy_to_device(const T* source, size_t count) {
   return device;
 }
 
-template <class T>
-T* upload(const std::vector<T>& host) {
-  return copy_to_device(host.data(), host.size());
-}
-
 // A PackedWeights' view, once its sizes are checked against its shapes.
 PackedWeightsView checked_view(const MoeSpec& spec, const PackedWeights& weights) {
   validate_packed(spec, weights);
@@ -162,7 +157,7 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int ma
     impl_->w2 = copy_to_device(weights.w2, weights.w2_bytes());
     impl_->w2_scales = copy_to_device(weights.w2_scales, weights.w2_scale_count());
     if (const auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing)) {
-      impl_->bias = upload(grouped->e_score_correction_bias);
+      impl_->bias = copy_to_device(grouped->e_score_correction_bias.data(), grouped->e_score_correction_bias.size());
     }
     MEGAMOE_CUDA_CHECK(cudaMalloc(&impl_->workspace, impl_->workspace_layout.total_bytes));
     // The routing counters must read zero when the first forward starts, on whatever stream it
