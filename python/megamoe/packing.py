@@ -30,7 +30,7 @@ def _values(weights: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tens
     return weights.float() * expanded[..., :rows, :columns]
 
 
-def _block_scales(amax: torch.Tensor, scale_format: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def block_scales(amax: torch.Tensor, scale_format: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """(scale, factor) of blocks with these amaxes: value = code * scale, code = E4M3(value * factor)."""
     clamped = amax.clamp_min(MIN_BLOCK_AMAX)
     e4m3_max = torch.full_like(clamped, E4M3_MAX)
@@ -47,7 +47,7 @@ def _quantize_blocks(values: torch.Tensor, scale_format: str) -> Tuple[torch.Ten
     """E4M3 codes (as bytes) of [e, R, C] values and their [e, R/128, C/128] block scales."""
     experts, rows, columns = values.shape
     blocks = values.reshape(experts, rows // QUANT_BLOCK, QUANT_BLOCK, columns // QUANT_BLOCK, QUANT_BLOCK)
-    scale, factor = _block_scales(blocks.abs().amax(dim=(2, 4), keepdim=True), scale_format)
+    scale, factor = block_scales(blocks.abs().amax(dim=(2, 4), keepdim=True), scale_format)
     codes = (blocks * factor).to(torch.float8_e4m3fn).view(torch.uint8)
     return codes.reshape(experts, rows, columns), scale.reshape(experts, rows // QUANT_BLOCK, columns // QUANT_BLOCK)
 
@@ -74,12 +74,12 @@ def pack_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str, scale_form
     out_w13 = torch.empty(experts, two_i, hidden * element_bytes, dtype=torch.uint8, device=device)
     out_w2 = torch.empty(experts, hidden, intermediate * element_bytes, dtype=torch.uint8, device=device)
 
-    def block_scales(rows: int, columns: int) -> torch.Tensor:
+    def empty_scales(rows: int, columns: int) -> torch.Tensor:
         shape = (experts, rows // QUANT_BLOCK, columns // QUANT_BLOCK) if fp8 else (0,)
         return torch.empty(shape, dtype=torch.float32, device=device)
 
-    out_w13_scales = block_scales(two_i, hidden)
-    out_w2_scales = block_scales(hidden, intermediate)
+    out_w13_scales = empty_scales(two_i, hidden)
+    out_w2_scales = empty_scales(hidden, intermediate)
     chunk = max(1, _CHUNK_ELEMENTS // (3 * intermediate * hidden))
     for first in range(0, experts, chunk):
         part = slice(first, min(first + chunk, experts))

@@ -4,6 +4,8 @@ are computed in double and rounded to float, group scores are the sum of a group
 
 import torch
 
+from megamoe import packing
+
 
 def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool):
     probabilities = torch.softmax(logits.double(), dim=-1)
@@ -31,21 +33,12 @@ def route_deepseek(logits: torch.Tensor, top_k: int, n_group: int, topk_group: i
     return ids.int(), (weights * routed_scaling_factor).float()
 
 
-# megamoe's fp8_block format (src/ref/fp8_codec.cpp): a block's scale is amax / 448 (amax at
-# least 1e-4), its values are E4M3 codes of value * 448 / amax, rounded to nearest even.
-E4M3_MAX = 448.0
-MIN_BLOCK_AMAX = 1e-4
-
-
 def _quantized(values: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """values as their E4M3 codes times the block scale; amax broadcasts over each block.
-    The factor and the scale are IEEE divisions of two tensors, as megamoe's are: `448 / amax`
-    (a Python number over a tensor) multiplies by amax's reciprocal, one ulp off at times, which
-    moves products that land on a rounding tie (frequent with bf16 inputs) to the other side."""
-    amax = amax.float().clamp_min(MIN_BLOCK_AMAX)
-    e4m3_max = torch.full_like(amax, E4M3_MAX)
-    codes = (values * (e4m3_max / amax)).to(torch.float8_e4m3fn)
-    return codes.float() * (amax / e4m3_max)
+    """values as their E4M3 codes times the block scale; amax broadcasts over each block. The
+    scale and factor are megamoe.packing's (amax / 448, at least 1e-4 / 448, by IEEE divisions of
+    two tensors), which tests/python/test_packing.py holds to the C++ packer's bytes."""
+    scale, factor = packing.block_scales(amax.float(), "fp32")
+    return (values * factor).to(torch.float8_e4m3fn).float() * scale
 
 
 def quantize_rows_per_128(values: torch.Tensor) -> torch.Tensor:
