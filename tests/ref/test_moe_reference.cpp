@@ -157,8 +157,11 @@ TEST_P(ReferenceLayer, MatchesNaiveLoopAndUnquantizedMath) {
   std::vector<bf16_t> y_exact(y.size());
   const ReferenceReport exact = reference_forward_unquantized(p.spec, p.view(), p.inputs(), MoeOutputs{y_exact.data()});
   const double err = relative_l2(report.y, exact.y);
-  // fp8 E4M3 has a 2^-4 relative step: a few percent over two quantized GEMMs; bf16 ~ 2^-9.
-  EXPECT_LT(err, c.precision == Precision::fp8_block ? 0.08 : 0.01);
+  // E4M3 keeps 3 mantissa bits, and x, W13, h and W2 are each rounded once: over 400 seeds the error here averaged
+  // 6.5% with a standard deviation of up to 0.6% (the 1-token case, whose 256 outputs are a small sample), and
+  // reached 8.5%. bf16 averaged 0.17% and reached 0.21%. The bounds sit many deviations out; a wrong scale or a
+  // skipped rounding moves the error far more.
+  EXPECT_LT(err, c.precision == Precision::fp8_block ? 0.12 : 0.01);
   EXPECT_GT(err, 0.0) << "quantization must change something, or the emulation is not running";
 }
 
