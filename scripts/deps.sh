@@ -43,11 +43,14 @@ fi
 # The Python package (python/) builds against the python3 on PATH's PyTorch, and its tests run
 # under pytest (with matplotlib for the benchmark's plot, transformers for the Hugging Face
 # example's layout check): PyPI's torch 2.11 is the CUDA 13.0 build the GPU machines carry.
+# scikit-build-core is the build backend of `pip install --no-build-isolation .` (pyproject.toml).
 # MEGAMOE_TORCH=OFF skips them all (CMake then skips the package too).
-if [ "${MEGAMOE_TORCH:-AUTO}" != OFF ] && ! python3 -c "import torch, pytest, numpy, matplotlib, transformers" 2>/dev/null; then
-  echo "[deps] installing PyTorch 2.11 (CUDA 13.0 build), pytest, numpy, matplotlib and transformers with pip"
+if [ "${MEGAMOE_TORCH:-AUTO}" != OFF ] &&
+  ! python3 -c "import torch, pytest, numpy, matplotlib, transformers, scikit_build_core" 2>/dev/null; then
+  echo "[deps] installing PyTorch 2.11 (CUDA 13.0 build), pytest, numpy, matplotlib, transformers and" \
+    "scikit-build-core with pip"
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "torch==2.11.0" pytest numpy \
-    matplotlib "transformers>=5"
+    matplotlib "transformers>=5" "scikit-build-core>=0.10"
 fi
 
 if [ ! -f "$deps/googletest/CMakeLists.txt" ]; then
