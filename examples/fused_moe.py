@@ -1,10 +1,14 @@
 """The README's Python usage as a complete program: prepare vLLM-layout weights, call fused_moe
 eagerly, through MegaMoE, and from a CUDA graph. Needs a Hopper GPU and the megamoe package."""
 
+import sys
+
 import torch
 
 import megamoe
 
+if not torch.cuda.is_available():
+    sys.exit("examples/fused_moe.py needs a Hopper GPU (sm_90); PyTorch sees no CUDA device")
 E, k, H, I = 128, 8, 2048, 768  # qwen3-30b-a3b's experts, top-k, hidden and intermediate sizes
 torch.manual_seed(0)
 w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16, device="cuda") / H**0.5  # gate rows, then up rows

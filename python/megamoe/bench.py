@@ -313,7 +313,7 @@ def bench_workload(name: str, tokens: List[int], replays: int, read_bandwidth: f
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m megamoe.bench", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
                         help="comma-separated token counts (default %(default)s)")

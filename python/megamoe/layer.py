@@ -204,6 +204,15 @@ def _check_activation(t: torch.Tensor, name: str, rows: int, columns: int, devic
         raise ValueError(f"megamoe: {name} must be contiguous (call .contiguous())")
 
 
+def ids_as_int32(topk_ids: torch.Tensor) -> torch.Tensor:
+    """topk_ids as the kernels' int32, on its device, without synchronizing. A cast alone would wrap
+    an int64 id beyond int32's range onto another id, perhaps a valid expert; such ids become -2,
+    which stays invalid (counted by invalid_routing_ids, contributing nothing)."""
+    if topk_ids.dtype == torch.int64:
+        topk_ids = topk_ids.masked_fill((topk_ids < -(2**31)) | (topk_ids >= 2**31), -2)
+    return topk_ids.to(torch.int32)
+
+
 def fused_moe(
     x: torch.Tensor,
     weights: MoeWeights,
@@ -248,7 +257,7 @@ def fused_moe(
             raise TypeError(f"megamoe: topk_weights must be a floating-point tensor, not {topk_weights.dtype}")
         _check_activation(topk_ids, "topk_ids", tokens, weights.top_k, weights.device)
         _check_activation(topk_weights, "topk_weights", tokens, weights.top_k, weights.device)
-        topk_ids = topk_ids.to(torch.int32)
+        topk_ids = ids_as_int32(topk_ids)
         topk_weights = topk_weights.to(torch.float32)
     else:
         if router_logits is None:

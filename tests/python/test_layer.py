@@ -11,6 +11,7 @@ import torch
 
 import megamoe
 from conftest import SEED
+from megamoe.layer import ids_as_int32
 from megamoe.workloads import WORKLOADS
 from moe_reference import moe_reference, quantize_rows_per_128, relative_l2, route_deepseek, route_softmax
 
@@ -208,12 +209,14 @@ def test_unrouted_and_invalid_ids(hopper):
     ids, weights = p.route(logits)
     ids[:, p.top_k // 2:] = -1  # not routed here: contributes nothing
     expected = moe_reference(x, p.w13, p.w2, ids, weights, "bf16")
-    bad = ids.clone()
+    bad = ids.long()
     bad[0, -1] = p.w13.shape[0]  # out of range: counted, contributes nothing
     bad[1, -1] = bad[1, 0]       # a duplicate: likewise
+    unused = next(e for e in range(p.w13.shape[0]) if e not in ids[2].tolist())
+    bad[2, -1] = 2**32 + unused  # beyond int32: likewise, not wrapped onto expert `unused`
     p.weights.invalid_routing_ids()
-    y = megamoe.fused_moe(x, p.weights, topk_ids=bad.long(), topk_weights=weights)
-    assert p.weights.invalid_routing_ids() == 2
+    y = megamoe.fused_moe(x, p.weights, topk_ids=bad, topk_weights=weights)
+    assert p.weights.invalid_routing_ids() == 3
     assert relative_l2(y, expected) < TIGHT["bf16"]
 
 
@@ -293,6 +296,13 @@ def test_prepare_weights_checks_its_arguments():
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4, 2, 1), w2_scale=torch.ones(4, 2, 1))
     with pytest.raises(ValueError, match="non-positive block scales"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.zeros(4, 2, 1), w2_scale=torch.ones(4, 1, 1))
+
+
+def test_int64_ids_beyond_int32_stay_invalid():
+    ids = torch.tensor([[3, -1, 2**32 + 3, -(2**32) + 5, 2**31, 7]])
+    assert ids_as_int32(ids).tolist() == [[3, -1, -2, -2, -2, 7]]
+    narrow = torch.tensor([[3, -1, 300]], dtype=torch.int32)
+    assert torch.equal(ids_as_int32(narrow), narrow)
 
 
 def test_fused_moe_wants_prepared_weights():
