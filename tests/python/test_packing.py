@@ -1,6 +1,6 @@
 """megamoe.packing (PyTorch, any device) against the C++ packer (torch.ops.megamoe.pack_weights,
-host): the same bytes for every input dtype, precision and scale format (on the CPU; the GPU
-suite packs on the device and checks the layer's output)."""
+host): the same bytes for every input dtype, precision and scale format, packed on the CPU and,
+on a Hopper machine, on the GPU."""
 
 import pytest
 import torch
@@ -24,22 +24,47 @@ def checkpoint(generator: torch.Generator):
     return out[0], out[2], out[1], out[3]
 
 
-@pytest.mark.parametrize("source", ["bf16", "fp32", "fp8_checkpoint"])
-@pytest.mark.parametrize("precision,scale_format", [("bf16", "fp32"), ("fp8_block", "fp32"), ("fp8_block", "ue8m0")])
-def test_the_same_bytes_as_the_host_packer(source, precision, scale_format):
+def weights(source: str):
+    """w13, w2, w13_scale, w2_scale on the CPU, as bf16, fp32 or an fp8 checkpoint."""
     generator = torch.Generator().manual_seed(7)
     if source == "fp8_checkpoint":
-        w13, w2, w13_scale, w2_scale = checkpoint(generator)
-    else:
-        dtype = torch.bfloat16 if source == "bf16" else torch.float32
-        w13 = torch.randn(E, 2 * I, H, generator=generator).to(dtype) * 0.05
-        w2 = torch.randn(E, H, I, generator=generator).to(dtype) * 0.05
-        # A bf16-valued element that scales to exactly a rounding tie (27 between 26 and 28, in the
-        # block whose amax is 3.0625): the case a reciprocal multiply gets wrong.
-        w13[0, 0, 0], w13[0, 0, 1] = 3.0625, 0.1845703125
-        w13_scale = w2_scale = None
-    expected = torch.ops.megamoe.pack_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
-    actual = packing.pack_weights(w13, w2, precision, scale_format, w13_scale, w2_scale)
+        return checkpoint(generator)
+    dtype = torch.bfloat16 if source == "bf16" else torch.float32
+    w13 = torch.randn(E, 2 * I, H, generator=generator).to(dtype) * 0.05
+    w2 = torch.randn(E, H, I, generator=generator).to(dtype) * 0.05
+    # A bf16-valued element that scales to exactly a rounding tie (27 between 26 and 28, in the
+    # block whose amax is 3.0625): the case a reciprocal multiply gets wrong.
+    w13[0, 0, 0], w13[0, 0, 1] = 3.0625, 0.1845703125
+    return w13, w2, None, None
+
+
+def assert_same_bytes(actual, expected):
     for name, a, e in zip(("w13", "w13 scales", "w2", "w2 scales"), actual, expected):
+        a = a.cpu()
         assert a.shape == e.shape and a.dtype == e.dtype, name
         assert torch.equal(a, e), f"{name}: {(a != e).sum().item()} of {a.numel()} differ"
+
+
+SOURCES = pytest.mark.parametrize("source", ["bf16", "fp32", "fp8_checkpoint"])
+FORMATS = pytest.mark.parametrize("precision,scale_format",
+                                  [("bf16", "fp32"), ("fp8_block", "fp32"), ("fp8_block", "ue8m0")])
+
+
+@SOURCES
+@FORMATS
+def test_the_same_bytes_as_the_host_packer(source, precision, scale_format):
+    w13, w2, w13_scale, w2_scale = weights(source)
+    expected = torch.ops.megamoe.pack_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
+    assert_same_bytes(packing.pack_weights(w13, w2, precision, scale_format, w13_scale, w2_scale), expected)
+
+
+@pytest.mark.gpu
+@SOURCES
+@FORMATS
+def test_the_same_bytes_packed_on_the_gpu(hopper, source, precision, scale_format):
+    w13, w2, w13_scale, w2_scale = weights(source)
+    expected = torch.ops.megamoe.pack_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
+    on_gpu = [None if t is None else t.to(hopper) for t in (w13, w2, w13_scale, w2_scale)]
+    actual = packing.pack_weights(on_gpu[0], on_gpu[1], precision, scale_format, on_gpu[2], on_gpu[3])
+    assert all(t.is_cuda for t in actual), "packing.pack_weights left its device"
+    assert_same_bytes(actual, expected)
