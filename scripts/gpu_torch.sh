@@ -3,7 +3,8 @@
 # library, runs the Python GPU suite, both examples (examples/fused_moe.py; examples/hf_qwen3_moe.py
 # in bf16 and fp8_block) and `python -m megamoe.bench` for the workloads in MEGAMOE_TORCH_BENCH
 # (default qwen35-a3b; "all" for the three), writing its JSON and plots to $OUT (copy them to
-# bench/results/). Prints a short summary last.
+# bench/results/, then `python3 tools/readme_table.py --write` puts them in the README). Prints a
+# short summary last.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 export MEGAMOE_REQUIRE_GPU=1

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The README's benchmark table and its expert-parallel figures, from the committed bench/results
-JSON (megamoe-bench --json, megamoe-ep-bench --json).
+"""The README's benchmark table, its expert-parallel figures and its comparison with PyTorch, from
+the committed bench/results JSON (megamoe-bench --json, megamoe-ep-bench --json, python -m
+megamoe.bench).
 
   python3 tools/readme_table.py --write   rewrite the table and the figures around it in README.md
   python3 tools/readme_table.py --check   exit 1 when README.md says something the JSON does not
@@ -16,6 +17,9 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKLOADS = ["qwen35-a3b", "dsv3"]
 TABLE_HEADER = "| workload | 1 token |"
+# The README's comparison with PyTorch sits between these two lines, all of it written here.
+TORCH_BEGIN = "<!-- from bench/results/torch-*.json by tools/readme_table.py -->"
+TORCH_END = "<!-- end of the PyTorch comparison -->"
 
 
 def load(workload):
@@ -32,6 +36,62 @@ def load_ep():
     if len(records) != 2:
         sys.exit(f"{path}: the README quotes a small and a large batch; the JSON has {len(records)} records")
     return records
+
+
+def load_torch(results_dir=ROOT / "bench" / "results"):
+    """{workload: python -m megamoe.bench's JSON} for each torch-<workload>.json there."""
+    return {path.stem[len("torch-"):]: json.loads(path.read_text()) for path in sorted(results_dir.glob("torch-*.json"))}
+
+
+def torch_block(results):
+    """The lines of the PyTorch comparison: per workload its plot, a table of µs (× floor) per
+    implementation and token count, what failed and why, and the run's GPU and floors."""
+    if not results:
+        return ["Not measured on a GPU yet: `python -m megamoe.bench` writes `bench/results/torch-<workload>.json`",
+                "and a plot beside it, and `python3 tools/readme_table.py --write` puts them here."]
+    lines = []
+    for workload, result in results.items():
+        records = result["records"]
+        if not records:
+            sys.exit(f"torch-{workload}.json: no records")
+        tokens = sorted({r["tokens"] for r in records})
+        implementations = list(dict.fromkeys(r["implementation"] for r in records))
+        by = {(r["tokens"], r["implementation"]): r for r in records}
+        floors = {r["tokens"]: r["floor_us"] for r in records}
+        lines += [f"![{workload}: µs per forward against tokens, log-log](bench/results/torch-{workload}.png)", "",
+                  f"| {workload}: µs (× floor) | " + " | ".join(map(str, tokens)) + " |",
+                  "|" + "---|" * (len(tokens) + 1)]
+        failures = []
+        for implementation in implementations:
+            cells = []
+            for t in tokens:
+                r = by.get((t, implementation))
+                if r is None:
+                    cells.append("not run")
+                elif r["median_us"] is None:
+                    cells.append("failed")
+                    failures.append(f"{implementation} at {t} tokens: {r['error']}")
+                else:
+                    cells.append(f"{us(r['median_us'])} ({r['median_us'] / floors[t]:.2f})")
+            lines.append(f"| {implementation} | " + " | ".join(cells) + " |")
+        lines.append("| floor | " + " | ".join(us(floors[t]) for t in tokens) + " |")
+        lines.append("")
+        lines += [f"Failed: {failure}." for failure in failures]
+        lines += [f"{result['gpu']}, PyTorch {result['torch']}; floors from HBM reads at "
+                  f"{result['hbm_read_bytes_per_s'] / 1e12:.2f} TB/s and torch._scaled_mm's dense E4M3 rate, "
+                  f"{result['dense_fp8_flops_per_s'] / 1e12:.0f} TFLOP/s, measured in the same run.", ""]
+    return lines[:-1]
+
+
+def rewrite_torch_block(text, results):
+    lines = text.split("\n")
+    if lines.count(TORCH_BEGIN) != 1 or lines.count(TORCH_END) != 1:
+        sys.exit(f"README.md: expected one line '{TORCH_BEGIN}' and one '{TORCH_END}'")
+    start, end = lines.index(TORCH_BEGIN), lines.index(TORCH_END)
+    if end < start:
+        sys.exit(f"README.md: '{TORCH_END}' comes before '{TORCH_BEGIN}'")
+    lines[start + 1:end] = torch_block(results)
+    return "\n".join(lines)
 
 
 def ep_substitutions(small, large):
@@ -119,10 +179,10 @@ def main():
     args = parser.parse_args()
     readme = ROOT / "README.md"
     text = readme.read_text()
-    wanted = rewrite(text, {w: load(w) for w in WORKLOADS}, load_ep())
+    wanted = rewrite_torch_block(rewrite(text, {w: load(w) for w in WORKLOADS}, load_ep()), load_torch())
     if args.write:
         readme.write_text(wanted)
-        print("README.md: benchmark table and figures written from bench/results")
+        print("README.md: benchmark tables and figures written from bench/results")
         return 0
     if wanted != text:
         old, new = text.split("\n"), wanted.split("\n")
@@ -131,7 +191,7 @@ def main():
                 print(f"README.md:{i + 1}: says\n  {a}\nbut bench/results gives\n  {b}")
         print("run: python3 tools/readme_table.py --write")
         return 1
-    print("README.md: benchmark table and figures match bench/results")
+    print("README.md: benchmark tables and figures match bench/results")
     return 0
 
 
