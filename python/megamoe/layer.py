@@ -213,6 +213,18 @@ def ids_as_int32(topk_ids: torch.Tensor) -> torch.Tensor:
     return topk_ids.to(torch.int32)
 
 
+def ids_through_expert_map(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
+    """Global expert ids [T, k] as this layer's (int64), by vLLM's expert_map [global E]: this
+    layer's index of each global expert, or -1 where another rank holds it. On the device, without
+    synchronizing. -1 stays "not routed here"; an id outside the map becomes -2, which the layer
+    counts as invalid, as it does a map entry outside [-1, E)."""
+    ids = topk_ids.long()
+    inside = (ids >= 0) & (ids < expert_map.numel())
+    mapped = expert_map.long()[ids.clamp(0, expert_map.numel() - 1)]
+    outside = torch.full_like(ids, -2).masked_fill(ids == -1, -1)
+    return torch.where(inside, mapped, outside)
+
+
 def fused_moe(
     x: torch.Tensor,
     weights: MoeWeights,
@@ -222,13 +234,16 @@ def fused_moe(
     topk_weights: Optional[torch.Tensor] = None,
     routing: Optional[Union[Routing, str]] = None,
     deterministic: bool = True,
+    expert_map: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """y [T, H] bfloat16 = the MoE layer of `weights` applied to x [T, H] bfloat16.
 
     Route with router_logits [T, E] (float32, or bfloat16/float16, converted), by `routing` or the
     weights' own, or pass topk_ids [T, k] (int32 or int64; -1: not routed here) and topk_weights
-    [T, k] (float). deterministic=True reduces each token's k expert rows in a fixed order (the
-    same bits every run); False adds them with atomics. Enqueues on the current stream without
+    [T, k] (float). With expert parallelism as vLLM does it, topk_ids may hold global expert ids and
+    expert_map [global E] (int) this layer's index of each, -1 for experts held elsewhere.
+    deterministic=True reduces each token's k expert rows in a fixed order (the same bits every
+    run); False adds them with atomics. Enqueues on the current stream without
     host synchronization, so it can be captured in a CUDA graph and traced by torch.compile.
     """
     if not isinstance(weights, MoeWeights):
@@ -257,11 +272,23 @@ def fused_moe(
             raise TypeError(f"megamoe: topk_weights must be a floating-point tensor, not {topk_weights.dtype}")
         _check_activation(topk_ids, "topk_ids", tokens, weights.top_k, weights.device)
         _check_activation(topk_weights, "topk_weights", tokens, weights.top_k, weights.device)
+        if expert_map is not None:
+            _require_tensor(expert_map, "expert_map", 1)
+            if expert_map.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"megamoe: expert_map must be int32 or int64, not {expert_map.dtype}")
+            if expert_map.device != weights.device:
+                raise ValueError(f"megamoe: expert_map is on {expert_map.device}, the layer on {weights.device}")
+            if expert_map.numel() < weights.num_experts:
+                raise ValueError(f"megamoe: expert_map maps {expert_map.numel()} global experts, fewer than the "
+                                 f"layer's {weights.num_experts}")
+            topk_ids = ids_through_expert_map(topk_ids, expert_map)
         topk_ids = ids_as_int32(topk_ids)
         topk_weights = topk_weights.to(torch.float32)
     else:
         if router_logits is None:
             raise ValueError("megamoe: pass router_logits [T, E], or topk_ids and topk_weights")
+        if expert_map is not None:
+            raise ValueError("megamoe: expert_map maps topk_ids; with router_logits the layer routes over its own experts")
         chosen = weights.routing if routing is None else as_routing(routing)
         if isinstance(chosen, PrecomputedRouting):
             raise ValueError(

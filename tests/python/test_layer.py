@@ -11,7 +11,7 @@ import torch
 
 import megamoe
 from conftest import SEED
-from megamoe.layer import ids_as_int32
+from megamoe.layer import ids_as_int32, ids_through_expert_map
 from megamoe.workloads import WORKLOADS
 from moe_reference import moe_reference, quantize_rows_per_128, relative_l2, route_deepseek, route_softmax
 
@@ -221,6 +221,25 @@ def test_unrouted_and_invalid_ids(hopper):
 
 
 @pytest.mark.gpu
+def test_global_ids_through_an_expert_map(hopper):
+    """vLLM's expert parallelism: this layer holds the even global experts of twice as many."""
+    p = problem("qwen35-a3b", "bf16", hopper)
+    E = p.w13.shape[0]
+    x, logits = p.inputs(40, seed=21)
+    local, weights = p.route(logits)
+    local[:, ::3] = -1  # held by another rank
+    expert_map = torch.full((2 * E,), -1, dtype=torch.int32, device=hopper)
+    expert_map[0::2] = torch.arange(E, dtype=torch.int32, device=hopper)
+    odd = torch.randint(0, E, local.shape, device=hopper) * 2 + 1
+    global_ids = torch.where(local >= 0, 2 * local, odd)
+    expected = megamoe.fused_moe(x, p.weights, topk_ids=local, topk_weights=weights)
+    p.weights.invalid_routing_ids()
+    y = megamoe.fused_moe(x, p.weights, topk_ids=global_ids, topk_weights=weights, expert_map=expert_map)
+    assert torch.equal(y, expected)
+    assert p.weights.invalid_routing_ids() == 0
+
+
+@pytest.mark.gpu
 def test_bad_calls_raise_before_any_kernel(hopper):
     p = problem("qwen35-a3b", "bf16", hopper)
     x, logits = p.inputs(8, seed=3)
@@ -243,6 +262,16 @@ def test_bad_calls_raise_before_any_kernel(hopper):
     with pytest.raises(TypeError, match="int32 or int64"):
         megamoe.fused_moe(x, p.weights, topk_ids=torch.zeros(8, p.top_k, device=hopper),
                           topk_weights=torch.zeros(8, p.top_k, device=hopper))
+    ids = torch.zeros(8, p.top_k, dtype=torch.int32, device=hopper)
+    routed = dict(topk_ids=ids, topk_weights=torch.zeros(8, p.top_k, device=hopper))
+    with pytest.raises(TypeError, match="expert_map must be int32 or int64"):
+        megamoe.fused_moe(x, p.weights, **routed, expert_map=torch.zeros(2 * E, device=hopper))
+    with pytest.raises(ValueError, match="expert_map is on cpu"):
+        megamoe.fused_moe(x, p.weights, **routed, expert_map=torch.zeros(2 * E, dtype=torch.int32))
+    with pytest.raises(ValueError, match="fewer than the layer's"):
+        megamoe.fused_moe(x, p.weights, **routed, expert_map=torch.zeros(E - 1, dtype=torch.int32, device=hopper))
+    with pytest.raises(ValueError, match="expert_map maps topk_ids"):
+        megamoe.fused_moe(x, p.weights, logits, expert_map=torch.zeros(2 * E, dtype=torch.int32, device=hopper))
     with pytest.raises(ValueError, match="max_tokens"):
         small = megamoe.prepare_weights(p.w13, p.w2, top_k=p.top_k, precision="bf16", max_tokens=4)
         megamoe.fused_moe(x, small, logits)
@@ -303,6 +332,13 @@ def test_int64_ids_beyond_int32_stay_invalid():
     assert ids_as_int32(ids).tolist() == [[3, -1, -2, -2, -2, 7]]
     narrow = torch.tensor([[3, -1, 300]], dtype=torch.int32)
     assert torch.equal(ids_as_int32(narrow), narrow)
+
+
+def test_expert_map_takes_global_ids_to_the_layers():
+    expert_map = torch.tensor([-1, 0, -1, 1, 5])  # 5: outside a 2-expert layer, flagged by the kernels
+    ids = torch.tensor([[1, 3, 0, -1, 7, 4, -5]])
+    assert ids_through_expert_map(ids, expert_map).tolist() == [[0, 1, -1, -1, -2, 5, -2]]
+    assert ids_through_expert_map(ids.int(), expert_map.int()).dtype == torch.int64
 
 
 def test_fused_moe_wants_prepared_weights():
