@@ -13,7 +13,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -200,22 +199,18 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
       reported = done * 10 / total;
       std::fprintf(stderr, "megamoe: packed %d of %d experts (%.1f s)\n", done, total, seconds);
     };
-    const PackedWeights packed = prepare_weights(spec, view, progress);
-    const int64_t element_bytes = packed.element_bytes();
-    auto bytes = [](const std::vector<uint8_t>& v, std::vector<int64_t> shape) {
-      at::Tensor out = at::empty(shape, at::kByte);
-      std::memcpy(out.data_ptr(), v.data(), v.size());
-      return out;
+    // The tensors share the packer's buffers rather than copying them: a second copy of a large
+    // layer's packed weights would double the host memory the pack peaks at.
+    const auto packed = std::make_shared<PackedWeights>(prepare_weights(spec, view, progress));
+    const int64_t element_bytes = packed->element_bytes();
+    auto tensor_of = [&packed]<class T>(std::vector<T>& v, std::vector<int64_t> shape, at::ScalarType dtype) {
+      if (v.empty()) return at::empty({0}, dtype);
+      return at::from_blob(v.data(), shape, [packed](void*) {}, at::TensorOptions().dtype(dtype));
     };
-    auto scales = [](const std::vector<float>& v, std::vector<int64_t> shape) {
-      at::Tensor out = at::empty(v.empty() ? std::vector<int64_t>{0} : shape, at::kFloat);
-      std::memcpy(out.data_ptr(), v.data(), v.size() * sizeof(float));
-      return out;
-    };
-    return std::vector<at::Tensor>{bytes(packed.w13, {E, two_i, H * element_bytes}),
-                                   scales(packed.w13_scales, {E, two_i / 128, H / 128}),
-                                   bytes(packed.w2, {E, H, two_i / 2 * element_bytes}),
-                                   scales(packed.w2_scales, {E, H / 128, two_i / 2 / 128})};
+    return std::vector<at::Tensor>{tensor_of(packed->w13, {E, two_i, H * element_bytes}, at::kByte),
+                                   tensor_of(packed->w13_scales, {E, two_i / 128, H / 128}, at::kFloat),
+                                   tensor_of(packed->w2, {E, H, two_i / 2 * element_bytes}, at::kByte),
+                                   tensor_of(packed->w2_scales, {E, H / 128, two_i / 2 / 128}, at::kFloat)};
   });
 }
 
