@@ -17,6 +17,7 @@ latency against tokens (PNG) beside it.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -27,12 +28,12 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import megamoe
+from megamoe import packing
 from megamoe.routing import DeepseekRouting
 from megamoe.workloads import WORKLOADS, Workload
 
 DEFAULT_TOKENS = (1, 16, 128, 512, 2048, 8192)
 IMPLEMENTATIONS = ("megamoe fp8_block", "megamoe bf16", "torch bf16", "torch fp8")
-E4M3_MAX = 448.0
 
 
 # ------------------------------------------------------------------ the PyTorch baselines
@@ -78,10 +79,10 @@ def expert_order(ids: torch.Tensor, experts: int, align: int):
 
 
 def quantize_rows(values: torch.Tensor):
-    """E4M3 codes with one float32 scale per row (the last dimension): (codes, scales)."""
-    amax = values.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
-    codes = (values.float() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn)
-    return codes, (amax / E4M3_MAX).squeeze(-1)
+    """E4M3 codes with one float32 scale per row (the last dimension), megamoe's block scaling
+    with a row as the block: (codes, scales)."""
+    scale, factor = packing.block_scales(values.float().abs().amax(dim=-1, keepdim=True), "fp32")
+    return (values.float() * factor).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
 class TorchMoe:
@@ -99,6 +100,7 @@ class TorchMoe:
             self.w2, self.w2_scale = quantize_rows(w2)
         else:
             self.w13, self.w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+            self.w13_scale = self.w2_scale = None
 
     def _grouped(self, a: torch.Tensor, w: torch.Tensor, w_scale: Optional[torch.Tensor], offsets: torch.Tensor):
         if self.fp8:
@@ -115,9 +117,9 @@ class TorchMoe:
         token = order // k
         gathered = x.new_zeros(capacity, hidden)
         gathered[rows] = x[token]
-        h = self._grouped(gathered, self.w13, getattr(self, "w13_scale", None), offsets)
+        h = self._grouped(gathered, self.w13, self.w13_scale, offsets)
         activated = (torch.nn.functional.silu(h[:, :intermediate].float()) * h[:, intermediate:].float())
-        out = self._grouped(activated.to(torch.bfloat16), self.w2, getattr(self, "w2_scale", None), offsets)
+        out = self._grouped(activated.to(torch.bfloat16), self.w2, self.w2_scale, offsets)
         contributions = out[rows].float() * weights.flatten()[order].unsqueeze(1)
         y = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device).index_add_(0, token, contributions)
         return y.to(torch.bfloat16)
@@ -276,9 +278,7 @@ def bench_workload(name: str, tokens: List[int], replays: int, read_bandwidth: f
     bias, routing = None, w.routing
     if isinstance(w.routing, DeepseekRouting):
         bias = torch.rand(w.experts, device=device, generator=generator) * 0.1 - 0.05
-        routing = DeepseekRouting(n_group=w.routing.n_group, topk_group=w.routing.topk_group,
-                                  routed_scaling_factor=w.routing.routed_scaling_factor,
-                                  renormalize=w.routing.renormalize, e_score_correction_bias=bias)
+        routing = dataclasses.replace(w.routing, e_score_correction_bias=bias)
     layers: Dict[str, Callable] = {}
     for precision in ("fp8_block", "bf16"):
         weights = megamoe.prepare_weights(w13, w2, top_k=w.top_k, precision=precision, routing=routing,
