@@ -128,11 +128,10 @@ size_t PackedWeightsView::w13_scale_count() const {
 size_t PackedWeightsView::w2_scale_count() const { return w13_scale_count() / 2; }
 
 size_t PackedWeights::bytes_per_expert() const {
-  const size_t elements = 3ull * hidden * intermediate;
-  const size_t scale_count = precision == Precision::fp8_block
-                                 ? 3ull * (hidden / ref::kQuantBlock) * (intermediate / ref::kQuantBlock)
-                                 : 0;
-  return elements * element_bytes() + scale_count * sizeof(float);
+  PackedWeightsView one_expert = view();
+  one_expert.num_experts = 1;
+  return one_expert.w13_bytes() + one_expert.w2_bytes() +
+         (one_expert.w13_scale_count() + one_expert.w2_scale_count()) * sizeof(float);
 }
 
 PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, const PackProgress& progress) {
