@@ -65,6 +65,24 @@ def test_fp8_pipeline_passes_the_grouped_gemms_checks():
     assert y.shape == (40, 256) and y.dtype == torch.bfloat16
 
 
+def test_weights_quantized_an_expert_at_a_time_as_in_one_piece():
+    weights = (torch.randn(5, 64, 96) * torch.rand(5, 64, 1) * 10).to(torch.bfloat16)
+    codes, scales = bench.quantize_expert_rows(weights)
+    whole_codes, whole_scales = bench.quantize_rows(weights)
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (5, 64)
+    assert torch.equal(codes.view(torch.uint8), whole_codes.view(torch.uint8))
+    assert torch.equal(scales, whole_scales)
+    assert relative_l2(codes.float() * scales.unsqueeze(-1), weights.float()) < 0.05
+
+
+def test_random_weights_are_bf16_with_variance_one_over_columns():
+    generator = torch.Generator().manual_seed(3)
+    weights = bench.random_weights(4, 128, 400, generator)
+    assert weights.dtype == torch.bfloat16 and weights.shape == (4, 128, 400)
+    assert weights.float().var().item() == pytest.approx(1 / 400, rel=0.05)
+    assert not torch.equal(weights[0], weights[1])
+
+
 def test_floor_is_the_larger_of_bytes_and_flops():
     ids = torch.tensor([[0, 1], [1, 2]])
     workload = Workload(4, 2, 256, 128, SoftmaxRouting(), "tiny")
