@@ -67,9 +67,10 @@ for exe in "$build"/tests/test_kernels_* "$build"/tests/test_api_moe_layer; do
   done
 done
 
-# The Python package's GPU suite (pytest, through CTest for its environment).
+# The Python package's GPU suite (pytest, through CTest for its environment; --verbose keeps
+# pytest's own summary line for the note).
 start=$(date +%s)
-ctest --test-dir "$build" -R '^python\.gpu$' --output-on-failure >"$out/python.log" 2>&1 || status=1
+ctest --test-dir "$build" -R '^python\.gpu$' --verbose >"$out/python.log" 2>&1 || status=1
 note "python (pytest, gpu): $(grep -E ' in [0-9.]+s' "$out/python.log" | tail -1 | tr -d '=') ($(( $(date +%s) - start )) s)"
 cat "$out/python.log" >>"$out/tests.log" && rm "$out/python.log"
 
