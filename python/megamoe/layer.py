@@ -37,7 +37,7 @@ def _require_tensor(value, name: str, dims: int) -> torch.Tensor:
 
 class MoeWeights:
     """Expert weights packed for megamoe's kernels on one GPU, with the layer's workspace for up to
-    `max_tokens` tokens per call (from prepare_weights).
+    `max_tokens` tokens per pass (from prepare_weights; fused_moe runs a larger batch in passes).
 
     Calls that use the same MoeWeights share its workspace, so two of them must not run at the
     same time: keep them on one stream, or order them with events (CUDA graphs replayed one after
@@ -129,7 +129,8 @@ def prepare_weights(
     weight_scale_inv). precision "fp8_block" quantizes to that format (scale_format "ue8m0" makes
     every scale a power of two), "bf16" keeps bf16. Weights on a CUDA device are packed there
     (megamoe.packing); others on the host, where a large layer reports its progress on stderr.
-    Both give the same bytes.
+    Both give the same bytes. max_tokens sizes the workspace: fused_moe runs a larger batch as
+    consecutive passes of max_tokens tokens.
     """
     _require_tensor(w13, "w13", 3)
     _require_tensor(w2, "w2", 3)
@@ -253,8 +254,6 @@ def fused_moe(
         raise TypeError(f"megamoe: x must be bfloat16, not {x.dtype} (convert with x.to(torch.bfloat16))")
     tokens = x.shape[0]
     _check_activation(x, "x", tokens, weights.hidden, weights.device)
-    if tokens > weights.max_tokens:
-        raise ValueError(f"megamoe: {tokens} tokens exceed the {weights.max_tokens} the weights were prepared for (max_tokens)")
     precomputed = topk_ids is not None or topk_weights is not None
     if precomputed:
         if router_logits is not None:
@@ -301,7 +300,17 @@ def fused_moe(
         _check_activation(router_logits, "router_logits", tokens, weights.num_experts, weights.device)
         router_logits = router_logits.to(torch.float32)
     weights._route_with(chosen)
-    return ops.forward(weights._handle, x, router_logits, topk_ids, topk_weights, deterministic)
+    if tokens <= weights.max_tokens:
+        return ops.forward(weights._handle, x, router_logits, topk_ids, topk_weights, deterministic)
+    # The workspace holds max_tokens tokens, so a larger batch (a long prefill) runs as consecutive
+    # passes of up to max_tokens tokens on this stream, as vLLM chunks its fused_moe; a token's
+    # output depends only on its own row and routing.
+    pieces = []
+    for first in range(0, tokens, weights.max_tokens):
+        rows = slice(first, first + weights.max_tokens)
+        part = [None if t is None else t[rows] for t in (router_logits, topk_ids, topk_weights)]
+        pieces.append(ops.forward(weights._handle, x[rows], *part, deterministic))
+    return torch.cat(pieces)
 
 
 class MegaMoE(nn.Module):

@@ -111,6 +111,21 @@ def test_matches_plain_pytorch(hopper, workload, precision, tokens, weights):
 
 
 @pytest.mark.gpu
+def test_batches_beyond_max_tokens_run_in_passes(hopper):
+    p = problem("qwen35-a3b", "fp8_block", hopper)
+    small = megamoe.prepare_weights(p.w13, p.w2, top_k=p.top_k, precision="fp8_block", routing=p.routing,
+                                    max_tokens=48)
+    x, logits = p.inputs(130, seed=11)  # passes of 48, 48 and 34 tokens
+    ids, weights = p.route(logits)
+    expected = moe_reference(x, p.w13, p.w2, ids, weights, "fp8_block")
+    for y in (megamoe.fused_moe(x, small, logits), megamoe.fused_moe(x, small, topk_ids=ids, topk_weights=weights)):
+        assert y.shape == x.shape
+        assert relative_l2(y, expected) < TIGHT["fp8_block"]
+        for rows in (slice(0, 48), slice(48, 96), slice(96, 130)):  # every pass, not only the whole
+            assert relative_l2(y[rows], expected[rows]) < TIGHT["fp8_block"]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_deterministic_runs_are_bit_identical(hopper, deterministic):
     p = problem("qwen35-a3b", "fp8_block", hopper)
@@ -272,10 +287,10 @@ def test_bad_calls_raise_before_any_kernel(hopper):
         megamoe.fused_moe(x, p.weights, **routed, expert_map=torch.zeros(E - 1, dtype=torch.int32, device=hopper))
     with pytest.raises(ValueError, match="expert_map maps topk_ids"):
         megamoe.fused_moe(x, p.weights, logits, expert_map=torch.zeros(2 * E, dtype=torch.int32, device=hopper))
-    with pytest.raises(ValueError, match="max_tokens"):
-        small = megamoe.prepare_weights(p.w13, p.w2, top_k=p.top_k, precision="bf16", max_tokens=4)
-        megamoe.fused_moe(x, small, logits)
     # The ops themselves check as well (an op called without the Python layer).
+    small = megamoe.prepare_weights(p.w13, p.w2, top_k=p.top_k, precision="bf16", max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        torch.ops.megamoe.forward(small._handle, x, logits, None, None, True)
     with pytest.raises(TypeError, match="BFloat16"):
         torch.ops.megamoe.forward(p.weights._handle, x.half(), logits, None, None, True)
     with pytest.raises(ValueError, match="no layer with handle"):
@@ -370,6 +385,39 @@ def test_weights_are_shared_by_copies_and_not_pickled():
     assert copy.deepcopy(module).weights is weights
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(weights)
+
+
+def test_a_batch_beyond_max_tokens_is_cut_into_aligned_passes(monkeypatch):
+    """Runs without a GPU: the op is replaced by one that records each pass and marks its rows."""
+    import types
+
+    from megamoe import layer
+
+    passes = []
+
+    def forward(handle, x, router_logits, topk_ids, topk_weights, deterministic):
+        routing = router_logits if router_logits is not None else topk_weights
+        assert x.shape[0] == routing.shape[0] <= 8 and x.is_contiguous() and routing.is_contiguous()
+        passes.append(x.shape[0])
+        return x + routing[:, :1].to(x.dtype)
+
+    # Precomputed ids re-route the layer (set_routing), which first asks whether a capture runs.
+    monkeypatch.setattr(layer, "ops", types.SimpleNamespace(forward=forward, set_routing=lambda *args: None))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    weights = megamoe.MoeWeights(handle=None, num_experts=4, top_k=2, hidden=128, intermediate=128,
+                                 precision="bf16", scale_format="fp32", routing=megamoe.SoftmaxRouting(),
+                                 max_tokens=8, device=torch.device("cpu"))
+    x = torch.randn(21, 128).to(torch.bfloat16)
+    logits = torch.arange(21 * 4, dtype=torch.float32).reshape(21, 4)
+    assert torch.equal(megamoe.fused_moe(x, weights, logits), x + logits[:, :1].to(torch.bfloat16))
+    assert passes == [8, 8, 5]
+    passes.clear()
+    ids = torch.zeros(21, 2, dtype=torch.int64)
+    topk_weights = torch.rand(21, 2)
+    y = megamoe.fused_moe(x, weights, topk_ids=ids, topk_weights=topk_weights)
+    assert torch.equal(y, x + topk_weights[:, :1].to(torch.bfloat16)) and passes == [8, 8, 5]
+    passes.clear()
+    assert megamoe.fused_moe(x[:8], weights, logits[:8]).shape == (8, 128) and passes == [8]
 
 
 def test_forward_has_a_fake_implementation():
