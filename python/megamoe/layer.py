@@ -317,8 +317,9 @@ class MegaMoE(nn.Module):
     """The experts of a Mixture-of-Experts block (with their routing) on megamoe's kernels.
 
     Built from vLLM-layout weights (see prepare_weights); forward(hidden_states [..., H] bfloat16,
-    router_logits [..., E]) returns the block's output in hidden_states' shape. The router itself
-    (the gate's Linear) and any shared experts stay in the caller's model.
+    router_logits [..., E]) returns the block's output in hidden_states' shape, as does forward
+    with topk_ids and topk_weights [..., k] (and expert_map, as fused_moe takes them). The router
+    itself (the gate's Linear) and any shared experts stay in the caller's model.
     """
 
     def __init__(
@@ -357,11 +358,12 @@ class MegaMoE(nn.Module):
         router_logits: Optional[torch.Tensor] = None,
         topk_ids: Optional[torch.Tensor] = None,
         topk_weights: Optional[torch.Tensor] = None,
+        expert_map: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         shape = hidden_states.shape
         flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
         y = fused_moe(flat(hidden_states), self.weights, flat(router_logits), topk_ids=flat(topk_ids),
-                      topk_weights=flat(topk_weights), deterministic=self.deterministic)
+                      topk_weights=flat(topk_weights), deterministic=self.deterministic, expert_map=expert_map)
         return y.reshape(shape)
 
     def extra_repr(self) -> str:

@@ -387,16 +387,16 @@ def test_weights_are_shared_by_copies_and_not_pickled():
         pickle.dumps(weights)
 
 
-def test_a_batch_beyond_max_tokens_is_cut_into_aligned_passes(monkeypatch):
-    """Runs without a GPU: the op is replaced by one that records each pass and marks its rows."""
+def stand_in_layer(monkeypatch, passes):
+    """Weights on the CPU whose op is a stand-in: it appends each pass's rows to `passes` and
+    returns x plus the pass's first routing column (logits, or weights plus ids), so a row that met
+    another row's routing shows."""
     import types
 
     from megamoe import layer
 
-    passes = []
-
     def forward(handle, x, router_logits, topk_ids, topk_weights, deterministic):
-        routing = router_logits if router_logits is not None else topk_weights
+        routing = router_logits if router_logits is not None else topk_weights + topk_ids
         assert x.shape[0] == routing.shape[0] <= 8 and x.is_contiguous() and routing.is_contiguous()
         passes.append(x.shape[0])
         return x + routing[:, :1].to(x.dtype)
@@ -404,9 +404,15 @@ def test_a_batch_beyond_max_tokens_is_cut_into_aligned_passes(monkeypatch):
     # Precomputed ids re-route the layer (set_routing), which first asks whether a capture runs.
     monkeypatch.setattr(layer, "ops", types.SimpleNamespace(forward=forward, set_routing=lambda *args: None))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    weights = megamoe.MoeWeights(handle=None, num_experts=4, top_k=2, hidden=128, intermediate=128,
-                                 precision="bf16", scale_format="fp32", routing=megamoe.SoftmaxRouting(),
-                                 max_tokens=8, device=torch.device("cpu"))
+    return megamoe.MoeWeights(handle=None, num_experts=4, top_k=2, hidden=128, intermediate=128,
+                              precision="bf16", scale_format="fp32", routing=megamoe.SoftmaxRouting(),
+                              max_tokens=8, device=torch.device("cpu"))
+
+
+def test_a_batch_beyond_max_tokens_is_cut_into_aligned_passes(monkeypatch):
+    """Runs without a GPU, through a stand-in op."""
+    passes = []
+    weights = stand_in_layer(monkeypatch, passes)
     x = torch.randn(21, 128).to(torch.bfloat16)
     logits = torch.arange(21 * 4, dtype=torch.float32).reshape(21, 4)
     assert torch.equal(megamoe.fused_moe(x, weights, logits), x + logits[:, :1].to(torch.bfloat16))
@@ -418,6 +424,19 @@ def test_a_batch_beyond_max_tokens_is_cut_into_aligned_passes(monkeypatch):
     assert torch.equal(y, x + topk_weights[:, :1].to(torch.bfloat16)) and passes == [8, 8, 5]
     passes.clear()
     assert megamoe.fused_moe(x[:8], weights, logits[:8]).shape == (8, 128) and passes == [8]
+
+
+def test_megamoe_module_passes_ids_and_expert_map_through(monkeypatch):
+    """Runs without a GPU, through a stand-in op: [..., k] ids, global ones mapped to the layer's."""
+    weights = stand_in_layer(monkeypatch, [])
+    module = megamoe.MegaMoE.from_weights(weights)
+    x = torch.randn(2, 3, 128).to(torch.bfloat16)
+    global_ids = torch.tensor([[4, 5], [6, 7], [5, 4], [7, 6], [4, 6], [5, 7]]).view(2, 3, 2)
+    expert_map = torch.tensor([-1, -1, -1, -1, 0, 1, 2, 3])  # this layer holds global experts 4..7
+    topk_weights = torch.zeros(2, 3, 2)
+    y = module(x, topk_ids=global_ids, topk_weights=topk_weights, expert_map=expert_map)
+    assert y.shape == x.shape
+    assert torch.equal(y, x + (global_ids[..., :1] - 4).to(torch.bfloat16))
 
 
 def test_forward_has_a_fake_implementation():
