@@ -124,12 +124,17 @@ def prepare_weights(
     current CUDA device).
 
     w13 [E, 2I, H] holds each expert's gate rows then up rows, w2 [E, H, I] its down projection, as
-    bfloat16 or float32 tensors (any device), or as float8_e4m3fn with one float32 scale per 128 x
+    bfloat16 or float32 tensors (any device), or as float8_e4m3fn with float32 scales: one per 128 x
     128 block (w13_scale [E, 2I/128, H/128], w2_scale [E, H/128, I/128], DeepSeek-V3's
-    weight_scale_inv). precision "fp8_block" quantizes to that format (scale_format "ue8m0" makes
+    weight_scale_inv), one per expert ([E]; for w13 also vLLM's [E, 2], gate then up) or one per
+    output channel (w13_scale [E, 2I, 1], w2_scale [E, H, 1]; megamoe.packing.checkpoint_scales).
+    They are decoded and each packed block re-quantized with amax / 448, which keeps the codes
+    only where the checkpoint's own block scale was that (DeepSeek-V3's w2) and re-rounds them
+    elsewhere. precision "fp8_block" quantizes to 128 x 128 blocks (scale_format "ue8m0" makes
     every scale a power of two), "bf16" keeps bf16. Weights on a CUDA device are packed there
-    (megamoe.packing); others on the host, where a large layer reports its progress on stderr.
-    Both give the same bytes. max_tokens sizes the workspace: fused_moe runs a larger batch as
+    (megamoe.packing); others on the host by the C++ packer, where a large layer reports its
+    progress on stderr, or by megamoe.packing for per-channel scales, which the C++ packer does not
+    take (slower: hand a large layer over on the GPU). All give the same bytes. max_tokens sizes the workspace: fused_moe runs a larger batch as
     consecutive passes of max_tokens tokens.
     """
     _require_tensor(w13, "w13", 3)
@@ -149,16 +154,18 @@ def prepare_weights(
         )
     fp8_input = w13.dtype == torch.float8_e4m3fn
     if fp8_input:
-        expected = {
-            "w13_scale": (w13_scale, (num_experts, -(-two_i // 128), -(-hidden // 128))),
-            "w2_scale": (w2_scale, (num_experts, -(-hidden // 128), -(-intermediate // 128))),
-        }
-        for name, (scale, shape) in expected.items():
+        scales = {}
+        for name, scale, rows, columns in (("w13_scale", w13_scale, two_i, hidden),
+                                           ("w2_scale", w2_scale, hidden, intermediate)):
             if scale is None:
-                raise ValueError(f"megamoe: float8_e4m3fn weights need {name} of shape {list(shape)}")
-            _require_tensor(scale, name, 3)
-            if tuple(scale.shape) != shape:
-                raise ValueError(f"megamoe: {name} must be {list(shape)}, got {list(scale.shape)}")
+                raise ValueError(f"megamoe: float8_e4m3fn weights need {name}: one scale per 128 x 128 block "
+                                 f"{[num_experts, -(-rows // 128), -(-columns // 128)]}, per expert or per "
+                                 f"output channel")
+            if not isinstance(scale, torch.Tensor):
+                raise TypeError(f"megamoe: {name} must be a torch.Tensor, not {type(scale).__name__}")
+            scales[name] = packing.checkpoint_scales(scale, name, num_experts, rows, columns,
+                                                     gate_up=name == "w13_scale").to(w13.device)
+        w13_scale, w2_scale = scales["w13_scale"], scales["w2_scale"]
     elif w13_scale is not None or w2_scale is not None:
         raise ValueError(f"megamoe: weight scales go with float8_e4m3fn weights only; these are {w13.dtype}")
     if precision not in PRECISIONS:
@@ -174,7 +181,7 @@ def prepare_weights(
     if fp8_input:
         for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
             if not (torch.isfinite(scale).all() and (scale > 0).all()):
-                raise ValueError(f"megamoe: {name} holds non-finite or non-positive block scales")
+                raise ValueError(f"megamoe: {name} holds non-finite or non-positive scales")
     if not torch.cuda.is_available():
         raise RuntimeError("megamoe: no CUDA device is visible; the layer runs on Hopper GPUs (sm_90)")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
@@ -187,6 +194,8 @@ def prepare_weights(
         # On the GPU with PyTorch (seconds for a large layer), the same bytes as the host packer.
         w13, w2, w13_scale, w2_scale = [None if t is None else t.to(device) for t in detached]
         packed = packing.pack_weights(w13, w2, precision, scale_format, w13_scale, w2_scale)
+    elif packing.row_scaled(w13_scale, two_i) or packing.row_scaled(w2_scale, hidden):
+        packed = packing.pack_weights(*detached[:2], precision, scale_format, *detached[2:])  # not in C++
     else:
         packed = ops.pack_weights(*detached, precision, scale_format)
     handle = ops.create_layer(*packed, num_experts, hidden, intermediate, top_k, precision, scale_format,

@@ -21,11 +21,50 @@ QUANT_BLOCK = 128
 _CHUNK_ELEMENTS = 1 << 28
 
 
+def checkpoint_scales(scale: torch.Tensor, name: str, experts: int, rows: int, columns: int,
+                      gate_up: bool = False) -> torch.Tensor:
+    """The float32 scales of an fp8 checkpoint's [E, rows, columns] codes, in a form the packers
+    take. Per 128 x 128 block, [E, ceil(rows/128), ceil(columns/128)] (DeepSeek-V3's
+    weight_scale_inv): as given. Per expert, [E], [E, 1] or [E, 1, 1], and for w13 (gate_up) [E, 2],
+    gate then up, as vLLM holds per-tensor scales before merging them: expanded to blocks, exactly
+    (a gate/up pair to one scale per row where a block would straddle the halves). Per output
+    channel, [E, rows] or [E, rows, 1] (FP8-dynamic checkpoints): as [E, rows, 1], which only
+    pack_weights below takes."""
+    block = (experts, -(-rows // QUANT_BLOCK), -(-columns // QUANT_BLOCK))
+    shape = tuple(scale.shape)
+    scale = scale.detach().float()
+    if shape == block:
+        return scale
+    if shape in ((experts,), (experts, 1), (experts, 1, 1)):
+        return scale.reshape(experts, 1, 1).expand(block).contiguous()
+    if gate_up and shape == (experts, 2):
+        per_row = scale.repeat_interleave(rows // 2, dim=1).unsqueeze(-1)
+        if (rows // 2) % QUANT_BLOCK == 0:
+            return per_row[:, ::QUANT_BLOCK].expand(block).contiguous()
+        return per_row
+    if shape in ((experts, rows), (experts, rows, 1)):
+        return scale.reshape(experts, rows, 1)
+    pair = ", [E, 2] (gate, up)" if gate_up else ""
+    raise ValueError(
+        f"megamoe: {name} must hold one scale per 128 x 128 block {list(block)}, per expert ([E], [E, 1], "
+        f"[E, 1, 1]{pair}) or per output channel ([E, {rows}] or [E, {rows}, 1]), with E = {experts}; "
+        f"got {list(shape)}"
+    )
+
+
+def row_scaled(scales: Optional[torch.Tensor], rows: int) -> bool:
+    """Whether checkpoint_scales gave one scale per row (blocks have rows / 128 of them)."""
+    return scales is not None and scales.shape[-2] == rows
+
+
 def _values(weights: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
-    """float32 values; float8_e4m3fn checkpoints decode as code times its 128 x 128 block's scale."""
+    """float32 values; float8_e4m3fn checkpoints decode as code times its row's or its 128 x 128
+    block's scale (checkpoint_scales)."""
     if weights.dtype != torch.float8_e4m3fn:
         return weights.float()
     rows, columns = weights.shape[-2:]
+    if row_scaled(scales, rows):
+        return weights.float() * scales
     expanded = scales.float().repeat_interleave(QUANT_BLOCK, dim=-2).repeat_interleave(QUANT_BLOCK, dim=-1)
     return weights.float() * expanded[..., :rows, :columns]
 
@@ -65,7 +104,8 @@ def pack_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str, scale_form
     """(w13 bytes [E, 2I, H * b], w13 scales [E, 2I/128, H/128], w2 bytes [E, H, I * b], w2 scales
     [E, H/128, I/128]) on w13's device, b = 1 (fp8_block) or 2 (bf16, whose scales are empty):
     what torch.ops.megamoe.pack_weights returns for the same arguments, which it checks (this
-    function assumes them checked: megamoe.prepare_weights does)."""
+    function assumes them checked: megamoe.prepare_weights does). An fp8 checkpoint's scales may
+    also be per row (checkpoint_scales), which the C++ packer does not take."""
     experts, two_i, hidden = w13.shape
     intermediate = two_i // 2
     device = w13.device

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import megamoe
+from checkpoints import SCALE_KINDS, decoded, quantized
 from conftest import SEED
 from megamoe.layer import ids_as_int32, ids_through_expert_map
 from megamoe.workloads import WORKLOADS
@@ -195,6 +196,27 @@ def test_host_and_device_packing_give_the_same_layer(hopper, precision):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", SCALE_KINDS)
+def test_fp8_checkpoints_with_expert_pair_or_channel_scales(hopper, kind):
+    p = problem("qwen35-a3b", "fp8_block", hopper)
+    (w13, w13_scale), (w2, w2_scale) = quantized(p.w13, kind, gate_up=True), quantized(p.w2, kind)
+    layer = megamoe.prepare_weights(w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, top_k=p.top_k,
+                                    routing=p.routing, max_tokens=256)
+    x, logits = p.inputs(200, seed=17)
+    y = megamoe.fused_moe(x, layer, logits)
+    ids, weights = p.route(logits)
+    w13_values, w2_values = decoded(w13, w13_scale, kind, gate_up=True), decoded(w2, w2_scale, kind)
+    error = relative_l2(y, moe_reference(x, w13_values, w2_values, ids, weights, "fp8_block"))
+    print(f"{kind} scales: relative L2 error {error:.3e} against the quantizing reference")
+    assert error < TIGHT["fp8_block"]
+    assert relative_l2(y, moe_reference(x, p.w13, p.w2, ids, weights)) < LOOSE["fp8_block"]
+    # Packed on the host (megamoe.packing on the CPU for channel scales, else the C++ packer).
+    on_host = megamoe.prepare_weights(w13.cpu(), w2.cpu(), w13_scale=w13_scale.cpu(), w2_scale=w2_scale.cpu(),
+                                      top_k=p.top_k, routing=p.routing, max_tokens=256)
+    assert torch.equal(megamoe.fused_moe(x, on_host, logits), y)
+
+
+@pytest.mark.gpu
 def test_megamoe_module_keeps_the_input_shape(hopper):
     p = problem("qwen35-a3b", "bf16", hopper)
     module = megamoe.MegaMoE(p.w13, p.w2, top_k=p.top_k, precision="bf16", routing=p.routing, max_tokens=64)
@@ -334,11 +356,15 @@ def test_prepare_weights_checks_its_arguments():
     with pytest.raises(ValueError, match="n_group"):
         megamoe.prepare_weights(w13, w2, top_k=2, routing=megamoe.DeepseekRouting(n_group=3, topk_group=1))
     fp8_w13, fp8_w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"need w13_scale of shape \[4, 2, 1\]"):
+    with pytest.raises(ValueError, match=r"need w13_scale: one scale per 128 x 128 block \[4, 2, 1\]"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2)
-    with pytest.raises(ValueError, match=r"w2_scale must be \[4, 1, 1\]"):
+    with pytest.raises(ValueError, match=r"w2_scale must hold one scale per 128 x 128 block \[4, 1, 1\]"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4, 2, 1), w2_scale=torch.ones(4, 2, 1))
-    with pytest.raises(ValueError, match="non-positive block scales"):
+    with pytest.raises(TypeError, match="w2_scale must be a torch.Tensor"):
+        megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4), w2_scale=[1.0] * 4)
+    with pytest.raises(ValueError, match="non-positive scales"):
+        megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4, 2), w2_scale=-torch.ones(4, 128))
+    with pytest.raises(ValueError, match="non-positive scales"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.zeros(4, 2, 1), w2_scale=torch.ones(4, 1, 1))
 
 

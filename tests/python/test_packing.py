@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import megamoe  # noqa: F401  (loads torch.ops.megamoe)
+from checkpoints import SCALE_KINDS, decoded, quantized
 from megamoe import packing
 
 E, H, I = 3, 256, 128
@@ -68,3 +69,46 @@ def test_the_same_bytes_packed_on_the_gpu(hopper, source, precision, scale_forma
     actual = packing.pack_weights(on_gpu[0], on_gpu[1], precision, scale_format, on_gpu[2], on_gpu[3])
     assert all(t.is_cuda for t in actual), "packing.pack_weights left its device"
     assert_same_bytes(actual, expected)
+
+
+# intermediate 192 (bf16 layers take multiples of 64): a 128-row block straddles gate and up.
+@pytest.mark.parametrize("kind", SCALE_KINDS)
+@pytest.mark.parametrize("precision,scale_format,intermediate",
+                         [("bf16", "fp32", 128), ("fp8_block", "fp32", 128), ("fp8_block", "ue8m0", 128),
+                          ("bf16", "fp32", 192)])
+def test_expert_pair_and_channel_scales_pack_as_their_decoded_values(kind, precision, scale_format, intermediate):
+    generator = torch.Generator().manual_seed(11)
+    w13 = torch.randn(E, 2 * intermediate, H, generator=generator) * torch.rand(E, 2 * intermediate, 1, generator=generator)
+    w2 = torch.randn(E, H, intermediate, generator=generator) * 0.05
+    (w13_codes, w13_scale), (w2_codes, w2_scale) = quantized(w13, kind, gate_up=True), quantized(w2, kind)
+    w13_values, w2_values = decoded(w13_codes, w13_scale, kind, gate_up=True), decoded(w2_codes, w2_scale, kind)
+    expected = torch.ops.megamoe.pack_weights(w13_values, w2_values, None, None, precision, scale_format)
+    scales = [packing.checkpoint_scales(w13_scale, "w13_scale", E, 2 * intermediate, H, gate_up=True),
+              packing.checkpoint_scales(w2_scale, "w2_scale", E, H, intermediate)]
+    assert_same_bytes(packing.pack_weights(w13_codes, w2_codes, precision, scale_format, *scales), expected)
+    # Per-expert scales, and a gate/up pair whose halves are whole blocks, become block scales that
+    # the C++ packer takes as they are.
+    if kind == "expert" or (kind == "pair" and intermediate % 128 == 0):
+        assert not packing.row_scaled(scales[0], 2 * intermediate) and not packing.row_scaled(scales[1], H)
+        if intermediate % 128 == 0:
+            assert_same_bytes(torch.ops.megamoe.pack_weights(w13_codes, w2_codes, *scales, precision, scale_format),
+                              expected)
+
+
+def test_checkpoint_scales_take_every_layout_of_the_same_scales():
+    scale = torch.rand(E) + 0.5
+    block = packing.checkpoint_scales(scale, "w2_scale", E, H, I)
+    assert block.shape == (E, H // 128, I // 128) and torch.equal(block, scale.view(E, 1, 1).expand_as(block))
+    for shape in [(E, 1), (E, 1, 1)]:
+        assert torch.equal(packing.checkpoint_scales(scale.view(shape), "w2_scale", E, H, I), block)
+    per_row = torch.rand(E, H)
+    assert torch.equal(packing.checkpoint_scales(per_row, "w2_scale", E, H, I), per_row.unsqueeze(-1))
+    assert torch.equal(packing.checkpoint_scales(per_row.unsqueeze(-1), "w2_scale", E, H, I), per_row.unsqueeze(-1))
+    pair = torch.tensor([[1.0, 2.0]]).expand(E, 2)
+    gate_up = packing.checkpoint_scales(pair, "w13_scale", E, 2 * I, H, gate_up=True)
+    assert gate_up.shape == (E, 2 * I // 128, H // 128)
+    assert (gate_up[:, : I // 128] == 1.0).all() and (gate_up[:, I // 128:] == 2.0).all()
+    with pytest.raises(ValueError, match=r"per expert \(\[E\], \[E, 1\], \[E, 1, 1\]\) or per output channel"):
+        packing.checkpoint_scales(pair, "w2_scale", E, H, I)  # a pair is w13's only
+    with pytest.raises(ValueError, match=r"w13_scale must hold .* got \[3, 5\]"):
+        packing.checkpoint_scales(torch.ones(E, 5), "w13_scale", E, 2 * I, H, gate_up=True)
