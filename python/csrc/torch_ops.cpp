@@ -1,5 +1,6 @@
-// torch.ops.megamoe: MoeLayer as PyTorch custom ops (the Python package in python/megamoe wraps
-// them). A layer lives in this library's registry under an integer handle, as vLLM's custom
+// torch.ops.megamoe: MoeLayer, and the expert-parallel EpLayer, as PyTorch custom ops (the Python
+// package in python/megamoe wraps them). A layer lives in this library's registry under an integer
+// handle, as vLLM's custom
 // all-reduce passes its state: the ops then take only tensors and scalars, torch.compile treats the
 // handle as a constant, and a CUDA graph captures forward's kernels on the current stream.
 // Arguments are checked here as well as in Python: an op called directly gets the same clear
@@ -21,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "comm/ep_layer.hpp"
+#include "comm/rendezvous.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/layer.hpp"
 #include "megamoe/weights.hpp"
@@ -48,26 +51,39 @@ auto translating_errors(Fn&& fn) -> decltype(fn()) {
 }
 
 struct RegisteredLayer {
+  static constexpr const char* kind = "layer";
   std::unique_ptr<MoeLayer> layer;
   c10::DeviceIndex device;
 };
 
+// An expert-parallel layer and the rendezvous it keeps using (declared first, so destroyed after
+// the layer, whose symmetric memory says goodbye to its peers through it).
+struct RegisteredEpLayer {
+  static constexpr const char* kind = "expert-parallel layer";
+  std::unique_ptr<comm::FileRendezvous> rendezvous;
+  std::unique_ptr<comm::EpLayer> layer;
+  c10::DeviceIndex device;
+  int max_tokens;
+};
+
 // Handles start at 1 and are never reused, so a stale handle is refused rather than aliased.
+template <class Entry>
 class Registry {
  public:
-  int64_t add(RegisteredLayer entry) {
+  int64_t add(Entry entry) {
     std::lock_guard<std::mutex> lock(mutex_);
-    layers_.emplace(next_, std::make_shared<RegisteredLayer>(std::move(entry)));
+    layers_.emplace(next_, std::make_shared<Entry>(std::move(entry)));
     return next_++;
   }
-  std::shared_ptr<RegisteredLayer> find(int64_t handle) {
+  std::shared_ptr<Entry> find(int64_t handle) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = layers_.find(handle);
-    TORCH_CHECK_VALUE(it != layers_.end(), "megamoe: no layer with handle ", handle, " (destroyed, or never created)");
+    TORCH_CHECK_VALUE(it != layers_.end(), "megamoe: no ", Entry::kind, " with handle ", handle,
+                      " (destroyed, or never created)");
     return it->second;
   }
   void remove(int64_t handle) {
-    std::shared_ptr<RegisteredLayer> entry;
+    std::shared_ptr<Entry> entry;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = layers_.find(handle);
@@ -81,12 +97,17 @@ class Registry {
 
  private:
   std::mutex mutex_;
-  std::map<int64_t, std::shared_ptr<RegisteredLayer>> layers_;
+  std::map<int64_t, std::shared_ptr<Entry>> layers_;
   int64_t next_ = 1;
 };
 
-Registry& registry() {
-  static Registry instance;
+Registry<RegisteredLayer>& registry() {
+  static Registry<RegisteredLayer> instance;
+  return instance;
+}
+
+Registry<RegisteredEpLayer>& ep_registry() {
+  static Registry<RegisteredEpLayer> instance;
   return instance;
 }
 
@@ -224,17 +245,11 @@ void check_spec(int64_t num_experts, int64_t hidden, int64_t intermediate, int64
   translating_errors([&] { validate(spec); });
 }
 
-// A layer for up to max_tokens tokens on device `device_index`, from packed weights (pack_weights'
-// tensors, or the same bytes packed on the GPU) on the host or on a device: copied.
-int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
-                     const at::Tensor& w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
-                     int64_t top_k, const std::string& precision, const std::string& scale_format,
-                     const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
-                     double routed_scaling_factor, const std::optional<at::Tensor>& bias, int64_t max_tokens,
-                     int64_t device_index) {
-  const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
-                                 renormalize, n_group, topk_group, routed_scaling_factor, bias);
-  PackedWeightsView view{spec.num_experts, spec.hidden, spec.intermediate, spec.precision, spec.scale_format};
+// Packed tensors of `experts` experts of `spec`'s shapes (pack_weights' tensors, or the same bytes
+// packed on the GPU) as the view a layer copies from, their sizes checked.
+PackedWeightsView packed_view(const MoeSpec& spec, int experts, const at::Tensor& w13, const at::Tensor& w13_scales,
+                              const at::Tensor& w2, const at::Tensor& w2_scales) {
+  PackedWeightsView view{experts, spec.hidden, spec.intermediate, spec.precision, spec.scale_format};
   const bool fp8 = spec.precision == Precision::fp8_block;
   auto check_packed = [](const at::Tensor& t, const char* name, at::ScalarType dtype, size_t count) {
     TORCH_CHECK_TYPE(t.scalar_type() == dtype, "megamoe: packed ", name, " must be ", dtype, ", not ", t.scalar_type());
@@ -249,10 +264,28 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const 
   view.w2 = w2.data_ptr<uint8_t>();
   view.w13_scales = fp8 ? w13_scales.data_ptr<float>() : nullptr;
   view.w2_scales = fp8 ? w2_scales.data_ptr<float>() : nullptr;
+  return view;
+}
+
+// Weights packed on the GPU were written on the current stream: done before a layer copies them.
+void wait_for_packing(const at::Tensor& packed) {
+  if (packed.is_cuda()) c10::cuda::getCurrentCUDAStream(packed.get_device()).synchronize();
+}
+
+// A layer for up to max_tokens tokens on device `device_index`, from packed weights (pack_weights'
+// tensors, or the same bytes packed on the GPU) on the host or on a device: copied.
+int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
+                     const at::Tensor& w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                     int64_t top_k, const std::string& precision, const std::string& scale_format,
+                     const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
+                     double routed_scaling_factor, const std::optional<at::Tensor>& bias, int64_t max_tokens,
+                     int64_t device_index) {
+  const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
+                                 renormalize, n_group, topk_group, routed_scaling_factor, bias);
+  const PackedWeightsView view = packed_view(spec, spec.num_experts, w13, w13_scales, w2, w2_scales);
   return translating_errors([&] {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
-    // Packed on the GPU on the current stream: done before the layer copies it.
-    if (w13.is_cuda()) c10::cuda::getCurrentCUDAStream(w13.get_device()).synchronize();
+    wait_for_packing(w13);
     RegisteredLayer entry{std::make_unique<MoeLayer>(spec, view, static_cast<int>(max_tokens)),
                           static_cast<c10::DeviceIndex>(device_index)};
     return registry().add(std::move(entry));
@@ -331,6 +364,78 @@ int64_t invalid_routing_ids(int64_t handle) {
 
 int64_t workspace_bytes(int64_t handle) { return static_cast<int64_t>(registry().find(handle)->layer->workspace_bytes()); }
 
+// Collective over the world_size processes of one node (one GPU each): this rank's experts
+// [rank * E / world, (rank + 1) * E / world) of a layer of num_experts experts with precomputed
+// routing, packed as for a layer of E / world experts, for up to max_tokens tokens per rank and
+// call. The ranks meet in rendezvous_dir, a folder they share that no other layer uses.
+int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
+                        const at::Tensor& w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                        int64_t top_k, const std::string& precision, const std::string& scale_format,
+                        int64_t max_tokens, const std::string& rendezvous_dir, int64_t rank, int64_t world_size,
+                        int64_t device_index) {
+  TORCH_CHECK_VALUE(world_size >= 1 && rank >= 0 && rank < world_size, "megamoe: rank ", rank,
+                    " must be in [0, world_size=", world_size, ")");
+  TORCH_CHECK_VALUE(num_experts % world_size == 0, "megamoe: num_experts=", num_experts,
+                    " must be a multiple of the world size ", world_size, " (each rank holds E / world experts)");
+  TORCH_CHECK_VALUE(max_tokens >= 1, "megamoe: max_tokens must be positive, not ", max_tokens);
+  const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
+                                 false, 1, 1, 1.0, std::nullopt);
+  const PackedWeightsView view =
+      packed_view(spec, static_cast<int>(num_experts / world_size), w13, w13_scales, w2, w2_scales);
+  return translating_errors([&] {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+    wait_for_packing(w13);
+    RegisteredEpLayer entry;
+    entry.rendezvous =
+        std::make_unique<comm::FileRendezvous>(rendezvous_dir, static_cast<int>(rank), static_cast<int>(world_size));
+    entry.layer = std::make_unique<comm::EpLayer>(spec, view, static_cast<int>(max_tokens), *entry.rendezvous);
+    entry.device = static_cast<c10::DeviceIndex>(device_index);
+    entry.max_tokens = static_cast<int>(max_tokens);
+    return ep_registry().add(std::move(entry));
+  });
+}
+
+// Collective: every rank destroys its layer (the symmetric memory waits, up to a minute, for the
+// peers to unmap it).
+void destroy_ep_layer(int64_t handle) { ep_registry().remove(handle); }
+
+// Collective: y [T, H] bf16 for this rank's x [T, H] bf16 routed to global experts by topk_ids
+// [T, k] int32 (-1: not routed) and topk_weights [T, k] fp32. Every rank calls it, with T = 0 too.
+at::Tensor ep_forward(int64_t handle, const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights) {
+  const auto entry = ep_registry().find(handle);
+  const MoeSpec& spec = entry->layer->spec();
+  TORCH_CHECK_VALUE(x.dim() == 2, "megamoe: x must be [tokens, hidden], got ", x.sizes());
+  const int64_t T = x.size(0);
+  check_input(x, "x", at::kBFloat16, T, spec.hidden, entry->device);
+  check_input(topk_ids, "topk_ids", at::kInt, T, spec.top_k, entry->device);
+  check_input(topk_weights, "topk_weights", at::kFloat, T, spec.top_k, entry->device);
+  TORCH_CHECK_VALUE(T <= entry->max_tokens, "megamoe: ", T, " tokens exceed the ", entry->max_tokens,
+                    " per rank this layer was prepared for (max_tokens)");
+  c10::cuda::CUDAGuard guard(entry->device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(entry->device).stream();
+  // A rank without tokens still takes part (the other ranks wait for it), on one-row stand-ins
+  // for its empty tensors.
+  const at::Tensor rows_x = T > 0 ? x : at::zeros({1, spec.hidden}, x.options());
+  const at::Tensor rows_ids = T > 0 ? topk_ids : at::full({1, spec.top_k}, -1, topk_ids.options());
+  const at::Tensor rows_weights = T > 0 ? topk_weights : at::zeros({1, spec.top_k}, topk_weights.options());
+  at::Tensor y = at::empty({std::max<int64_t>(T, 1), spec.hidden}, x.options());
+  translating_errors([&] {
+    entry->layer->forward(stream,
+                          MoeInputs{static_cast<int>(T), rows_x.data_ptr(), nullptr, rows_ids.data_ptr<int32_t>(),
+                                    rows_weights.data_ptr<float>()},
+                          MoeOutputs{y.data_ptr()});
+  });
+  return y.narrow(0, 0, T);
+}
+
+int64_t ep_invalid_routing_ids(int64_t handle) {
+  const auto entry = ep_registry().find(handle);
+  c10::cuda::CUDAGuard guard(entry->device);
+  return translating_errors([&] {
+    return entry->layer->take_invalid_routing_ids(c10::cuda::getCurrentCUDAStream(entry->device).stream());
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(megamoe, m) {
@@ -352,8 +457,18 @@ TORCH_LIBRARY(megamoe, m) {
         "bool deterministic) -> Tensor");
   m.def("invalid_routing_ids(int layer) -> int", &invalid_routing_ids);
   m.def("workspace_bytes(int layer) -> int", &workspace_bytes);
+  m.def("create_ep_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "
+        "int intermediate, int top_k, str precision, str scale_format, int max_tokens, str rendezvous_dir, int rank, "
+        "int world_size, int device_index) -> int",
+        &create_ep_layer);
+  m.def("destroy_ep_layer(int layer) -> ()", &destroy_ep_layer);
+  m.def("ep_forward(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights) -> Tensor");
+  m.def("ep_invalid_routing_ids(int layer) -> int", &ep_invalid_routing_ids);
 }
 
-TORCH_LIBRARY_IMPL(megamoe, CUDA, m) { m.impl("forward", &forward); }
+TORCH_LIBRARY_IMPL(megamoe, CUDA, m) {
+  m.impl("forward", &forward);
+  m.impl("ep_forward", &ep_forward);
+}
 
 }  // namespace megamoe::torch_ops

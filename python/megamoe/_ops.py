@@ -33,3 +33,8 @@ ops = torch.ops.megamoe
 @torch.library.register_fake("megamoe::forward")
 def _forward_fake(layer, x, router_logits, topk_ids, topk_weights, deterministic):
     return torch.empty_like(x)
+
+
+@torch.library.register_fake("megamoe::ep_forward")
+def _ep_forward_fake(layer, x, topk_ids, topk_weights):
+    return torch.empty_like(x)

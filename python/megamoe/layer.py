@@ -5,6 +5,7 @@ a wrong shape, device, contiguity or value. The ops check again (torch.ops.megam
 directly get the same errors) and raise NotImplementedError for what the kernels do not support.
 """
 
+import dataclasses
 from typing import Optional, Union
 
 import torch
@@ -137,6 +138,36 @@ def prepare_weights(
     take (slower: hand a large layer over on the GPU). All give the same bytes. max_tokens sizes the workspace: fused_moe runs a larger batch as
     consecutive passes of max_tokens tokens.
     """
+    checked = checked_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
+    if not isinstance(top_k, int) or not 1 <= top_k <= checked.num_experts:
+        raise ValueError(f"megamoe: top_k must be an int in [1, {checked.num_experts}], not {top_k!r}")
+    check_max_tokens(max_tokens)
+    routing = as_routing(routing)
+    ops.check_spec(checked.num_experts, checked.hidden, checked.intermediate, top_k, precision, scale_format,
+                   *op_arguments(routing))
+    packed, device = packed_on(checked, precision, scale_format, device)
+    handle = ops.create_layer(*packed, checked.num_experts, checked.hidden, checked.intermediate, top_k, precision,
+                              scale_format, *op_arguments(routing), max_tokens, device.index)
+    return MoeWeights(handle=handle, num_experts=checked.num_experts, top_k=top_k, hidden=checked.hidden,
+                      intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
+                      routing=routing, max_tokens=max_tokens, device=device)
+
+
+@dataclasses.dataclass
+class CheckedWeights:
+    """vLLM-layout weights whose shapes and dtypes were checked, fp8 scales in a packer's form."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: Optional[torch.Tensor]
+    w2_scale: Optional[torch.Tensor]
+    num_experts: int
+    hidden: int
+    intermediate: int
+
+
+def checked_weights(w13, w2, w13_scale, w2_scale, precision: str, scale_format: str) -> CheckedWeights:
+    """prepare_weights' checks of the weights and the formats (also prepare_ep_weights')."""
     _require_tensor(w13, "w13", 3)
     _require_tensor(w2, "w2", 3)
     if w13.dtype not in _WEIGHT_DTYPES:
@@ -152,8 +183,7 @@ def prepare_weights(
             f"megamoe: w2 must be [E, H, I] = {[num_experts, hidden, intermediate]} to match w13 "
             f"{list(w13.shape)}, got {list(w2.shape)}"
         )
-    fp8_input = w13.dtype == torch.float8_e4m3fn
-    if fp8_input:
+    if w13.dtype == torch.float8_e4m3fn:
         scales = {}
         for name, scale, rows, columns in (("w13_scale", w13_scale, two_i, hidden),
                                            ("w2_scale", w2_scale, hidden, intermediate)):
@@ -172,16 +202,20 @@ def prepare_weights(
         raise ValueError(f"megamoe: precision must be one of {PRECISIONS}, not {precision!r}")
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"megamoe: scale_format must be one of {SCALE_FORMATS}, not {scale_format!r}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"megamoe: top_k must be an int in [1, {num_experts}], not {top_k!r}")
+    return CheckedWeights(w13, w2, w13_scale, w2_scale, num_experts, hidden, intermediate)
+
+
+def check_max_tokens(max_tokens) -> None:
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"megamoe: max_tokens must be a positive int, not {max_tokens!r}")
-    routing = as_routing(routing)
-    ops.check_spec(num_experts, hidden, intermediate, top_k, precision, scale_format, *op_arguments(routing))
-    if fp8_input:
-        for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-            if not (torch.isfinite(scale).all() and (scale > 0).all()):
-                raise ValueError(f"megamoe: {name} holds non-finite or non-positive scales")
+
+
+def packed_on(checked: CheckedWeights, precision: str, scale_format: str, device):
+    """(the packed tensors, the CUDA device they are for): the scales' values checked, then packed
+    on the GPU where the weights are, else on the host."""
+    for name, scale in (("w13_scale", checked.w13_scale), ("w2_scale", checked.w2_scale)):
+        if scale is not None and not (torch.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"megamoe: {name} holds non-finite or non-positive scales")
     if not torch.cuda.is_available():
         raise RuntimeError("megamoe: no CUDA device is visible; the layer runs on Hopper GPUs (sm_90)")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
@@ -189,20 +223,16 @@ def prepare_weights(
         raise ValueError(f"megamoe: device must be a CUDA device, not {device}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    detached = [None if t is None else t.detach() for t in (w13, w2, w13_scale, w2_scale)]
-    if w13.is_cuda:
+    detached = [None if t is None else t.detach() for t in
+                (checked.w13, checked.w2, checked.w13_scale, checked.w2_scale)]
+    if checked.w13.is_cuda:
         # On the GPU with PyTorch (seconds for a large layer), the same bytes as the host packer.
-        w13, w2, w13_scale, w2_scale = [None if t is None else t.to(device) for t in detached]
-        packed = packing.pack_weights(w13, w2, precision, scale_format, w13_scale, w2_scale)
-    elif packing.row_scaled(w13_scale, two_i) or packing.row_scaled(w2_scale, hidden):
-        packed = packing.pack_weights(*detached[:2], precision, scale_format, *detached[2:])  # not in C++
-    else:
-        packed = ops.pack_weights(*detached, precision, scale_format)
-    handle = ops.create_layer(*packed, num_experts, hidden, intermediate, top_k, precision, scale_format,
-                              *op_arguments(routing), max_tokens, device.index)
-    return MoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=hidden,
-                      intermediate=intermediate, precision=precision, scale_format=scale_format,
-                      routing=routing, max_tokens=max_tokens, device=device)
+        on_device = [None if t is None else t.to(device) for t in detached]
+        return packing.pack_weights(*on_device[:2], precision, scale_format, *on_device[2:]), device
+    if packing.row_scaled(checked.w13_scale, 2 * checked.intermediate) or packing.row_scaled(checked.w2_scale,
+                                                                                             checked.hidden):
+        return packing.pack_weights(*detached[:2], precision, scale_format, *detached[2:]), device  # not in C++
+    return ops.pack_weights(*detached, precision, scale_format), device
 
 
 def _check_activation(t: torch.Tensor, name: str, rows: int, columns: int, device: torch.device) -> None:

@@ -21,6 +21,10 @@ constexpr long long kBarrierTimeoutCycles = 20'000'000'000LL;  // ~10 s at 1.98 
 
 EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int max_tokens_per_rank,
                  const FileRendezvous& rendezvous)
+    : EpLayer(spec, local_weights.view(), max_tokens_per_rank, rendezvous) {}
+
+EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, int max_tokens_per_rank,
+                 const FileRendezvous& rendezvous)
     : spec_(spec), rendezvous_(rendezvous) {
   validate(spec);
   const int world = rendezvous.world_size();

@@ -28,6 +28,9 @@ class EpLayer {
   // with that many experts.
   EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int max_tokens_per_rank,
           const FileRendezvous& rendezvous);
+  // The same from packed weights the caller holds elsewhere (host or device memory): copied.
+  EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, int max_tokens_per_rank,
+          const FileRendezvous& rendezvous);
   ~EpLayer();
   EpLayer(const EpLayer&) = delete;
   EpLayer& operator=(const EpLayer&) = delete;
@@ -61,6 +64,7 @@ class EpLayer {
   };
   Delivered last_delivered(cudaStream_t stream) const;
 
+  const MoeSpec& spec() const { return spec_; }
   const layout::EpBufferLayout& buffer_layout() const { return layout_; }
 
   // Diagnosis (megamoe-ep-bench --timeline): later calls fold the global timer at the points of

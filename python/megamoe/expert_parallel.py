@@ -1,0 +1,202 @@
+"""The MoE layer expert-parallel across the GPUs of one node, from PyTorch: one process per GPU,
+each holding E / world_size of the experts (rank r the contiguous slice [r * E / world,
+(r + 1) * E / world), vLLM's linear placement). ep_fused_moe sends each of this rank's tokens to
+the ranks that own its experts over NVLink, runs them there, and sums the results back in rank
+order: y for this rank's tokens, as if one GPU held every expert. Routing is precomputed (global
+topk_ids and topk_weights, as the caller's router gives them).
+
+Every call is collective: each rank calls prepare_ep_weights, ep_fused_moe (with its own token
+count, 0 included) and close in the same order. A rank that does not arrive makes the others fail
+with a diagnostic after ~10 s (a device-side barrier timeout) rather than hang.
+"""
+
+import os
+import tempfile
+from typing import Optional, Union
+
+import torch
+
+from megamoe._ops import ops
+from megamoe.layer import _require_tensor, check_max_tokens, checked_weights, ids_as_int32, packed_on
+from megamoe.routing import PrecomputedRouting, op_arguments
+
+# Layers made in this process so far: each gets its own folder under the rendezvous folder (every
+# bootstrap name is used once per folder), numbered alike on every rank because the calls are
+# collective.
+_layers_made = 0
+
+
+class EpMoeWeights:
+    """This rank's share of an expert-parallel layer (from prepare_ep_weights): its experts on one
+    GPU, the symmetric buffer the ranks exchange rows through, and the workspace for up to
+    `max_tokens` tokens per rank and call."""
+
+    def __init__(self, *, handle: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 precision: str, scale_format: str, max_tokens: int, rank: int, world_size: int,
+                 device: torch.device):
+        self._handle = handle
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden = hidden
+        self.intermediate = intermediate
+        self.precision = precision
+        self.scale_format = scale_format
+        self.max_tokens = max_tokens
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+
+    @property
+    def experts(self) -> range:
+        """The global ids of the experts this rank holds."""
+        per_rank = self.num_experts // self.world_size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def close(self) -> None:
+        """Collective: frees the layer; its buffer waits (up to a minute) for every peer to let go
+        of it. Every rank closes its share at the same point; the process exiting closes it too."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            ops.destroy_ep_layer(handle)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the process frees the device memory
+            pass
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("megamoe: EpMoeWeights live on a GPU under a handle of this process and cannot be pickled")
+
+    def invalid_routing_ids(self) -> int:
+        """How many ids this rank's calls routed that were >= num_experts or repeated within a token
+        since the last call; they contributed nothing. Synchronizes the current stream."""
+        return ops.ep_invalid_routing_ids(self._live_handle())
+
+    def _live_handle(self) -> int:
+        if self._handle is None:
+            raise ValueError("megamoe: this expert-parallel layer was closed")
+        return self._handle
+
+    def __repr__(self) -> str:
+        return (f"EpMoeWeights(num_experts={self.num_experts}, experts={self.experts}, top_k={self.top_k}, "
+                f"hidden={self.hidden}, intermediate={self.intermediate}, precision={self.precision!r}, "
+                f"max_tokens={self.max_tokens}, rank={self.rank}, world_size={self.world_size}, device={self.device})")
+
+
+def _rank_and_world(rank: Optional[int], world_size: Optional[int]):
+    """The caller's, else torch.distributed's, else the launcher's RANK and WORLD_SIZE."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    raise ValueError("megamoe: pass rank and world_size, initialize torch.distributed, or launch with RANK and "
+                     "WORLD_SIZE set (torchrun, megamoe-run)")
+
+
+def _rendezvous_root(rendezvous_dir: Optional[str]) -> str:
+    """A folder every rank of this node shares: the caller's, megamoe-run's MEGAMOE_RENDEZVOUS_DIR,
+    or one rank 0 makes and torch.distributed broadcasts."""
+    if rendezvous_dir is not None:
+        return rendezvous_dir
+    if os.environ.get("MEGAMOE_RENDEZVOUS_DIR"):
+        return os.environ["MEGAMOE_RENDEZVOUS_DIR"]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        folder = [tempfile.mkdtemp(prefix="megamoe-ep-") if torch.distributed.get_rank() == 0 else None]
+        torch.distributed.broadcast_object_list(folder, src=0)
+        return folder[0]
+    raise ValueError("megamoe: the ranks meet in a shared folder: pass rendezvous_dir, set MEGAMOE_RENDEZVOUS_DIR, "
+                     "or initialize torch.distributed")
+
+
+def prepare_ep_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    num_experts: int,
+    top_k: int,
+    precision: str = "fp8_block",
+    w13_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    scale_format: str = "fp32",
+    max_tokens: int = 4096,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    rendezvous_dir: Optional[str] = None,
+    device: Optional[Union[torch.device, str, int]] = None,
+) -> EpMoeWeights:
+    """Collective: packs this rank's experts (w13 [E / world, 2I, H], w2 [E / world, H, I], in
+    prepare_weights' layouts, dtypes and scales) and joins the other ranks' shares into a layer
+    of num_experts experts for up to max_tokens tokens per rank and call, on `device` (default:
+    the current CUDA device, one per rank). rank and world_size come from the arguments,
+    torch.distributed, or RANK / WORLD_SIZE; the ranks meet in rendezvous_dir (see
+    _rendezvous_root). top_k may not exceed the experts per rank.
+    """
+    checked = checked_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
+    rank, world_size = _rank_and_world(rank, world_size)
+    if not isinstance(num_experts, int) or checked.num_experts * world_size != num_experts:
+        raise ValueError(f"megamoe: this rank's w13 holds {checked.num_experts} experts, so num_experts must be "
+                         f"{checked.num_experts} x {world_size} ranks = {checked.num_experts * world_size}, "
+                         f"not {num_experts!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= checked.num_experts:
+        raise ValueError(f"megamoe: top_k must be an int in [1, {checked.num_experts}] (the experts per rank: a "
+                         f"rank runs every local expert of a token it receives), not {top_k!r}")
+    check_max_tokens(max_tokens)
+    ops.check_spec(num_experts, checked.hidden, checked.intermediate, top_k, precision, scale_format,
+                   *op_arguments(PrecomputedRouting()))
+    folder = _rendezvous_root(rendezvous_dir)
+    packed, device = packed_on(checked, precision, scale_format, device)
+    global _layers_made
+    layer_folder = os.path.join(folder, f"megamoe-ep-layer-{_layers_made}")
+    _layers_made += 1
+    os.makedirs(layer_folder, exist_ok=True)
+    handle = ops.create_ep_layer(*packed, num_experts, checked.hidden, checked.intermediate, top_k, precision,
+                                 scale_format, max_tokens, layer_folder, rank, world_size, device.index)
+    return EpMoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=checked.hidden,
+                        intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
+                        max_tokens=max_tokens, rank=rank, world_size=world_size, device=device)
+
+
+def ep_fused_moe(x: torch.Tensor, weights: EpMoeWeights, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+    """Collective: y [T, H] bfloat16 for this rank's x [T, H] bfloat16 (T <= max_tokens, 0 too),
+    routed by topk_ids [T, k] (int32 or int64 global expert ids; -1: not routed) and topk_weights
+    [T, k] (float). Enqueues on the current stream without host synchronization (a CUDA graph can
+    hold it, captured alike on every rank)."""
+    if not isinstance(weights, EpMoeWeights):
+        raise TypeError(f"megamoe: weights must come from megamoe.prepare_ep_weights, not {type(weights).__name__}")
+    handle = weights._live_handle()
+    _require_tensor(x, "x", 2)
+    _require_tensor(topk_ids, "topk_ids", 2)
+    _require_tensor(topk_weights, "topk_weights", 2)
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"megamoe: x must be bfloat16, not {x.dtype} (convert with x.to(torch.bfloat16))")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"megamoe: topk_ids must be int32 or int64, not {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"megamoe: topk_weights must be a floating-point tensor, not {topk_weights.dtype}")
+    tokens = x.shape[0]
+    for name, t, columns in (("x", x, weights.hidden), ("topk_ids", topk_ids, weights.top_k),
+                             ("topk_weights", topk_weights, weights.top_k)):
+        if tuple(t.shape) != (tokens, columns):
+            raise ValueError(f"megamoe: {name} must be [{tokens}, {columns}], got {list(t.shape)}")
+        if t.device != weights.device:
+            raise ValueError(f"megamoe: {name} must be on {weights.device} (this rank's device), not {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"megamoe: {name} must be contiguous (call .contiguous())")
+    if tokens > weights.max_tokens:
+        # Unlike fused_moe, not cut into passes: the ranks would need as many passes each.
+        raise ValueError(f"megamoe: {tokens} tokens exceed the {weights.max_tokens} per rank the weights were "
+                         f"prepared for (max_tokens)")
+    return ops.ep_forward(handle, x, ids_as_int32(topk_ids), topk_weights.to(torch.float32))
+
+
+__all__ = ["EpMoeWeights", "prepare_ep_weights", "ep_fused_moe"]

@@ -1,0 +1,118 @@
+"""megamoe.expert_parallel on two GPUs, one process each: run under `megamoe-run -n 2` (CTest
+python.gpu2, label gpu2). Every rank draws the same weights and holds half the experts; per
+iteration each rank brings its own tokens (0 to max_tokens, the counts differing between ranks,
+some slots -1), and its output must match the fp32 quantizing reference of the whole layer and
+the single-GPU layer holding every expert. Then a CUDA graph of the call replays the eager bits,
+an invalid id is counted on the rank that sent it, and bad calls raise before anything collective.
+Prints "rank R ok" last; exits 1 on the first failure."""
+
+import math
+import os
+import sys
+
+import torch
+
+import megamoe
+from moe_reference import moe_reference, relative_l2
+
+EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, MAX_TOKENS = 32, 4, 512, 256, 256
+# Against the fp32 reference: each rank's partial sum is rounded to bf16 before the sum over
+# ranks, on top of the single-GPU layer's own error (tests/python/test_layer.py's TIGHT bounds).
+BOUNDS = {"fp8_block": 3e-2, "bf16": 1e-2}
+TOKEN_COUNTS = [0, 1, 7, 64, 200, MAX_TOKENS]
+
+
+def fail(rank: int, message: str) -> None:
+    print(f"rank {rank}: {message}", flush=True)
+    sys.exit(1)
+
+
+def routed_inputs(rank: int, iteration: int, tokens: int, device: torch.device):
+    generator = torch.Generator(device=device).manual_seed(1000 * iteration + rank)
+    x = torch.randn(tokens, HIDDEN, device=device, generator=generator).to(torch.bfloat16)
+    ids = torch.rand(tokens, EXPERTS, device=device, generator=generator).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+    ids[::5, -1] = -1  # some slots routed nowhere
+    weights = torch.rand(tokens, TOP_K, device=device, generator=generator)
+    return x, ids, weights
+
+
+def main() -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator(device=device).manual_seed(7)  # the same weights on every rank
+    w13 = (torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, device=device, generator=generator)
+           / math.sqrt(HIDDEN)).to(torch.bfloat16)
+    w2 = (torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, device=device, generator=generator)
+          / math.sqrt(INTERMEDIATE)).to(torch.bfloat16)
+    per_rank = EXPERTS // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+
+    for precision, bound in BOUNDS.items():
+        layer = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
+                                           precision=precision, max_tokens=MAX_TOKENS)
+        if layer.experts != range(mine.start, mine.stop):
+            fail(rank, f"holds experts {layer.experts}, expected {mine}")
+        whole = megamoe.prepare_weights(w13, w2, top_k=TOP_K, precision=precision,
+                                        routing=megamoe.PrecomputedRouting(), max_tokens=MAX_TOKENS)
+        worst = 0.0
+        for iteration in range(2 * len(TOKEN_COUNTS)):
+            tokens = TOKEN_COUNTS[(iteration + 3 * rank) % len(TOKEN_COUNTS)]
+            x, ids, weights = routed_inputs(rank, iteration, tokens, device)
+            y = megamoe.ep_fused_moe(x, layer, ids, weights)
+            if y.shape != x.shape or y.dtype != torch.bfloat16 or not torch.isfinite(y).all():
+                fail(rank, f"{precision} iteration {iteration}: y {tuple(y.shape)} {y.dtype}, or not finite")
+            if tokens == 0:
+                continue
+            error = relative_l2(y, moe_reference(x, w13, w2, ids, weights, precision))
+            single = relative_l2(y, megamoe.fused_moe(x, whole, topk_ids=ids, topk_weights=weights))
+            worst = max(worst, error)
+            if not (error < bound and single < bound):
+                fail(rank, f"{precision} iteration {iteration}, {tokens} tokens: relative L2 error {error:.3e} "
+                           f"against the reference, {single:.3e} against the single-GPU layer (bound {bound})")
+        print(f"rank {rank}: {precision}: worst relative L2 error {worst:.3e} against the reference "
+              f"over {2 * len(TOKEN_COUNTS)} calls", flush=True)
+
+        # A CUDA graph of the call, captured and replayed alike on both ranks, gives the eager bits.
+        x, ids, weights = routed_inputs(rank, 99, 64 + 32 * rank, device)
+        eager = megamoe.ep_fused_moe(x, layer, ids, weights)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = megamoe.ep_fused_moe(x, layer, ids, weights)
+        for replay in range(3):
+            captured.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            if not torch.equal(captured, eager):
+                fail(rank, f"{precision}: graph replay {replay} differs from the eager call")
+        del graph
+
+        # An id past the experts, sent by rank 0 only, is counted there and contributes nothing.
+        x, ids, weights = routed_inputs(rank, 123, 8, device)
+        if rank == 0:
+            ids[0, 0] = EXPERTS + 3
+        y = megamoe.ep_fused_moe(x, layer, ids, weights)
+        invalid = layer.invalid_routing_ids()
+        if invalid != (1 if rank == 0 else 0):
+            fail(rank, f"{precision}: {invalid} invalid ids counted")
+        kept = ids.clone()
+        kept[kept >= EXPERTS] = -1
+        if relative_l2(y, moe_reference(x, w13, w2, kept, weights, precision)) >= bound:
+            fail(rank, f"{precision}: the invalid id changed the output")
+
+        # Bad calls raise before anything collective runs (so the other rank is not left waiting).
+        for bad, expected in ((lambda: megamoe.ep_fused_moe(x.float(), layer, ids, weights), TypeError),
+                              (lambda: megamoe.ep_fused_moe(x[:, :64], layer, ids, weights), ValueError),
+                              (lambda: megamoe.ep_fused_moe(x, layer, ids[:, :2], weights), ValueError)):
+            try:
+                bad()
+                fail(rank, f"{precision}: a bad call did not raise")
+            except expected:
+                pass
+        layer.close()
+        del whole
+    print(f"rank {rank} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""megamoe.expert_parallel without GPUs: the checks that come before anything collective, and the
+fake op torch.compile traces with. The layer itself runs on two GPUs in ep_two_ranks.py (CTest
+python.gpu2)."""
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import expert_parallel
+
+W13 = torch.zeros(4, 256, 128, dtype=torch.bfloat16)  # this rank's 4 experts, I = H = 128
+W2 = torch.zeros(4, 128, 128, dtype=torch.bfloat16)
+
+
+def test_prepare_ep_weights_checks_before_joining_the_other_ranks(monkeypatch, tmp_path):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("MEGAMOE_RENDEZVOUS_DIR", raising=False)
+    with pytest.raises(ValueError, match="pass rank and world_size"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2)
+    ranks = dict(rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"num_experts must be 4 x 2 ranks = 8, not 16"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=16, top_k=2, **ranks)
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[1, 4\] \(the experts per rank"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=5, **ranks)
+    with pytest.raises(ValueError, match="max_tokens"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, max_tokens=0, **ranks)
+    with pytest.raises(ValueError, match="precision"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, precision="fp4", **ranks)
+    with pytest.raises(ValueError, match="shared folder"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, **ranks)
+    # The launcher's variables, as megamoe-run and torchrun set them, are enough to get past these.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MEGAMOE_RENDEZVOUS_DIR", str(tmp_path))
+    assert expert_parallel._rank_and_world(None, None) == (1, 2)
+    assert expert_parallel._rendezvous_root(None) == str(tmp_path)
+
+
+def ep_weights(**overrides) -> megamoe.EpMoeWeights:
+    """A handle naming no layer (closing it is a no-op), on the CPU so that the checks can run."""
+    fields = dict(handle=-1, num_experts=8, top_k=2, hidden=128, intermediate=128, precision="bf16",
+                  scale_format="fp32", max_tokens=16, rank=1, world_size=2, device=torch.device("cpu"))
+    fields.update(overrides)
+    return megamoe.EpMoeWeights(**fields)
+
+
+def test_ep_fused_moe_checks_its_arguments():
+    weights = ep_weights()
+    assert weights.experts == range(4, 8)
+    x = torch.zeros(3, 128, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    routing_weights = torch.zeros(3, 2)
+    with pytest.raises(TypeError, match="x must be bfloat16"):
+        megamoe.ep_fused_moe(x.float(), weights, ids, routing_weights)
+    with pytest.raises(TypeError, match="topk_ids must be int32 or int64"):
+        megamoe.ep_fused_moe(x, weights, ids.float(), routing_weights)
+    with pytest.raises(ValueError, match=r"topk_weights must be \[3, 2\]"):
+        megamoe.ep_fused_moe(x, weights, ids, routing_weights[:2])
+    with pytest.raises(ValueError, match="must be contiguous"):
+        megamoe.ep_fused_moe(x, weights, ids.t().contiguous().t(), routing_weights)
+    with pytest.raises(ValueError, match="17 tokens exceed the 16 per rank"):
+        megamoe.ep_fused_moe(torch.zeros(17, 128, dtype=torch.bfloat16), weights, torch.zeros(17, 2, dtype=torch.int32),
+                             torch.zeros(17, 2))
+    with pytest.raises(TypeError, match="prepare_ep_weights"):
+        megamoe.ep_fused_moe(x, object(), ids, routing_weights)
+    weights.close()
+    with pytest.raises(ValueError, match="was closed"):
+        megamoe.ep_fused_moe(x, weights, ids, routing_weights)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        import pickle
+
+        pickle.dumps(ep_weights())
+
+
+def test_ep_forward_has_a_fake_implementation():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 128, dtype=torch.bfloat16, device="cuda")
+        y = torch.ops.megamoe.ep_forward(-1, x, torch.empty(5, 2, dtype=torch.int32, device="cuda"),
+                                         torch.empty(5, 2, device="cuda"))
+    assert y.shape == x.shape and y.dtype == torch.bfloat16 and y.device == x.device
+
+
+def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
+    """Without a GPU: the op's own checks (for callers of torch.ops.megamoe directly)."""
+    empty = torch.empty(0, dtype=torch.uint8)
+    scales = torch.empty(0)
+    with pytest.raises(ValueError, match="must be a multiple of the world size 3"):
+        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
+                                          0, 3, 0)
+    with pytest.raises(ValueError, match=r"rank 2 must be in \[0, world_size=2\)"):
+        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
+                                          2, 2, 0)
+    with pytest.raises(ValueError, match="packed w13 must be contiguous with"):
+        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
+                                          0, 2, 0)
+    with pytest.raises(ValueError, match="no expert-parallel layer with handle"):
+        torch.ops.megamoe.ep_invalid_routing_ids(10**9)
