@@ -29,7 +29,9 @@ _layers_made = 0
 class EpMoeWeights:
     """This rank's share of an expert-parallel layer (from prepare_ep_weights): its experts on one
     GPU, the symmetric buffer the ranks exchange rows through, and the workspace for up to
-    `max_tokens` tokens per rank and call."""
+    `max_tokens` tokens per rank and call. Freeing it is collective (close(), or the garbage
+    collector, or the process's exit): a rank that lets go while its peers keep theirs waits up to
+    a minute for them."""
 
     def __init__(self, *, handle: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
                  precision: str, scale_format: str, max_tokens: int, rank: int, world_size: int,
@@ -137,8 +139,9 @@ def prepare_ep_weights(
     prepare_weights' layouts, dtypes and scales) and joins the other ranks' shares into a layer
     of num_experts experts for up to max_tokens tokens per rank and call, on `device` (default:
     the current CUDA device, one per rank). rank and world_size come from the arguments,
-    torch.distributed, or RANK / WORLD_SIZE; the ranks meet in rendezvous_dir (see
-    _rendezvous_root). top_k may not exceed the experts per rank.
+    torch.distributed, or RANK / WORLD_SIZE. The ranks meet in a folder they share: rendezvous_dir,
+    else MEGAMOE_RENDEZVOUS_DIR (megamoe-run sets it), else one rank 0 makes and torch.distributed
+    broadcasts. top_k may not exceed the experts per rank.
     """
     checked = checked_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
     rank, world_size = _rank_and_world(rank, world_size)
