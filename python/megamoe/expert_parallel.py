@@ -17,7 +17,8 @@ from typing import Optional, Union
 import torch
 
 from megamoe._ops import ops
-from megamoe.layer import _require_tensor, check_max_tokens, checked_weights, ids_as_int32, packed_on
+from megamoe.layer import (LayerHandle, require_tensor, check_max_tokens, checked_weights, ids_as_int32,
+                           packed_on)
 from megamoe.routing import PrecomputedRouting, op_arguments
 
 # Layers made in this process so far: each gets its own folder under the rendezvous folder (every
@@ -26,27 +27,17 @@ from megamoe.routing import PrecomputedRouting, op_arguments
 _layers_made = 0
 
 
-class EpMoeWeights:
+class EpMoeWeights(LayerHandle):
     """This rank's share of an expert-parallel layer (from prepare_ep_weights): its experts on one
     GPU, the symmetric buffer the ranks exchange rows through, and the workspace for up to
     `max_tokens` tokens per rank and call. Freeing it is collective (close(), or the garbage
     collector, or the process's exit): a rank that lets go while its peers keep theirs waits up to
     a minute for them."""
 
-    def __init__(self, *, handle: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
-                 precision: str, scale_format: str, max_tokens: int, rank: int, world_size: int,
-                 device: torch.device):
-        self._handle = handle
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.hidden = hidden
-        self.intermediate = intermediate
-        self.precision = precision
-        self.scale_format = scale_format
-        self.max_tokens = max_tokens
+    def __init__(self, *, rank: int, world_size: int, **layer):
+        super().__init__(**layer)
         self.rank = rank
         self.world_size = world_size
-        self.device = device
 
     @property
     def experts(self) -> range:
@@ -55,26 +46,13 @@ class EpMoeWeights:
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
     def close(self) -> None:
-        """Collective: frees the layer; its buffer waits (up to a minute) for every peer to let go
-        of it. Every rank closes its share at the same point; the process exiting closes it too."""
+        """Collective: frees the layer on every rank at the same point."""
         handle, self._handle = self._handle, None
         if handle is not None:
-            ops.destroy_ep_layer(handle)
+            self._destroy(handle)
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the process frees the device memory
-            pass
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __copy__(self):
-        return self
-
-    def __reduce__(self):
-        raise TypeError("megamoe: EpMoeWeights live on a GPU under a handle of this process and cannot be pickled")
+    def _destroy(self, handle: int) -> None:
+        ops.destroy_ep_layer(handle)
 
     def invalid_routing_ids(self) -> int:
         """How many ids this rank's calls routed that were >= num_experts or repeated within a token
@@ -177,9 +155,9 @@ def ep_fused_moe(x: torch.Tensor, weights: EpMoeWeights, topk_ids: torch.Tensor,
     if not isinstance(weights, EpMoeWeights):
         raise TypeError(f"megamoe: weights must come from megamoe.prepare_ep_weights, not {type(weights).__name__}")
     handle = weights._live_handle()
-    _require_tensor(x, "x", 2)
-    _require_tensor(topk_ids, "topk_ids", 2)
-    _require_tensor(topk_weights, "topk_weights", 2)
+    require_tensor(x, "x", 2)
+    require_tensor(topk_ids, "topk_ids", 2)
+    require_tensor(topk_weights, "topk_weights", 2)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"megamoe: x must be bfloat16, not {x.dtype} (convert with x.to(torch.bfloat16))")
     if topk_ids.dtype not in (torch.int32, torch.int64):

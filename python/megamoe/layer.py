@@ -28,7 +28,7 @@ _WEIGHT_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 _PRECOMPUTED = PrecomputedRouting()
 
 
-def _require_tensor(value, name: str, dims: int) -> torch.Tensor:
+def require_tensor(value, name: str, dims: int) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"megamoe: {name} must be a torch.Tensor, not {type(value).__name__}")
     if value.dim() != dims:
@@ -36,7 +36,48 @@ def _require_tensor(value, name: str, dims: int) -> torch.Tensor:
     return value
 
 
-class MoeWeights:
+class LayerHandle:
+    """A layer in the ops library's registry, under its handle, with its shapes and formats. Its
+    weights are never written, so copies (of a module holding it) share it; it is freed when the
+    last reference goes, and it cannot be pickled."""
+
+    _pickle_hint = ""
+
+    def __init__(self, *, handle: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 precision: str, scale_format: str, max_tokens: int, device: torch.device):
+        self._handle = handle
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden = hidden
+        self.intermediate = intermediate
+        self.precision = precision
+        self.scale_format = scale_format
+        self.max_tokens = max_tokens
+        self.device = device
+
+    def _destroy(self, handle: int) -> None:
+        raise NotImplementedError
+
+    def __del__(self):
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            try:
+                self._destroy(handle)
+            except Exception:  # interpreter shutdown: the process frees the device memory
+                pass
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+    def __reduce__(self):
+        raise TypeError(f"megamoe: {type(self).__name__} live on a GPU under a handle of this process and cannot "
+                        f"be pickled{self._pickle_hint}")
+
+
+class MoeWeights(LayerHandle):
     """Expert weights packed for megamoe's kernels on one GPU, with the layer's workspace for up to
     `max_tokens` tokens per pass (from prepare_weights; fused_moe runs a larger batch in passes).
 
@@ -45,39 +86,15 @@ class MoeWeights:
     the other are fine).
     """
 
-    def __init__(self, *, handle: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
-                 precision: str, scale_format: str, routing: Routing, max_tokens: int, device: torch.device):
-        self._handle = handle
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.hidden = hidden
-        self.intermediate = intermediate
-        self.precision = precision
-        self.scale_format = scale_format
+    _pickle_hint = "; save the original weights and call prepare_weights again"
+
+    def __init__(self, *, routing: Routing, **layer):
+        super().__init__(**layer)
         self.routing = routing  # for calls with router_logits and no routing of their own
         self._active_routing = routing  # what the layer routes with now (the last call's)
-        self.max_tokens = max_tokens
-        self.device = device
 
-    def __del__(self):
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            try:
-                ops.destroy_layer(handle)
-            except Exception:  # interpreter shutdown: the process frees the device memory
-                pass
-
-    def __deepcopy__(self, memo):
-        # The packed weights are never written, so copies of a module share them; the layer lives
-        # as long as any of them.
-        return self
-
-    def __copy__(self):
-        return self
-
-    def __reduce__(self):
-        raise TypeError("megamoe: MoeWeights live on a GPU under a handle of this process and cannot be pickled; "
-                        "save the original weights and call prepare_weights again")
+    def _destroy(self, handle: int) -> None:
+        ops.destroy_layer(handle)
 
     @property
     def workspace_bytes(self) -> int:
@@ -168,8 +185,8 @@ class CheckedWeights:
 
 def checked_weights(w13, w2, w13_scale, w2_scale, precision: str, scale_format: str) -> CheckedWeights:
     """prepare_weights' checks of the weights and the formats (also prepare_ep_weights')."""
-    _require_tensor(w13, "w13", 3)
-    _require_tensor(w2, "w2", 3)
+    require_tensor(w13, "w13", 3)
+    require_tensor(w2, "w2", 3)
     if w13.dtype not in _WEIGHT_DTYPES:
         raise TypeError(f"megamoe: weights must be bfloat16, float32 or float8_e4m3fn, not {w13.dtype}")
     if w2.dtype != w13.dtype:
@@ -288,7 +305,7 @@ def fused_moe(
     """
     if not isinstance(weights, MoeWeights):
         raise TypeError(f"megamoe: weights must come from megamoe.prepare_weights, not {type(weights).__name__}")
-    _require_tensor(x, "x", 2)
+    require_tensor(x, "x", 2)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"megamoe: x must be bfloat16, not {x.dtype} (convert with x.to(torch.bfloat16))")
     tokens = x.shape[0]
@@ -302,8 +319,8 @@ def fused_moe(
         chosen = _PRECOMPUTED if routing is None else as_routing(routing)
         if not isinstance(chosen, PrecomputedRouting):
             raise ValueError(f"megamoe: topk_ids/topk_weights are precomputed routing, not {chosen}")
-        _require_tensor(topk_ids, "topk_ids", 2)
-        _require_tensor(topk_weights, "topk_weights", 2)
+        require_tensor(topk_ids, "topk_ids", 2)
+        require_tensor(topk_weights, "topk_weights", 2)
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"megamoe: topk_ids must be int32 or int64, not {topk_ids.dtype}")
         if not topk_weights.is_floating_point():
@@ -311,7 +328,7 @@ def fused_moe(
         _check_activation(topk_ids, "topk_ids", tokens, weights.top_k, weights.device)
         _check_activation(topk_weights, "topk_weights", tokens, weights.top_k, weights.device)
         if expert_map is not None:
-            _require_tensor(expert_map, "expert_map", 1)
+            require_tensor(expert_map, "expert_map", 1)
             if expert_map.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"megamoe: expert_map must be int32 or int64, not {expert_map.dtype}")
             if expert_map.device != weights.device:
@@ -333,7 +350,7 @@ def fused_moe(
                 "megamoe: these weights were prepared for precomputed routing; with router_logits pass "
                 "routing=SoftmaxRouting(...) or DeepseekRouting(...)"
             )
-        _require_tensor(router_logits, "router_logits", 2)
+        require_tensor(router_logits, "router_logits", 2)
         if not router_logits.is_floating_point():
             raise TypeError(f"megamoe: router_logits must be a floating-point tensor, not {router_logits.dtype}")
         _check_activation(router_logits, "router_logits", tokens, weights.num_experts, weights.device)
