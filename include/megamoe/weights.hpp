@@ -10,17 +10,26 @@
 
 namespace megamoe {
 
+// How an fp8_e4m3 checkpoint's fp32 scales cover one matrix [rows, cols] of an expert.
+enum class ScaleLayout {
+  block_128x128,  // one per 128 x 128 block, [rows/128, cols/128] (DeepSeek-V3's weight_scale_inv)
+  per_row,        // one per row, i.e. output channel, [rows] (FP8-dynamic checkpoints; a per-tensor
+                  // scale is the same scale on every row)
+};
+
 // Caller weights in the layout vLLM and SGLang store: w13 [E, 2I, H] (gate rows, then up rows)
 // and w2 [E, H, I], row-major, in host memory, as bf16 or fp32 values, or (fp8_e4m3) as E4M3
-// bytes with one fp32 scale per 128 x 128 block of that layout, the way DeepSeek-V3 checkpoints
-// store weight and weight_scale_inv: value = decode(byte) * scale, w13_scales [E, 2I/128, H/128],
-// w2_scales [E, H/128, I/128].
+// bytes with fp32 scales: value = decode(byte) * scale, per 128 x 128 block of that layout the
+// way DeepSeek-V3 checkpoints store weight and weight_scale_inv (w13_scales [E, 2I/128, H/128],
+// w2_scales [E, H/128, I/128]), or per row (w13_scales [E, 2I], w2_scales [E, H]).
 struct WeightsView {
   const void* w13 = nullptr;
   const void* w2 = nullptr;
   DType dtype = DType::bf16;
   const float* w13_scales = nullptr;  // fp8_e4m3 only
   const float* w2_scales = nullptr;   // fp8_e4m3 only
+  ScaleLayout w13_scale_layout = ScaleLayout::block_128x128;
+  ScaleLayout w2_scale_layout = ScaleLayout::block_128x128;
 };
 
 // Packed weights, row-major with K contiguous (what TMA and wgmma read):
@@ -80,7 +89,8 @@ void validate_packed(const MoeSpec& spec, const PackedWeights& packed);
 void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed);
 
 // Validates the spec and the view, then packs. Throws megamoe::Error on bad input.
-// From fp8_e4m3 input: w2's packed blocks are the checkpoint's blocks, so an fp8_block spec with
+// From fp8_e4m3 input the values are decoded, and every packed block re-quantized from them.
+// With block scales, w2's packed blocks are the checkpoint's blocks, so an fp8_block spec with
 // fp32 scales keeps w2's values exactly when the checkpoint's scales are block amax / 448 (the
 // usual rule). A packed w13 block holds 64 gate and 64 up rows, which come from two checkpoint
 // blocks: its values are re-rounded to the E4M3 grid of the larger of the two scales. A bf16 spec

@@ -160,7 +160,7 @@ MoeSpec spec_from(int64_t num_experts, int64_t hidden, int64_t intermediate, int
 at::Tensor host_contiguous(const at::Tensor& t, at::ScalarType dtype) { return t.to(at::kCPU, dtype).contiguous(); }
 
 // Packs vLLM-layout weights on the host (w13 [E, 2I, H], gate rows then up rows; w2 [E, H, I];
-// bf16, fp32, or float8_e4m3fn with one fp32 scale per 128 x 128 block): PackedWeights as CPU
+// bf16, fp32, or float8_e4m3fn with fp32 scales per 128 x 128 block or per row): PackedWeights as CPU
 // tensors [w13 bytes [E, 2I, H * element bytes], w13 scales [E, 2I/128, H/128], w2 bytes, w2
 // scales] (empty scales for bf16). python/megamoe/packing.py packs the same bytes on any device.
 std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2, const std::optional<at::Tensor>& w13_scale,
@@ -194,13 +194,20 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
   at::Tensor w13_scale_host, w2_scale_host;
   if (view.dtype == DType::fp8_e4m3) {
     TORCH_CHECK_VALUE(w13_scale.has_value() && w2_scale.has_value(),
-                      "megamoe: float8_e4m3fn weights need w13_scale [E, 2I/128, H/128] and w2_scale [E, H/128, I/128]");
-    const std::vector<int64_t> w13_blocks{E, (two_i + 127) / 128, (H + 127) / 128};
-    const std::vector<int64_t> w2_blocks{E, (H + 127) / 128, (two_i / 2 + 127) / 128};
-    TORCH_CHECK_VALUE(w13_scale->sizes() == at::IntArrayRef(w13_blocks), "megamoe: w13_scale must be ", w13_blocks,
-                      ", got ", w13_scale->sizes());
-    TORCH_CHECK_VALUE(w2_scale->sizes() == at::IntArrayRef(w2_blocks), "megamoe: w2_scale must be ", w2_blocks, ", got ",
-                      w2_scale->sizes());
+                      "megamoe: float8_e4m3fn weights need w13_scale [E, 2I/128, H/128] and w2_scale [E, H/128, I/128] "
+                      "(per block), or [E, 2I, 1] and [E, H, 1] (per row)");
+    // Per 128 x 128 block, or per row ([E, rows, 1] or [E, rows]).
+    auto layout_of = [E](const at::Tensor& scale, const char* name, int64_t rows, int64_t cols) {
+      const std::vector<int64_t> blocks{E, (rows + 127) / 128, (cols + 127) / 128};
+      if (scale.sizes() == at::IntArrayRef(blocks)) return ScaleLayout::block_128x128;
+      const bool per_row = (scale.dim() == 3 && scale.size(0) == E && scale.size(1) == rows && scale.size(2) == 1) ||
+                           (scale.dim() == 2 && scale.size(0) == E && scale.size(1) == rows);
+      TORCH_CHECK_VALUE(per_row, "megamoe: ", name, " must be ", blocks, " (per block) or [", E, ", ", rows,
+                        ", 1] (per row), got ", scale.sizes());
+      return ScaleLayout::per_row;
+    };
+    view.w13_scale_layout = layout_of(*w13_scale, "w13_scale", two_i, H);
+    view.w2_scale_layout = layout_of(*w2_scale, "w2_scale", H, two_i / 2);
     w13_scale_host = host_contiguous(*w13_scale, at::kFloat);
     w2_scale_host = host_contiguous(*w2_scale, at::kFloat);
     view.w13_scales = w13_scale_host.data_ptr<float>();

@@ -151,9 +151,8 @@ def prepare_weights(
     elsewhere. precision "fp8_block" quantizes to 128 x 128 blocks (scale_format "ue8m0" makes
     every scale a power of two), "bf16" keeps bf16. Weights on a CUDA device are packed there
     (megamoe.packing); others on the host by the C++ packer, where a large layer reports its
-    progress on stderr, or by megamoe.packing for per-channel scales, which the C++ packer does not
-    take (slower: hand a large layer over on the GPU). All give the same bytes. max_tokens sizes the workspace: fused_moe runs a larger batch as
-    consecutive passes of max_tokens tokens.
+    progress on stderr. Both give the same bytes. max_tokens sizes the workspace: fused_moe runs a
+    larger batch as consecutive passes of max_tokens tokens.
     """
     checked = checked_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
     if not isinstance(top_k, int) or not 1 <= top_k <= checked.num_experts:
@@ -246,9 +245,6 @@ def packed_on(checked: CheckedWeights, precision: str, scale_format: str, device
         # On the GPU with PyTorch (seconds for a large layer), the same bytes as the host packer.
         on_device = [None if t is None else t.to(device) for t in detached]
         return packing.pack_weights(*on_device[:2], precision, scale_format, *on_device[2:]), device
-    if packing.row_scaled(checked.w13_scale, 2 * checked.intermediate) or packing.row_scaled(checked.w2_scale,
-                                                                                             checked.hidden):
-        return packing.pack_weights(*detached[:2], precision, scale_format, *detached[2:]), device  # not in C++
     return ops.pack_weights(*detached, precision, scale_format), device
 
 

@@ -23,33 +23,33 @@ _CHUNK_ELEMENTS = 1 << 28
 
 def checkpoint_scales(scale: torch.Tensor, name: str, experts: int, rows: int, columns: int,
                       gate_up: bool = False) -> torch.Tensor:
-    """The float32 scales of an fp8 checkpoint's [E, rows, columns] codes, in a form the packers
-    take. Per 128 x 128 block, [E, ceil(rows/128), ceil(columns/128)] (DeepSeek-V3's
-    weight_scale_inv): as given. Per expert, [E], [E, 1] or [E, 1, 1], and for w13 (gate_up) [E, 2],
-    gate then up, as vLLM holds per-tensor scales before merging them: expanded to blocks, exactly
-    (a gate/up pair to one scale per row where a block would straddle the halves). Per output
-    channel, [E, rows] or [E, rows, 1] (FP8-dynamic checkpoints): as [E, rows, 1], which only
-    pack_weights below takes."""
+    """The float32 scales of an fp8 checkpoint's [E, rows, columns] codes, as both packers take
+    them: per 128 x 128 block, [E, ceil(rows/128), ceil(columns/128)] (DeepSeek-V3's
+    weight_scale_inv), as given; per output channel, [E, rows] or [E, rows, 1] (FP8-dynamic
+    checkpoints), as [E, rows, 1]; per expert, [E], [E, 1] or [E, 1, 1], and for w13 (gate_up)
+    [E, 2], gate then up, as vLLM holds per-tensor scales before merging them: as blocks where every
+    128 x 128 block lies in one scale's span, else as rows (both exact)."""
     block = (experts, -(-rows // QUANT_BLOCK), -(-columns // QUANT_BLOCK))
     shape = tuple(scale.shape)
     scale = scale.detach().float()
     if shape == block:
         return scale
-    if shape in ((experts,), (experts, 1), (experts, 1, 1)):
-        return scale.reshape(experts, 1, 1).expand(block).contiguous()
-    if gate_up and shape == (experts, 2):
-        per_row = scale.repeat_interleave(rows // 2, dim=1).unsqueeze(-1)
-        if (rows // 2) % QUANT_BLOCK == 0:
-            return per_row[:, ::QUANT_BLOCK].expand(block).contiguous()
-        return per_row
     if shape in ((experts, rows), (experts, rows, 1)):
         return scale.reshape(experts, rows, 1)
-    pair = ", [E, 2] (gate, up)" if gate_up else ""
-    raise ValueError(
-        f"megamoe: {name} must hold one scale per 128 x 128 block {list(block)}, per expert ([E], [E, 1], "
-        f"[E, 1, 1]{pair}) or per output channel ([E, {rows}] or [E, {rows}, 1]), with E = {experts}; "
-        f"got {list(shape)}"
-    )
+    if shape in ((experts,), (experts, 1), (experts, 1, 1)):
+        per_row, span = scale.reshape(experts, 1, 1).expand(experts, rows, 1), rows
+    elif gate_up and shape == (experts, 2):
+        per_row, span = scale.repeat_interleave(rows // 2, dim=1).unsqueeze(-1), rows // 2
+    else:
+        pair = ", [E, 2] (gate, up)" if gate_up else ""
+        raise ValueError(
+            f"megamoe: {name} must hold one scale per 128 x 128 block {list(block)}, per expert ([E], [E, 1], "
+            f"[E, 1, 1]{pair}) or per output channel ([E, {rows}] or [E, {rows}, 1]), with E = {experts}; "
+            f"got {list(shape)}"
+        )
+    if span % QUANT_BLOCK or columns % QUANT_BLOCK:
+        return per_row.contiguous()
+    return per_row[:, ::QUANT_BLOCK].expand(block).contiguous()
 
 
 def row_scaled(scales: Optional[torch.Tensor], rows: int) -> bool:
@@ -105,7 +105,7 @@ def pack_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str, scale_form
     [E, H/128, I/128]) on w13's device, b = 1 (fp8_block) or 2 (bf16, whose scales are empty):
     what torch.ops.megamoe.pack_weights returns for the same arguments, which it checks (this
     function assumes them checked: megamoe.prepare_weights does). An fp8 checkpoint's scales may
-    also be per row (checkpoint_scales), which the C++ packer does not take."""
+    be per block or per row (checkpoint_scales)."""
     experts, two_i, hidden = w13.shape
     intermediate = two_i // 2
     device = w13.device

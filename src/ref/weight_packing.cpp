@@ -18,10 +18,10 @@ namespace megamoe {
 namespace {
 
 // One expert's matrix as fp32 in `out`, whatever the caller's dtype; `rows` of `cols` values,
-// row r landing at out row row_map(r). `scales` is the expert's block scales (fp8_e4m3 only).
+// row r landing at out row row_map(r). `scales` is the expert's scales in `layout` (fp8_e4m3 only).
 template <class RowMap>
-void load_matrix(const void* base, DType dtype, const float* scales, size_t offset, int rows, int cols,
-                 RowMap row_map, std::vector<float>& out) {
+void load_matrix(const void* base, DType dtype, const float* scales, ScaleLayout layout, size_t offset, int rows,
+                 int cols, RowMap row_map, std::vector<float>& out) {
   out.resize(static_cast<size_t>(rows) * cols);
   for (int r = 0; r < rows; ++r) {
     float* dst = out.data() + static_cast<size_t>(row_map(r)) * cols;
@@ -31,12 +31,21 @@ void load_matrix(const void* base, DType dtype, const float* scales, size_t offs
     } else if (dtype == DType::bf16) {
       const bf16_t* src = static_cast<const bf16_t*>(base) + first;
       for (int c = 0; c < cols; ++c) dst[c] = src[c].to_float();
+    } else if (layout == ScaleLayout::per_row) {
+      const uint8_t* src = static_cast<const uint8_t*>(base) + first;
+      for (int c = 0; c < cols; ++c) dst[c] = ref::e4m3_decode(src[c]) * scales[r];
     } else {
       const uint8_t* src = static_cast<const uint8_t*>(base) + first;
       const float* row_scales = scales + static_cast<size_t>(r / ref::kQuantBlock) * (cols / ref::kQuantBlock);
       for (int c = 0; c < cols; ++c) dst[c] = ref::e4m3_decode(src[c]) * row_scales[c / ref::kQuantBlock];
     }
   }
+}
+
+// Input scales one expert's [rows, cols] matrix holds in `layout`.
+size_t matrix_scale_count(ScaleLayout layout, int rows, int cols) {
+  if (layout == ScaleLayout::per_row) return static_cast<size_t>(rows);
+  return static_cast<size_t>(rows / ref::kQuantBlock) * (cols / ref::kQuantBlock);
 }
 
 // Packs one row-major matrix into `codes` (bf16 bits or E4M3 bytes) and, for fp8, `scales`.
@@ -141,22 +150,23 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
   const int E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
   if (weights.dtype == DType::fp8_e4m3) {
     if (weights.w13_scales == nullptr || weights.w2_scales == nullptr) {
-      throw Error(ErrorCode::null_pointer, "fp8_e4m3 weights need their block scales: weights.w13_scales and "
-                                           "weights.w2_scales (one fp32 scale per 128x128 block)");
+      throw Error(ErrorCode::null_pointer, "fp8_e4m3 weights need their scales: weights.w13_scales and "
+                                           "weights.w2_scales (fp32, per 128x128 block or per row)");
     }
-    if (H % ref::kQuantBlock != 0 || I % ref::kQuantBlock != 0) {
-      throw Error(ErrorCode::invalid_argument, "fp8_e4m3 weights come in 128x128 scale blocks: hidden=" +
-                                                   std::to_string(H) + " and intermediate=" + std::to_string(I) +
-                                                   " must be multiples of 128");
-    }
-    const size_t blocks = static_cast<size_t>(E) * (H / ref::kQuantBlock) * (I / ref::kQuantBlock);
-    for (auto [name, scales, count] : {std::tuple{"w13_scales", weights.w13_scales, 2 * blocks},
-                                       std::tuple{"w2_scales", weights.w2_scales, blocks}}) {
+    for (auto [name, scales, layout, rows, cols] :
+         {std::tuple{"w13_scales", weights.w13_scales, weights.w13_scale_layout, 2 * I, H},
+          std::tuple{"w2_scales", weights.w2_scales, weights.w2_scale_layout, H, I}}) {
+      if (layout == ScaleLayout::block_128x128 && (rows % ref::kQuantBlock != 0 || cols % ref::kQuantBlock != 0)) {
+        throw Error(ErrorCode::invalid_argument, std::string("weights.") + name + " come in 128x128 blocks: hidden=" +
+                                                     std::to_string(H) + " and intermediate=" + std::to_string(I) +
+                                                     " must be multiples of 128 (or pass scales per row)");
+      }
+      const size_t count = static_cast<size_t>(E) * matrix_scale_count(layout, rows, cols);
       for (size_t i = 0; i < count; ++i) {
         if (!std::isfinite(scales[i]) || scales[i] <= 0.0f) {
           throw Error(ErrorCode::invalid_argument, std::string("weights.") + name + "[" + std::to_string(i) +
                                                        "] = " + std::to_string(scales[i]) +
-                                                       ": block scales must be finite and positive");
+                                                       ": scales must be finite and positive");
         }
       }
     }
@@ -185,16 +195,17 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
   ref::parallel_for(E, [&](int e) {
     // Reused across the experts a thread packs: fresh buffers would fault in new pages each time.
     thread_local std::vector<float> scratch;
-    // Input block scales of this expert (fp8_e4m3): [2I/128, H/128] and [H/128, I/128].
-    const size_t w13_input_blocks = w13_count / (ref::kQuantBlock * ref::kQuantBlock);
-    const size_t w2_input_blocks = w2_count / (ref::kQuantBlock * ref::kQuantBlock);
-    const float* w13_input_scales = weights.w13_scales ? weights.w13_scales + e * w13_input_blocks : nullptr;
-    const float* w2_input_scales = weights.w2_scales ? weights.w2_scales + e * w2_input_blocks : nullptr;
-    load_matrix(weights.w13, weights.dtype, w13_input_scales, e * w13_count, 2 * I, H,
+    // Input scales of this expert (fp8_e4m3).
+    const float* w13_input_scales =
+        weights.w13_scales ? weights.w13_scales + e * matrix_scale_count(weights.w13_scale_layout, 2 * I, H) : nullptr;
+    const float* w2_input_scales =
+        weights.w2_scales ? weights.w2_scales + e * matrix_scale_count(weights.w2_scale_layout, H, I) : nullptr;
+    load_matrix(weights.w13, weights.dtype, w13_input_scales, weights.w13_scale_layout, e * w13_count, 2 * I, H,
                 [I](int row) { return layout::packed_w13_row(row, I); }, scratch);
     pack_matrix(scratch, 2 * I, H, packed, packed.w13.data() + e * w13_count * packed.element_bytes(),
                 packed.w13_scales.data() + e * w13_scale_count);
-    load_matrix(weights.w2, weights.dtype, w2_input_scales, e * w2_count, H, I, [](int row) { return row; }, scratch);
+    load_matrix(weights.w2, weights.dtype, w2_input_scales, weights.w2_scale_layout, e * w2_count, H, I,
+                [](int row) { return row; }, scratch);
     pack_matrix(scratch, H, I, packed, packed.w2.data() + e * w2_count * packed.element_bytes(),
                 packed.w2_scales.data() + e * w2_scale_count);
     if (progress) {

@@ -86,13 +86,12 @@ def test_expert_pair_and_channel_scales_pack_as_their_decoded_values(kind, preci
     scales = [packing.checkpoint_scales(w13_scale, "w13_scale", E, 2 * intermediate, H, gate_up=True),
               packing.checkpoint_scales(w2_scale, "w2_scale", E, H, intermediate)]
     assert_same_bytes(packing.pack_weights(w13_codes, w2_codes, precision, scale_format, *scales), expected)
-    # Per-expert scales, and a gate/up pair whose halves are whole blocks, become block scales that
-    # the C++ packer takes as they are.
-    if kind == "expert" or (kind == "pair" and intermediate % 128 == 0):
-        assert not packing.row_scaled(scales[0], 2 * intermediate) and not packing.row_scaled(scales[1], H)
-        if intermediate % 128 == 0:
-            assert_same_bytes(torch.ops.megamoe.pack_weights(w13_codes, w2_codes, *scales, precision, scale_format),
-                              expected)
+    assert_same_bytes(torch.ops.megamoe.pack_weights(w13_codes, w2_codes, *scales, precision, scale_format), expected)
+    # Per-expert and gate/up scales become block scales where each block lies whole in one scale's
+    # span (w13's 2I rows, or each half of them for a pair), rows otherwise, as channel scales are.
+    w13_blocks = (kind == "expert" and 2 * intermediate % 128 == 0) or (kind == "pair" and intermediate % 128 == 0)
+    assert packing.row_scaled(scales[0], 2 * intermediate) != w13_blocks
+    assert packing.row_scaled(scales[1], H) != (kind != "channel" and intermediate % 128 == 0)
 
 
 def test_checkpoint_scales_take_every_layout_of_the_same_scales():

@@ -162,6 +162,57 @@ TEST(PrepareWeights, Fp8CheckpointInput) {
   }
 }
 
+// A checkpoint with one scale per row (output channel), as FP8-dynamic checkpoints store it, packs
+// as its decoded values do: the same bytes as from those values in fp32. I = 192 is not a multiple
+// of 128, which per-row scales, unlike blocks, allow (a bf16 layer takes multiples of 64).
+TEST(PrepareWeights, Fp8CheckpointWithRowScales) {
+  test::SeededRng rng;
+  for (const auto [precision, format, I] : {std::tuple{Precision::fp8_block, ScaleFormat::fp32, 128},
+                                            std::tuple{Precision::fp8_block, ScaleFormat::ue8m0, 128},
+                                            std::tuple{Precision::bf16, ScaleFormat::fp32, 192}}) {
+    const int E = 2, H = 256;
+    auto quantize_rows = [&](int rows, int cols, std::vector<uint8_t>& codes, std::vector<float>& scales,
+                             std::vector<float>& values) {
+      const std::vector<float> original = rng.normals(static_cast<size_t>(E) * rows * cols, 0.05f);
+      codes.resize(original.size());
+      values.resize(original.size());
+      scales.resize(static_cast<size_t>(E) * rows);
+      for (size_t row = 0; row < scales.size(); ++row) {
+        const float* in = original.data() + row * cols;
+        float amax = 0.0f;
+        for (int c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(in[c]));
+        scales[row] = amax / 448.0f * (1.0f + static_cast<float>(row % 3));  // largest codes below 448 too
+        for (int c = 0; c < cols; ++c) {
+          codes[row * cols + c] = ref::e4m3_encode(in[c] / scales[row]);
+          values[row * cols + c] = ref::e4m3_decode(codes[row * cols + c]) * scales[row];
+        }
+      }
+    };
+    std::vector<uint8_t> w13, w2;
+    std::vector<float> w13_scales, w2_scales, w13_values, w2_values;
+    quantize_rows(2 * I, H, w13, w13_scales, w13_values);
+    quantize_rows(H, I, w2, w2_scales, w2_values);
+    MoeSpec spec = small_spec(precision, E, H, I);
+    spec.scale_format = format;
+    const PackedWeights from_codes =
+        prepare_weights(spec, WeightsView{w13.data(), w2.data(), DType::fp8_e4m3, w13_scales.data(), w2_scales.data(),
+                                          ScaleLayout::per_row, ScaleLayout::per_row});
+    const PackedWeights from_values = prepare_weights(spec, WeightsView{w13_values.data(), w2_values.data(), DType::fp32});
+    EXPECT_EQ(from_codes.w13, from_values.w13) << to_string(precision) << " I=" << I;
+    EXPECT_EQ(from_codes.w2, from_values.w2);
+    EXPECT_EQ(from_codes.w13_scales, from_values.w13_scales);
+    EXPECT_EQ(from_codes.w2_scales, from_values.w2_scales);
+    // One layout per matrix: w2 with block scales beside per-row w13 scales.
+    if (I % 128 == 0) {
+      std::vector<float> w2_blocks(static_cast<size_t>(E) * (H / 128) * (I / 128), 1.0f);
+      const PackedWeights mixed = prepare_weights(
+          spec, WeightsView{w13.data(), w2.data(), DType::fp8_e4m3, w13_scales.data(), w2_blocks.data(),
+                            ScaleLayout::per_row, ScaleLayout::block_128x128});
+      EXPECT_EQ(mixed.w13, from_values.w13);
+    }
+  }
+}
+
 TEST(PrepareWeights, RejectsBadInput) {
   const MoeSpec spec = small_spec(Precision::fp8_block);
   std::vector<float> w(3ull * 2 * 128 * 256);
@@ -186,6 +237,25 @@ TEST(PrepareWeights, RejectsBadInput) {
   MoeSpec bad = spec;
   bad.hidden = 200;
   EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp32}, bad), ErrorCode::invalid_spec);
+  // Per-row scales are checked too (one not positive), and block scales need whole blocks: a bf16
+  // layer with I = 192 takes its w2 scales per row only.
+  std::vector<float> row_scales(3 * 256, 1.0f);
+  row_scales.back() = -1.0f;
+  EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp8_e4m3, row_scales.data(), row_scales.data(),
+                                ScaleLayout::per_row, ScaleLayout::per_row},
+                    spec),
+            ErrorCode::invalid_argument);
+  MoeSpec odd = small_spec(Precision::bf16, 3, 256, 192);
+  std::vector<uint8_t> codes(3ull * 2 * 192 * 256);
+  const std::vector<float> ones(3 * 2 * 192, 1.0f);
+  EXPECT_EQ(code_of(WeightsView{codes.data(), codes.data(), DType::fp8_e4m3, ones.data(), ones.data(),
+                                ScaleLayout::per_row, ScaleLayout::per_row},
+                    odd),
+            std::nullopt);
+  EXPECT_EQ(code_of(WeightsView{codes.data(), codes.data(), DType::fp8_e4m3, ones.data(), ones.data(),
+                                ScaleLayout::per_row, ScaleLayout::block_128x128},
+                    odd),
+            ErrorCode::invalid_argument);
 }
 
 // A view names the same bytes with the sizes its shapes imply; a view or a pack that does not
