@@ -1,8 +1,8 @@
 // torch.ops.megamoe: MoeLayer, and the expert-parallel EpLayer, as PyTorch custom ops (the Python
 // package in python/megamoe wraps them). A layer lives in this library's registry under an integer
-// handle, as vLLM's custom
-// all-reduce passes its state: the ops then take only tensors and scalars, torch.compile treats the
-// handle as a constant, and a CUDA graph captures forward's kernels on the current stream.
+// handle, as vLLM's custom all-reduce passes its state: the ops then take only tensors and scalars,
+// torch.compile treats the handle as a constant, and a CUDA graph captures forward's kernels on
+// the current stream.
 // Arguments are checked here as well as in Python: an op called directly gets the same clear
 // errors (ValueError for bad values, TypeError for bad dtypes, NotImplementedError for what the
 // kernels do not support) before any kernel runs.
