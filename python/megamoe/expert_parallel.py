@@ -71,15 +71,18 @@ class EpMoeWeights(LayerHandle):
 
 
 def _rank_and_world(rank: Optional[int], world_size: Optional[int]):
-    """The caller's, else torch.distributed's, else the launcher's RANK and WORLD_SIZE."""
+    """The caller's rank and world size; what the caller left out from torch.distributed, else from
+    the launcher's RANK and WORLD_SIZE."""
     if rank is not None and world_size is not None:
         return rank, world_size
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    raise ValueError("megamoe: pass rank and world_size, initialize torch.distributed, or launch with RANK and "
-                     "WORLD_SIZE set (torchrun, megamoe-run)")
+        launched = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    else:
+        raise ValueError("megamoe: pass rank and world_size, initialize torch.distributed, or launch with RANK and "
+                         "WORLD_SIZE set (torchrun, megamoe-run)")
+    return (launched[0] if rank is None else rank), (launched[1] if world_size is None else world_size)
 
 
 def _rendezvous_root(rendezvous_dir: Optional[str]) -> str:

@@ -34,6 +34,7 @@ def test_prepare_ep_weights_checks_before_joining_the_other_ranks(monkeypatch, t
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MEGAMOE_RENDEZVOUS_DIR", str(tmp_path))
     assert expert_parallel._rank_and_world(None, None) == (1, 2)
+    assert expert_parallel._rank_and_world(0, None) == (0, 2)
     assert expert_parallel._rendezvous_root(None) == str(tmp_path)
 
 
