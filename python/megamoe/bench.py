@@ -2,7 +2,7 @@
 named workload and token count, in one process on one GPU.
 
 Implementations, all routing from the same router logits and timed the same way (a CUDA graph of
-one forward, the median of --replays replays, each after a write of twice the L2 size so that
+one forward, the median of --replays replays, each after a read of twice the L2 size so that
 the weights stream from HBM as they do between a model's layers):
   megamoe fp8_block, megamoe bf16;
   torch bf16: softmax/top-k routing, a sort into expert order, torch._grouped_mm for FC1 and FC2,
@@ -170,6 +170,19 @@ def time_in_graph(forward: Callable[[], torch.Tensor], replays: int, scrub: torc
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 
 
+def seconds_per_call(call: Callable[[], object], calls: int) -> List[float]:
+    """Seconds each of `calls` eager calls of call() took on the GPU, one after another."""
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return times
+
+
 def measure_read_bandwidth() -> float:
     """Bytes per second the fastest of 10 float32 sums over 8 GiB reads: the HBM read bandwidth,
     as PyTorch's best reduction sees it (on an H200, 4.46 TB/s; a 2 GiB amax reached 4.40 and a
@@ -177,15 +190,7 @@ def measure_read_bandwidth() -> float:
     median of 2 GiB amaxes varied 4.09-4.36 TB/s between runs. megamoe's TMA weight stream reads
     a little faster still (~4.55 TB/s), so a layer at its floor can show x floor just under 1."""
     source = torch.rand(1 << 31, device="cuda")
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        source.sum()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    bandwidth = source.numel() * source.element_size() / min(times)
+    bandwidth = source.numel() * source.element_size() / min(seconds_per_call(source.sum, 10))
     del source
     torch.cuda.empty_cache()
     return bandwidth
@@ -197,14 +202,7 @@ def measure_dense_fp8_rate(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
     one = torch.ones((), device="cuda")
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
+    times = seconds_per_call(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), 20)
     return 2.0 * n**3 / min(times[5:])
 
 
