@@ -17,8 +17,8 @@ from typing import Optional, Union
 import torch
 
 from megamoe._ops import ops
-from megamoe.layer import (LayerHandle, require_tensor, check_max_tokens, checked_weights, ids_as_int32,
-                           packed_on)
+from megamoe.layer import (LayerHandle, check_max_tokens, check_precomputed, checked_tokens, checked_weights,
+                           ids_as_int32, packed_on)
 from megamoe.routing import PrecomputedRouting, op_arguments
 
 # Layers made in this process so far: each gets its own folder under the rendezvous folder (every
@@ -158,24 +158,8 @@ def ep_fused_moe(x: torch.Tensor, weights: EpMoeWeights, topk_ids: torch.Tensor,
     if not isinstance(weights, EpMoeWeights):
         raise TypeError(f"megamoe: weights must come from megamoe.prepare_ep_weights, not {type(weights).__name__}")
     handle = weights._live_handle()
-    require_tensor(x, "x", 2)
-    require_tensor(topk_ids, "topk_ids", 2)
-    require_tensor(topk_weights, "topk_weights", 2)
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"megamoe: x must be bfloat16, not {x.dtype} (convert with x.to(torch.bfloat16))")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"megamoe: topk_ids must be int32 or int64, not {topk_ids.dtype}")
-    if not topk_weights.is_floating_point():
-        raise TypeError(f"megamoe: topk_weights must be a floating-point tensor, not {topk_weights.dtype}")
-    tokens = x.shape[0]
-    for name, t, columns in (("x", x, weights.hidden), ("topk_ids", topk_ids, weights.top_k),
-                             ("topk_weights", topk_weights, weights.top_k)):
-        if tuple(t.shape) != (tokens, columns):
-            raise ValueError(f"megamoe: {name} must be [{tokens}, {columns}], got {list(t.shape)}")
-        if t.device != weights.device:
-            raise ValueError(f"megamoe: {name} must be on {weights.device} (this rank's device), not {t.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"megamoe: {name} must be contiguous (call .contiguous())")
+    tokens = checked_tokens(x, weights.hidden, weights.device)
+    check_precomputed(topk_ids, topk_weights, tokens, weights.top_k, weights.device)
     if tokens > weights.max_tokens:
         # Unlike fused_moe, not cut into passes: the ranks would need as many passes each.
         raise ValueError(f"megamoe: {tokens} tokens exceed the {weights.max_tokens} per rank the weights were "

@@ -248,13 +248,34 @@ def packed_on(checked: CheckedWeights, precision: str, scale_format: str, device
     return ops.pack_weights(*detached, precision, scale_format), device
 
 
-def _check_activation(t: torch.Tensor, name: str, rows: int, columns: int, device: torch.device) -> None:
+def check_activation(t: torch.Tensor, name: str, rows: int, columns: int, device: torch.device) -> None:
     if tuple(t.shape) != (rows, columns):
         raise ValueError(f"megamoe: {name} must be [{rows}, {columns}], got {list(t.shape)}")
     if t.device != device:
         raise ValueError(f"megamoe: {name} must be on {device} (the weights' device), not {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"megamoe: {name} must be contiguous (call .contiguous())")
+
+
+def checked_tokens(x, hidden: int, device: torch.device) -> int:
+    """The tokens of x [T, H] bfloat16 (fused_moe's and ep_fused_moe's check)."""
+    require_tensor(x, "x", 2)
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"megamoe: x must be bfloat16, not {x.dtype} (convert with x.to(torch.bfloat16))")
+    check_activation(x, "x", x.shape[0], hidden, device)
+    return x.shape[0]
+
+
+def check_precomputed(topk_ids, topk_weights, tokens: int, top_k: int, device: torch.device) -> None:
+    """topk_ids [T, k] int32 or int64 and topk_weights [T, k] floating point on `device`."""
+    require_tensor(topk_ids, "topk_ids", 2)
+    require_tensor(topk_weights, "topk_weights", 2)
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"megamoe: topk_ids must be int32 or int64, not {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"megamoe: topk_weights must be a floating-point tensor, not {topk_weights.dtype}")
+    check_activation(topk_ids, "topk_ids", tokens, top_k, device)
+    check_activation(topk_weights, "topk_weights", tokens, top_k, device)
 
 
 def ids_as_int32(topk_ids: torch.Tensor) -> torch.Tensor:
@@ -301,11 +322,7 @@ def fused_moe(
     """
     if not isinstance(weights, MoeWeights):
         raise TypeError(f"megamoe: weights must come from megamoe.prepare_weights, not {type(weights).__name__}")
-    require_tensor(x, "x", 2)
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"megamoe: x must be bfloat16, not {x.dtype} (convert with x.to(torch.bfloat16))")
-    tokens = x.shape[0]
-    _check_activation(x, "x", tokens, weights.hidden, weights.device)
+    tokens = checked_tokens(x, weights.hidden, weights.device)
     precomputed = topk_ids is not None or topk_weights is not None
     if precomputed:
         if router_logits is not None:
@@ -315,14 +332,7 @@ def fused_moe(
         chosen = _PRECOMPUTED if routing is None else as_routing(routing)
         if not isinstance(chosen, PrecomputedRouting):
             raise ValueError(f"megamoe: topk_ids/topk_weights are precomputed routing, not {chosen}")
-        require_tensor(topk_ids, "topk_ids", 2)
-        require_tensor(topk_weights, "topk_weights", 2)
-        if topk_ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"megamoe: topk_ids must be int32 or int64, not {topk_ids.dtype}")
-        if not topk_weights.is_floating_point():
-            raise TypeError(f"megamoe: topk_weights must be a floating-point tensor, not {topk_weights.dtype}")
-        _check_activation(topk_ids, "topk_ids", tokens, weights.top_k, weights.device)
-        _check_activation(topk_weights, "topk_weights", tokens, weights.top_k, weights.device)
+        check_precomputed(topk_ids, topk_weights, tokens, weights.top_k, weights.device)
         if expert_map is not None:
             require_tensor(expert_map, "expert_map", 1)
             if expert_map.dtype not in (torch.int32, torch.int64):
@@ -349,7 +359,7 @@ def fused_moe(
         require_tensor(router_logits, "router_logits", 2)
         if not router_logits.is_floating_point():
             raise TypeError(f"megamoe: router_logits must be a floating-point tensor, not {router_logits.dtype}")
-        _check_activation(router_logits, "router_logits", tokens, weights.num_experts, weights.device)
+        check_activation(router_logits, "router_logits", tokens, weights.num_experts, weights.device)
         router_logits = router_logits.to(torch.float32)
     weights._route_with(chosen)
     if tokens <= weights.max_tokens:
