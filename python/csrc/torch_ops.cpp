@@ -63,7 +63,6 @@ struct RegisteredEpLayer {
   std::unique_ptr<comm::FileRendezvous> rendezvous;
   std::unique_ptr<comm::EpLayer> layer;
   c10::DeviceIndex device;
-  int max_tokens;
 };
 
 // Handles start at 1 and are never reused, so a stale handle is refused rather than aliased.
@@ -362,12 +361,17 @@ at::Tensor forward(int64_t handle, const at::Tensor& x, const std::optional<at::
   return y;
 }
 
-int64_t invalid_routing_ids(int64_t handle) {
-  const auto entry = registry().find(handle);
+// Ids >= E or repeated within a token that a layer's calls routed since the last ask (either
+// kind of layer; synchronizes the current stream).
+template <class Entry>
+int64_t take_invalid_routing_ids(Registry<Entry>& layers, int64_t handle) {
+  const auto entry = layers.find(handle);
   c10::cuda::CUDAGuard guard(entry->device);
   return translating_errors(
       [&] { return entry->layer->take_invalid_routing_ids(c10::cuda::getCurrentCUDAStream(entry->device).stream()); });
 }
+
+int64_t invalid_routing_ids(int64_t handle) { return take_invalid_routing_ids(registry(), handle); }
 
 int64_t workspace_bytes(int64_t handle) { return static_cast<int64_t>(registry().find(handle)->layer->workspace_bytes()); }
 
@@ -397,7 +401,6 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
         std::make_unique<comm::FileRendezvous>(rendezvous_dir, static_cast<int>(rank), static_cast<int>(world_size));
     entry.layer = std::make_unique<comm::EpLayer>(spec, view, static_cast<int>(max_tokens), *entry.rendezvous);
     entry.device = static_cast<c10::DeviceIndex>(device_index);
-    entry.max_tokens = static_cast<int>(max_tokens);
     return ep_registry().add(std::move(entry));
   });
 }
@@ -416,7 +419,8 @@ at::Tensor ep_forward(int64_t handle, const at::Tensor& x, const at::Tensor& top
   check_input(x, "x", at::kBFloat16, T, spec.hidden, entry->device);
   check_input(topk_ids, "topk_ids", at::kInt, T, spec.top_k, entry->device);
   check_input(topk_weights, "topk_weights", at::kFloat, T, spec.top_k, entry->device);
-  TORCH_CHECK_VALUE(T <= entry->max_tokens, "megamoe: ", T, " tokens exceed the ", entry->max_tokens,
+  const int max_tokens = entry->layer->buffer_layout().max_tokens_per_rank;
+  TORCH_CHECK_VALUE(T <= max_tokens, "megamoe: ", T, " tokens exceed the ", max_tokens,
                     " per rank this layer was prepared for (max_tokens)");
   c10::cuda::CUDAGuard guard(entry->device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(entry->device).stream();
@@ -435,13 +439,7 @@ at::Tensor ep_forward(int64_t handle, const at::Tensor& x, const at::Tensor& top
   return y.narrow(0, 0, T);
 }
 
-int64_t ep_invalid_routing_ids(int64_t handle) {
-  const auto entry = ep_registry().find(handle);
-  c10::cuda::CUDAGuard guard(entry->device);
-  return translating_errors([&] {
-    return entry->layer->take_invalid_routing_ids(c10::cuda::getCurrentCUDAStream(entry->device).stream());
-  });
-}
+int64_t ep_invalid_routing_ids(int64_t handle) { return take_invalid_routing_ids(ep_registry(), handle); }
 
 }  // namespace
 
