@@ -2,15 +2,15 @@
 # Run here, on a machine without a GPU but with nvcc, before a device A/B: builds the TARGETs
 # (default "megamoe-bench test_api_moe_layer", what gpu_ab.sh with MEGAMOE_AB_TESTS runs;
 # gpu2_ab.sh needs "megamoe-run megamoe-ep-bench comm_ep_layer_rank") of the tree as it is (A) and
-# of the tree with each PATCH applied (B1, B2, ...; the variants of scripts/gpu_variants.sh), and
+# of the tree with each PATCH applied (B1, B2, ...; the variants of scripts/gpu/gpu_variants.sh), and
 # leaves the binaries with their sources' hash in .ab-prebuilt/variants.tar.xz (ignored by git; xz
 # keeps a variant under ~1 MB instead of ~7, so that .deps travels beside it within the carry
 # limit). The device call then carries ".ab-prebuilt" and runs the A/B with
 # MEGAMOE_AB_PREBUILT=.ab-prebuilt: each variant whose sources still hash the same takes its
 # binaries instead of building them there.
-#   MEGAMOE_AB_TARGETS="..." scripts/ab_prebuild.sh CHANGE.patch [CHANGE.patch ...]
+#   MEGAMOE_AB_TARGETS="..." scripts/gpu/ab_prebuild.sh CHANGE.patch|flags:ARGS ...
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: ab_prebuild.sh CHANGE.patch [CHANGE.patch ...]"; exit 2; }
+[ $# -ge 1 ] || { echo "usage: ab_prebuild.sh CHANGE.patch|flags:ARGS ..."; exit 2; }
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 log=$out/ab_prebuild.log
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_variants.sh"
@@ -23,7 +23,7 @@ rm -rf "$prebuilt"
 # Build here (A in build-gpu, incrementally; the others afresh), whatever was carried in before.
 MEGAMOE_AB_PREBUILT='' MEGAMOE_AB_SCRATCH=$scratch build_variants "${targets[*]}" "$@"
 for v in "${!names[@]}"; do
-  [ -n "${envs[$v]}" ] && continue  # runs A's binaries
+  [ -n "${flags[$v]}" ] && continue  # runs A's binaries
   mkdir -p "$staging/${names[$v]}"
   for t in "${targets[@]}"; do
     binary=$(target_binary "${roots[$v]}/build-gpu" "$t")
@@ -35,5 +35,5 @@ for v in "${!names[@]}"; do
 done
 mkdir -p "$prebuilt" && tar -cJf "$prebuilt/variants.tar.xz" -C "$staging" $(ls "$staging") || exit 1
 echo "$(du -h "$prebuilt/variants.tar.xz" | cut -f1) in $prebuilt/variants.tar.xz ($(ls "$staging" | xargs): ${targets[*]};" \
-  "env: variants run A's);" \
+  "flags: variants run A's);" \
   "carry \".ab-prebuilt\" and set MEGAMOE_AB_PREBUILT=.ab-prebuilt for gpu_ab.sh / gpu2_ab.sh with the same patches"

@@ -1,8 +1,8 @@
-# Sourced by the GPU-machine scripts (gpu_check.sh, gpu2_check.sh): sets root, out and build, and
+# Sourced by the GPU-machine scripts (scripts/gpu/*.sh): sets root, out and build, and
 # gpu_build LOG [TARGET ...] configures and builds every target there (or only the TARGETs) from the
 # carried .deps (those machines have no network), appending to LOG; it returns non-zero (after
 # printing the errors) on failure.
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=${OUT:-$root/gpu-logs}
 build=$root/build-gpu
 mkdir -p "$out"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool, .deps carried) to compare changes against the tree as sent,
-# in one session on one GPU (variants: scripts/gpu_variants.sh). Builds megamoe-bench of every
-# variant (or takes it prebuilt: scripts/ab_prebuild.sh), then times each with megamoe-bench
+# in one session on one GPU (variants: patches or flags:ARGS, scripts/gpu/gpu_variants.sh). Builds
+# megamoe-bench of every variant (or takes it prebuilt: scripts/gpu/ab_prebuild.sh), then times each
+# (a flags: variant with its extra arguments) with megamoe-bench
 # --breakdown for each WORKLOAD:TOKENS of MEGAMOE_AB_CASES (default "qwen35-a3b:1 qwen35-a3b:16
 # qwen35-a3b:128 qwen35-a3b:2048"), the variants in turn for each case, so that drift in the GPU's
 # state affects all alike. MEGAMOE_AB_ROUNDS=R (default 1) repeats each case's turn R times, each
@@ -9,10 +10,11 @@
 # (30 us at 8192 tokens in the fifteenth session), more than many changes are worth. Writes ab.log
 # to $OUT, prints per-node times, and ends with a summary table of one line per case and variant:
 # the round with the median layer time, and the range over the rounds. With MEGAMOE_AB_TESTS set
-# (a gtest filter of the layer suite), every variant also runs those GPU tests, so that a wrong
-# variant shows before a full gpu_check.sh is spent on it.
+# (a gtest filter of the layer suite), every patch variant also runs those GPU tests, so that a
+# wrong variant shows before a full gpu_check.sh is spent on it (a flags: variant runs A's tests,
+# whose options are its own).
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: gpu_ab.sh CHANGE.patch|env:NAME=VALUE[,...] ..."; exit 2; }
+[ $# -ge 1 ] || { echo "usage: gpu_ab.sh CHANGE.patch|flags:--OPTION[=VALUE][,...] ..."; exit 2; }
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 log=$out/ab.log
 precision=${MEGAMOE_AB_PRECISION:-fp8_block}
@@ -31,8 +33,9 @@ for case in ${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35
   for ((round = 1; round <= rounds; ++round)); do
     for v in "${!names[@]}"; do
       echo "== ${names[$v]}: $workload $precision, $tokens tokens, L2 scrubbed, round $round of $rounds" | tee -a "$log"
-      env ${envs[$v]} "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown >"$log.part" 2>&1 ||
-        status=1
+      # shellcheck disable=SC2086  # a flags: variant's arguments, one word each
+      "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown ${flags[$v]} \
+        >"$log.part" 2>&1 || status=1
       grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||empty kernel|error|Error' "$log.part" | tee -a "$log"
       rm -f "$log.part"
     done
@@ -40,8 +43,9 @@ for case in ${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35
 done
 if [ -n "${MEGAMOE_AB_TESTS:-}" ]; then
   for v in "${!names[@]}"; do
+    [ -n "${flags[$v]}" ] && continue  # A's binary: A's tests
     echo "== ${names[$v]}: layer tests $MEGAMOE_AB_TESTS" | tee -a "$log"
-    env ${envs[$v]} MEGAMOE_REQUIRE_GPU=1 "${roots[$v]}/build-gpu/tests/test_api_moe_layer" --gtest_brief=1 \
+    MEGAMOE_REQUIRE_GPU=1 "${roots[$v]}/build-gpu/tests/test_api_moe_layer" --gtest_brief=1 \
       --gtest_filter="$MEGAMOE_AB_TESTS" >"$log.part" 2>&1 || status=1
     grep -E '^\[  (PASSED|FAILED) |Failure|error' "$log.part" | head -20 | tee -a "$log"
     rm -f "$log.part"

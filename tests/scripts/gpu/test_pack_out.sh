@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/pack_out.sh: JSON and named files stay, everything else (subfolders too) goes into
+# scripts/gpu/pack_out.sh: JSON and named files stay, everything else (subfolders too) goes into
 # logs.tar.gz, and nothing is lost.
 set -euo pipefail
 script=$1

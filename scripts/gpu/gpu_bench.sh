@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool, .deps carried): builds megamoe-bench (nothing to do after
-# scripts/gpu_check.sh), times the forward for the token buckets of the workloads named in
+# scripts/gpu/gpu_check.sh), times the forward for the token buckets of the workloads named in
 # MEGAMOE_BENCH (default: qwen35-a3b:fp8_block) and writes one JSON per workload and precision to
 # $OUT (copy them to bench/results/).
 set -uo pipefail

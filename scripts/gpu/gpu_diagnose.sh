@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool, .deps carried): builds megamoe-bench (nothing to do after
-# scripts/gpu_check.sh), then shows where a forward's time goes.
+# scripts/gpu/gpu_check.sh), then shows where a forward's time goes.
 # (1) The graph breakdown (megamoe-bench --breakdown) at each of MEGAMOE_DIAG_TOKENS (default
 #     "1 128") for each L2 mode in MEGAMOE_DIAG_L2 (default "scrubbed warm"): what each kernel
 #     costs, and what cold caches add to it.

@@ -1,16 +1,17 @@
-# Sourced by the A/B scripts (gpu_ab.sh, gpu2_ab.sh) after gpu_build.sh: variant A is this tree,
-# variant B1, B2, ... a copy of it with the patch given as the 1st, 2nd, ... argument applied
-# (`git diff main > change.patch` on a checkout of main; patches travel as untracked files), or,
-# for an argument env:NAME=VALUE[,NAME=VALUE...], A's own binaries run with those variables set
-# (a switch the library reads, such as MEGAMOE_TOKEN_TILE or MEGAMOE_FC1_ROW_COPY: nothing to build).
+# Sourced by the A/B scripts (gpu_ab.sh, gpu2_ab.sh, ab_prebuild.sh) after gpu_build.sh: variant A
+# is this tree, variant B1, B2, ... a copy of it with the patch given as the 1st, 2nd, ... argument
+# applied (`git diff main > change.patch` on a checkout of main; patches travel as untracked files),
+# or, for an argument flags:ARGS, A's own binaries run with the extra bench arguments ARGS, separated
+# by commas or spaces (flags:--token-tile=32,--fc1-token-rows=row_copy: options of megamoe-bench,
+# nothing to build).
 #   build_variants "TARGET ..." VARIANT...
-# fills names[], roots[] and envs[] (each variant's NAME=VALUE words, empty but for env: variants;
-# run its binaries under `env ${envs[$v]}`) and builds the TARGETs of every variant side by side
-# (each build is mostly one long nvcc compile), appending to LOG=$log; it exits on a patch that
-# does not apply or a build that fails. Variant Bi is built in $MEGAMOE_AB_SCRATCH/Bi/build-gpu
-# (default: a fresh temporary folder), so that a later command of the same device call can run
-# its binaries.
-# With MEGAMOE_AB_PREBUILT=DIR (a carried folder that scripts/ab_prebuild.sh filled on a machine
+# fills names[], roots[] and flags[] (each variant's extra bench arguments, one word each, empty but
+# for flags: variants; the scripts append ${flags[$v]} unquoted to the bench command) and builds the
+# TARGETs of every variant side by side (each build is mostly one long nvcc compile), appending to
+# LOG=$log; it exits on a patch that does not apply, a flags: argument holding something other than
+# options, or a build that fails. Variant Bi is built in $MEGAMOE_AB_SCRATCH/Bi/build-gpu (default: a
+# fresh temporary folder), so that a later command of the same device call can run its binaries.
+# With MEGAMOE_AB_PREBUILT=DIR (a carried folder that scripts/gpu/ab_prebuild.sh filled on a machine
 # without a GPU: DIR/variants.tar.xz), a variant whose sources hash as its source_hash there says
 # takes its binaries from there instead of building them: device minutes go to measuring.
 
@@ -55,27 +56,37 @@ build_variants() {
   shift
   names=(A)
   roots=("$root")
-  envs=("")
+  flags=("")
   local scratch
   scratch=${MEGAMOE_AB_SCRATCH:-$(mktemp -d)}
   mkdir -p "$scratch"
   for i in $(seq 1 $#); do
     local patch_file variant
-    if [[ ${!i} == env:* ]]; then
+    local -a words=()
+    if [[ ${!i} == flags:* ]]; then
+      read -ra words <<<"$(tr ',' ' ' <<<"${!i#flags:}")"
+      # The scripts split ${flags[$v]} unquoted: options only, nothing a shell would glob.
+      if [[ ${words[0]:-} != -* || ${words[*]} == *[\*\?\[]* ]]; then
+        echo "B$i: '${!i}' is not flags:--OPTION[=VALUE][,--OPTION[=VALUE]...]" | tee -a "$log"
+        exit 1
+      fi
       names+=("B$i")
       roots+=("$root")
-      envs+=("$(echo "${!i#env:}" | tr ',' ' ')")
-      echo "B$i = A with ${envs[$i]}" | tee -a "$log"
+      flags+=("${words[*]}")
+      echo "B$i = A with ${words[*]}" | tee -a "$log"
       continue
     fi
     patch_file=$(realpath "${!i}")
     variant=$scratch/B$i
-    cp -r "$root" "$variant" && rm -rf "$variant/build-gpu" "$variant/.ab-prebuilt"
+    # The tree without its build folders and virtual environment (GBs with PyTorch); .deps comes along.
+    mkdir -p "$variant" &&
+      tar -C "$root" --exclude=./.venv --exclude='./build*' --exclude=./.ab-prebuilt --exclude=./gpu-logs -cf - . |
+      tar -C "$variant" -xf -
     (cd "$variant" && patch -p1 --quiet <"$patch_file") || { echo "B$i: $patch_file does not apply" | tee -a "$log"; exit 1; }
     echo "B$i = A + $(basename "$patch_file")" | tee -a "$log"
     names+=("B$i")
     roots+=("$variant")
-    envs+=("")
+    flags+=("")
   done
   local prebuilt_variants=  # read by take_prebuilt
   if [ -f "${MEGAMOE_AB_PREBUILT:-}/variants.tar.xz" ]; then
@@ -85,7 +96,7 @@ build_variants() {
   fi
   local pids=()
   for v in "${!names[@]}"; do
-    if [ -n "${envs[$v]}" ] || take_prebuilt "$v" "${targets[@]}"; then  # an env: variant runs A's binaries
+    if [ -n "${flags[$v]}" ] || take_prebuilt "$v" "${targets[@]}"; then  # a flags: variant runs A's binaries
       pids+=("")
       continue
     fi

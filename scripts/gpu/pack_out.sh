@@ -3,9 +3,9 @@
 # the checks' logs alone are more (the seventeenth session lost a benchmark JSON that way). Keeps
 # the JSON results and the files named on the command line as they are, packs every other file
 # into logs.tar.gz, and lists what it packed.
-#   bash scripts/pack_out.sh [FILE_TO_KEEP ...]
+#   bash scripts/gpu/pack_out.sh [FILE_TO_KEEP ...]
 set -uo pipefail
-out=${OUT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/gpu-logs}
+out=${OUT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/gpu-logs}
 [ -d "$out" ] || { echo "pack_out.sh: no $out"; exit 1; }
 cd "$out" || exit 1
 keep=("$@")
