@@ -1,49 +1,184 @@
 #!/usr/bin/env python3
-"""The README's benchmark table, its expert-parallel figures and its comparison with PyTorch, from
-the committed bench/results JSON (megamoe-bench --json, megamoe-ep-bench --json, python -m
-megamoe.bench).
+"""The README's results table and docs/performance.md, from the committed bench/results JSON
+(megamoe-bench --json, megamoe-ep-bench --json, python -m megamoe.bench).
 
-  python3 tools/readme_table.py --write   rewrite the table and the figures around it in README.md
-  python3 tools/readme_table.py --check   exit 1 when README.md says something the JSON does not
+  python3 tools/readme_table.py --write   rewrite the README's results block and docs/performance.md
+  python3 tools/readme_table.py --check   exit 1 when either says something the JSON does not
 
-The README quotes measurements; this keeps them the JSON's, never typed by hand.
+The README and the performance page quote measurements; this keeps them the JSON's, never typed by
+hand. Each file of bench/results is recognized by its shape (which tool wrote it); a file of
+another shape is an error, so that a new tool's results are taught here rather than ignored.
 """
 import argparse
 import json
 import pathlib
-import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-WORKLOADS = ["qwen35-a3b", "dsv3"]
-TABLE_HEADER = "| workload | 1 token |"
-# The README's comparison with PyTorch sits between these two lines, all of it written here.
-TORCH_BEGIN = "<!-- from bench/results/torch-*.json by tools/readme_table.py -->"
-TORCH_END = "<!-- end of the PyTorch comparison -->"
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
+PERFORMANCE = ROOT / "docs" / "performance.md"
+
+# The README's one table: megamoe fp8_block on these workloads, per token bucket.
+README_WORKLOADS = ["qwen35-a3b", "dsv3"]
+README_PRECISION = "fp8_block"
+# The README's results sit between these two lines, all of it written here.
+README_BEGIN = "<!-- results: written by tools/readme_table.py from bench/results; do not edit by hand -->"
+README_END = "<!-- end of results -->"
+
+# Order of the sections on the performance page; workloads and precisions not named here follow,
+# sorted by name.
+WORKLOAD_ORDER = ["qwen35-a3b", "qwen3-30b-a3b", "dsv3"]
+PRECISION_ORDER = ["fp8_block", "bf16"]
+NOT_RECORDED = "not recorded in the JSON"
 
 
-def load(workload):
-    path = ROOT / "bench" / "results" / f"{workload}-fp8_block.json"
-    records = sorted(json.loads(path.read_text()), key=lambda r: r["tokens"])
-    if not records:
-        sys.exit(f"{path}: no records")
-    return records
+class Results:
+    """bench/results, by tool: megamoe-bench's {(workload, precision): records by tokens},
+    megamoe-ep-bench's {file stem: records by tokens per rank}, python -m megamoe.bench's
+    {workload: result}, and every file's path relative to the repository."""
+
+    def __init__(self):
+        self.bench = {}
+        self.ep = {}
+        self.torch = {}
+        self.paths = {}
 
 
-def load_ep():
-    path = ROOT / "bench" / "results" / "ep-dsv3-fp8_block.json"
-    records = sorted(json.loads(path.read_text()), key=lambda r: r["tokens_per_rank"])
-    if len(records) != 2:
-        sys.exit(f"{path}: the README quotes a small and a large batch; the JSON has {len(records)} records")
-    return records
+def load(results_dir=RESULTS):
+    results = Results()
+    for path in sorted(results_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        try:
+            shown = path.relative_to(ROOT).as_posix()
+        except ValueError:
+            shown = path.name
+        if isinstance(data, dict) and isinstance(data.get("records"), list):
+            if not data["records"]:
+                sys.exit(f"{path}: no records")
+            results.torch[data["workload"]] = data
+            results.paths[("torch", data["workload"])] = shown
+        elif isinstance(data, list) and data and all("tokens_per_rank" in r for r in data):
+            results.ep[path.stem] = sorted(data, key=lambda r: r["tokens_per_rank"])
+            results.paths[("ep", path.stem)] = shown
+        elif isinstance(data, list) and data and all("tokens" in r and "median_us" in r for r in data):
+            keys = {(r["workload"], r["precision"]) for r in data}
+            if len(keys) != 1:
+                sys.exit(f"{path}: records of several workloads or precisions: {sorted(keys)}")
+            key = keys.pop()
+            if key in results.bench:
+                sys.exit(f"{path}: a second file for {key[0]} {key[1]}")
+            results.bench[key] = sorted(data, key=lambda r: r["tokens"])
+            results.paths[("bench",) + key] = shown
+        else:
+            sys.exit(f"{path}: not a shape this tool knows (megamoe-bench, megamoe-ep-bench or "
+                     "python -m megamoe.bench JSON); teach tools/readme_table.py to render it")
+    return results
 
 
-def load_torch(results_dir=ROOT / "bench" / "results"):
-    """{workload: python -m megamoe.bench's JSON} for each torch-<workload>.json there."""
-    return {path.stem[len("torch-"):]: json.loads(path.read_text()) for path in sorted(results_dir.glob("torch-*.json"))}
+def ordered(names, order):
+    return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
 
 
-def torch_block(results):
+def us(value):
+    return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+
+
+def rate(values, unit, scale, digits=0):
+    """A rate over records: one figure, or the range when the records differ at `digits`."""
+    low, high = (f"{v / scale:.{digits}f}" for v in (min(values), max(values)))
+    return f"{high} {unit}" if low == high else f"{low}-{high} {unit}"
+
+
+def recorded(items, field):
+    """The distinct values of `field` in the records (or result), or NOT_RECORDED."""
+    values = list(dict.fromkeys(str(item[field]) for item in items if item.get(field) not in (None, "")))
+    return "; ".join(values) if values else NOT_RECORDED
+
+
+def provenance(items, tool, path):
+    command = recorded(items, "command")
+    command = f"`{command}`" if command != NOT_RECORDED else f"{NOT_RECORDED} (written by `{tool}`)"
+    return f"`{path}`: GPU {recorded(items, 'gpu')}; date {recorded(items, 'date')}; command {command}."
+
+
+# ------------------------------------------------------------------------------- the README block
+
+def readme_block(results):
+    """The README's table: megamoe fp8_block on README_WORKLOADS per token bucket, µs (× floor),
+    beside the unfused baseline of the same run, then the run's GPU and rates."""
+    missing = [w for w in README_WORKLOADS if (w, README_PRECISION) not in results.bench]
+    if missing:
+        sys.exit(f"bench/results: the README's table needs {', '.join(f'{w}-{README_PRECISION}.json' for w in missing)}")
+    runs = {w: {r["tokens"]: r for r in results.bench[(w, README_PRECISION)]} for w in README_WORKLOADS}
+    tokens = sorted(set().union(*runs.values()))
+    header = "| tokens | " + " | ".join(f"{w}: megamoe µs (× floor) | baseline µs" for w in README_WORKLOADS) + " |"
+    lines = [header, "|---|" + "---|---|" * len(README_WORKLOADS)]
+    for t in tokens:
+        cells = []
+        for w in README_WORKLOADS:
+            r = runs[w].get(t)
+            cells += ["not run", "not run"] if r is None else [
+                f"{us(r['median_us'])} ({r['median_us'] / r['floor_us']:.2f})", us(r["baseline_us"])]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    records = [r for w in README_WORKLOADS for r in runs[w].values()]
+    baselines = recorded(records, "baseline")
+    lines += ["", f"{recorded(records, 'gpu')}, {README_PRECISION}, {recorded(records, 'combine')} combine, L2 "
+              f"{recorded(records, 'l2')}; floors from HBM reads at {rate([r['hbm_read_bytes_per_s'] for r in records], 'TB/s', 1e12, 2)} "
+              f"and a dense rate of {rate([r['dense_flops_per_s'] for r in records], 'TFLOP/s', 1e12)}, both measured in "
+              f"the same run; baseline: {baselines}, measured in the same run. Every workload, precision and "
+              "comparison: [docs/performance.md](docs/performance.md)."]
+    return lines
+
+
+def rewrite_block(text, begin, end, block, name="README.md"):
+    """`text` with the lines between the `begin` and `end` lines replaced by `block`."""
+    lines = text.split("\n")
+    if lines.count(begin) != 1 or lines.count(end) != 1:
+        sys.exit(f"{name}: expected one line '{begin}' and one '{end}'")
+    start, stop = lines.index(begin), lines.index(end)
+    if stop < start:
+        sys.exit(f"{name}: '{end}' comes before '{begin}'")
+    lines[start + 1:stop] = block
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------- the performance page
+
+def bench_section(key, records, path):
+    workload, precision = key
+    lines = [f"### {workload}, {precision}", "",
+             provenance(records, "megamoe-bench --json", path) + " Measured in the same run: HBM reads at "
+             f"{rate([r['hbm_read_bytes_per_s'] for r in records], 'TB/s', 1e12, 2)}, a dense rate of "
+             f"{rate([r['dense_flops_per_s'] for r in records], 'TFLOP/s', 1e12)} ({recorded(records, 'dense_rate_source')}). "
+             f"{recorded(records, 'combine').capitalize()} combine; L2 {recorded(records, 'l2')}. Baseline: "
+             f"{recorded(records, 'baseline')}.", "",
+             "| tokens | megamoe µs | × floor | floor µs (bound) | useful TFLOP/s | weight TB/s | baseline µs | "
+             "× baseline | rel. error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        tflops = r["useful_flops"] / r["median_us"] / 1e6
+        weight_tbs = r["weight_bytes"] / r["median_us"] / 1e6
+        lines.append(f"| {r['tokens']} | {us(r['median_us'])} | {r['median_us'] / r['floor_us']:.2f} | "
+                     f"{us(r['floor_us'])} ({r.get('floor_bound', '?')}) | {tflops:.1f} | {weight_tbs:.2f} | "
+                     f"{us(r['baseline_us'])} | {r['median_us'] / r['baseline_us']:.2f} | {r['rel_err']:.1e} |")
+    nodes = list(dict.fromkeys(n["node"] for r in records for n in r.get("breakdown") or []))
+    if nodes:
+        with_breakdown = [r for r in records if r.get("breakdown")]
+        lines += ["", "Where the time goes (`--breakdown`: µs each node adds to the captured graph; the first "
+                  "includes the launch of an empty graph):", "",
+                  "| node | " + " | ".join(f"{r['tokens']} tokens" for r in with_breakdown) + " |",
+                  "|---|" + "---|" * len(with_breakdown)]
+        for node in nodes:
+            cells = []
+            for r in with_breakdown:
+                found = [n for n in r["breakdown"] if n["node"] == node]
+                cells.append(us(found[0]["added_us"]) if found else "")
+            lines.append(f"| {node} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def torch_block(results, image_prefix="bench/results/", results_dir=None, paths=None):
     """The lines of the PyTorch comparison: per workload its plot, a table of µs (× floor) per
     implementation and token count, what failed and why, and the run's GPU and floors."""
     if not results:
@@ -58,8 +193,11 @@ def torch_block(results):
         implementations = list(dict.fromkeys(r["implementation"] for r in records))
         by = {(r["tokens"], r["implementation"]): r for r in records}
         floors = {r["tokens"]: r["floor_us"] for r in records}
-        lines += [f"![{workload}: µs per forward against tokens, log-log](bench/results/torch-{workload}.png)", "",
-                  f"| {workload}: µs (× floor) | " + " | ".join(map(str, tokens)) + " |",
+        if paths is not None:
+            lines += [f"### {workload}", ""]
+        if results_dir is None or (results_dir / f"torch-{workload}.png").exists():
+            lines += [f"![{workload}: µs per forward against tokens, log-log]({image_prefix}torch-{workload}.png)", ""]
+        lines += [f"| {workload}: µs (× floor) | " + " | ".join(map(str, tokens)) + " |",
                   "|" + "---|" * (len(tokens) + 1)]
         failures = []
         for implementation in implementations:
@@ -77,98 +215,89 @@ def torch_block(results):
         lines.append("| floor | " + " | ".join(us(floors[t]) for t in tokens) + " |")
         lines.append("")
         lines += [f"Failed: {failure}." for failure in failures]
-        lines += [f"{result['gpu']}, PyTorch {result['torch']}; floors from HBM reads at "
-                  f"{result['hbm_read_bytes_per_s'] / 1e12:.2f} TB/s and torch._scaled_mm's dense E4M3 rate, "
-                  f"{result['dense_fp8_flops_per_s'] / 1e12:.0f} TFLOP/s, measured in the same run.", ""]
+        run = f"{result['gpu']}, PyTorch {result['torch']}"
+        if paths is not None:
+            run = provenance([result], "python -m megamoe.bench", paths[("torch", workload)]) + f" PyTorch {result['torch']}"
+        lines += [f"{run}; floors from HBM reads at {result['hbm_read_bytes_per_s'] / 1e12:.2f} TB/s and "
+                  f"torch._scaled_mm's dense E4M3 rate, {result['dense_fp8_flops_per_s'] / 1e12:.0f} TFLOP/s, "
+                  "measured in the same run.", ""]
     return lines[:-1]
 
 
-def rewrite_torch_block(text, results):
-    lines = text.split("\n")
-    if lines.count(TORCH_BEGIN) != 1 or lines.count(TORCH_END) != 1:
-        sys.exit(f"README.md: expected one line '{TORCH_BEGIN}' and one '{TORCH_END}'")
-    start, end = lines.index(TORCH_BEGIN), lines.index(TORCH_END)
-    if end < start:
-        sys.exit(f"README.md: '{TORCH_END}' comes before '{TORCH_BEGIN}'")
-    lines[start + 1:end] = torch_block(results)
-    return "\n".join(lines)
-
-
-def ep_substitutions(small, large):
-    """The expert-parallel paragraph's figures; a group of whitespace keeps the README's line breaks."""
+def ep_section(name, records, path):
     def share_of_peer(r):
         return 2 * r["nvlink_bytes_each_way"] / ((r["dispatch_us"] + r["combine_us"]) * 1e-6) / (r["peer_copy_gbps"] * 1e9)
-    sizes = f"{small['tokens_per_rank']} / {large['tokens_per_rank']}"
-    return [
-        (r"\([0-9]+ GB/s one-way peer copy, [0-9.]+ µs per cross-rank barrier",
-         lambda m: f"({small['peer_copy_gbps']:.0f} GB/s one-way peer copy, {small['barrier_us']:.1f} µs per "
-                   "cross-rank barrier"),
-        (r"round trip takes [0-9.]+ µs at [0-9]+ tokens per rank \(goal 40\) and [0-9]+ µs at [0-9]+,",
-         lambda m: f"round trip takes {small['round_trip_graph_us']:.1f} µs at {small['tokens_per_rank']} tokens per "
-                   f"rank (goal 40) and {large['round_trip_graph_us']:.0f} µs at {large['tokens_per_rank']},"),
-        (r"dispatch takes [0-9.]+ / [0-9.]+ µs and combine [0-9.]+ / [0-9.]+(\s+)µs at [0-9]+ / [0-9]+ tokens per "
-         r"rank: [0-9]+% of the peer bandwidth at [0-9]+",
-         lambda m: f"dispatch takes {small['dispatch_us']:.1f} / {large['dispatch_us']:.1f} µs and combine "
-                   f"{small['combine_us']:.1f} / {large['combine_us']:.1f}{m.group(1)}µs at {sizes} tokens per rank: "
-                   f"{share_of_peer(large) * 100:.0f}% of the peer bandwidth at {large['tokens_per_rank']}"),
-        (r"The whole EP(\s+)forward \(dispatch, local experts, combine\) takes [0-9]+ / [0-9]+ µs against [0-9]+ / "
-         r"[0-9]+ µs",
-         lambda m: f"The whole EP{m.group(1)}forward (dispatch, local experts, combine) takes "
-                   f"{small['ep_forward_us']:.0f} / {large['ep_forward_us']:.0f} µs against {small['baseline_us']:.0f} / "
-                   f"{large['baseline_us']:.0f} µs"),
-    ]
-
-
-def us(value):
-    return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
-
-
-def table(results):
-    tokens = [r["tokens"] for r in results[WORKLOADS[0]]]
-    if tokens[0] != 1:
-        sys.exit(f"{WORKLOADS[0]}: the table's first column is one token; the JSON starts at {tokens[0]}")
-    for w in WORKLOADS[1:]:
-        if [r["tokens"] for r in results[w]] != tokens:
-            sys.exit(f"{w}: token buckets differ from {WORKLOADS[0]}'s")
-    lines = [TABLE_HEADER + " " + " | ".join(str(t) for t in tokens[1:]) + " |",
-             "|" + "---|" * (len(tokens) + 1)]
-    for w in WORKLOADS:
-        rows = results[w]
-        lines.append(f"| {w} µs (× floor) | " +
-                     " | ".join(f"{us(r['median_us'])} ({r['median_us'] / r['floor_us']:.2f})" for r in rows) + " |")
-        lines.append(f"| {w} baseline µs | " + " | ".join(us(r["baseline_us"]) for r in rows) + " |")
+    first = records[0]
+    lines = [f"### {first['workload']}, {first['precision']}, {first['ranks']} ranks", "",
+             provenance(records, "megamoe-run -n RANKS -- megamoe-ep-bench --json", path) +
+             f" Measured in the same run: NVLink peer copy {rate([r['peer_copy_gbps'] for r in records], 'GB/s', 1)} "
+             f"one way, {rate([r['barrier_us'] for r in records], 'µs', 1, 1)} per cross-rank barrier. Round trip: "
+             f"{recorded(records, 'round_trip_graph')}. Baseline: {recorded(records, 'baseline')}.", "",
+             "| tokens per rank | round trip µs (one graph) | dispatch µs | combine µs | share of peer bandwidth "
+             "(phases) | NVLink MB each way | EP forward µs | baseline µs | × baseline |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['tokens_per_rank']} | {us(r['round_trip_graph_us'])} | {us(r['dispatch_us'])} | "
+                     f"{us(r['combine_us'])} | {share_of_peer(r) * 100:.0f}% | {r['nvlink_bytes_each_way'] / 1e6:.1f} | "
+                     f"{us(r['ep_forward_us'])} | {us(r['baseline_us'])} | {r['ep_forward_us'] / r['baseline_us']:.2f} |")
+    lines += ["", "Dispatch and combine are timed phase by phase (a device barrier and an event before each, which "
+              "adds launch and drain time outside the kernels); the round trip as a serving engine replays it, both "
+              "phases in one CUDA graph, slowest rank."]
     return lines
 
 
-def rewrite(text, results, ep):
-    lines = text.split("\n")
-    start = next((i for i, line in enumerate(lines) if line.startswith(TABLE_HEADER)), None)
-    if start is None:
-        sys.exit("README.md: no benchmark table (a line starting with '| workload | 1 token |')")
-    end = start
-    while end < len(lines) and lines[end].startswith("|"):
-        end += 1
-    lines[start:end] = table(results)
-    text = "\n".join(lines)
+def performance_page(results, results_dir=RESULTS):
+    lines = ["# Performance", "",
+             "<!-- written by tools/readme_table.py from bench/results/*.json: do not edit by hand -->", "",
+             "Every figure on this page is a record of `bench/results/`, rendered by `python3 tools/readme_table.py "
+             "--write`; `--check` (CTest `tools.readme_table.matches_results`) fails when the page and the JSON differ. "
+             "How the figures are taken: [decisions.md](decisions.md#benchmark-method). Each run's session, command "
+             "and purpose: the lab notebook, [bench/NOTES.md](../bench/NOTES.md).", "",
+             "## The layer against its floor and an unfused baseline", "",
+             "`megamoe-bench` on one GPU: median µs of CUDA-graph replays; the floor is the larger of the touched "
+             "experts' weight bytes over the HBM read rate and the useful FLOPs over the dense rate (hbm or compute "
+             "bound); useful TFLOP/s excludes padding; weight TB/s is the touched experts' bytes over the time; the "
+             "relative error is against the CPU reference that quantizes as the kernels do.", ""]
+    if not results.bench:
+        lines += ["No `megamoe-bench` results yet.", ""]
+    for workload in ordered({w for w, _ in results.bench}, WORKLOAD_ORDER):
+        for precision in ordered({p for w, p in results.bench if w == workload}, PRECISION_ORDER):
+            key = (workload, precision)
+            lines += bench_section(key, results.bench[key], results.paths[("bench",) + key]) + [""]
+    lines += ["## Against PyTorch", "",
+              "`python -m megamoe.bench`: megamoe against the same layer written with PyTorch alone (routing, a sort "
+              "into expert order, `torch._grouped_mm` in bf16 or `torch._scaled_grouped_mm` on row-scaled E4M3, "
+              "SwiGLU, `index_add_`), each one CUDA graph in one process, µs (× floor).", ""]
+    torch = {w: results.torch[w] for w in ordered(results.torch, WORKLOAD_ORDER)}
+    lines += torch_block(torch, "../bench/results/", results_dir, results.paths) + [""]
+    lines += ["## Expert parallelism", "",
+              "`megamoe-ep-bench` under `megamoe-run`: the staged expert-parallel layer against a staged NCCL "
+              "baseline measured in the same run.", ""]
+    if not results.ep:
+        lines += ["No `megamoe-ep-bench` results yet.", ""]
+    for name in sorted(results.ep):
+        lines += ep_section(name, results.ep[name], results.paths[("ep", name)]) + [""]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
-    records = [r for w in WORKLOADS for r in results[w]]
-    hbm = max(r["hbm_read_bytes_per_s"] for r in records) / 1e12
-    dense = [r["dense_flops_per_s"] / 1e12 for r in records]
-    largest = results["dsv3"][-1]
-    useful = largest["useful_flops"] / largest["median_us"] / 1e6
-    share = useful / (largest["dense_flops_per_s"] / 1e12) * 100
-    substitutions = [
-        (r"HBM bandwidth \([0-9.]+ TB/s\)", f"HBM bandwidth ({hbm:.2f} TB/s)"),
-        (r"8192³: [0-9]+-[0-9]+ TFLOP/s", f"8192³: {min(dense):.0f}-{max(dense):.0f} TFLOP/s"),
-        (r"dsv3 at [0-9]+ tokens reaches [0-9]+ TFLOP/s of useful FP8 work, [0-9]+% of the dense rate",
-         f"dsv3 at {largest['tokens']} tokens reaches {useful:.0f} TFLOP/s of useful FP8 work, {share:.0f}% of the "
-         "dense rate"),
-    ] + ep_substitutions(*ep)
-    for pattern, replacement in substitutions:
-        text, count = re.subn(pattern, replacement, text)
-        if count != 1:
-            sys.exit(f"README.md: expected one match of /{pattern}/, found {count}")
-    return text
+
+# ----------------------------------------------------------------------------------------- main
+
+def wanted(results, readme_text, results_dir=RESULTS):
+    """{path: the text it should have}."""
+    return {README: rewrite_block(readme_text, README_BEGIN, README_END, readme_block(results)),
+            PERFORMANCE: performance_page(results, results_dir)}
+
+
+def report_difference(path, old, new):
+    name = path.relative_to(ROOT).as_posix()
+    if old is None:
+        print(f"{name}: missing")
+        return
+    for i, (a, b) in enumerate(zip(old.split("\n"), new.split("\n"))):
+        if a != b:
+            print(f"{name}:{i + 1}: says\n  {a}\nbut bench/results gives\n  {b}")
+            return
+    print(f"{name}: its length differs from what bench/results gives")
 
 
 def main():
@@ -177,21 +306,20 @@ def main():
     mode.add_argument("--write", action="store_true")
     mode.add_argument("--check", action="store_true")
     args = parser.parse_args()
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    wanted = rewrite_torch_block(rewrite(text, {w: load(w) for w in WORKLOADS}, load_ep()), load_torch())
+    texts = wanted(load(), README.read_text())
     if args.write:
-        readme.write_text(wanted)
-        print("README.md: benchmark tables and figures written from bench/results")
+        for path, text in texts.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        print("README.md and docs/performance.md: written from bench/results")
         return 0
-    if wanted != text:
-        old, new = text.split("\n"), wanted.split("\n")
-        for i, (a, b) in enumerate(zip(old, new)):
-            if a != b:
-                print(f"README.md:{i + 1}: says\n  {a}\nbut bench/results gives\n  {b}")
+    stale = [path for path, text in texts.items() if (path.read_text() if path.exists() else None) != text]
+    for path in stale:
+        report_difference(path, path.read_text() if path.exists() else None, texts[path])
+    if stale:
         print("run: python3 tools/readme_table.py --write")
         return 1
-    print("README.md: benchmark tables and figures match bench/results")
+    print("README.md and docs/performance.md: match bench/results")
     return 0
 
 
