@@ -264,7 +264,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     for (size_t i = 0; i < y_device.size(); ++i) y_device[i] = y[i].to_float();
     const double baseline_rel_err = ref::relative_l2(y_device, exact.y);
 
-    const plan::Floors floors = plan::routed_floors(spec, ids.data(), tokens, facts);
+    const plan::Floors floors = ref::routed_floors(spec, ids.data(), tokens, facts);
     std::printf("  %6d | %9.1f | %9.1f | %9.2f | %9.1f | %11.2f | %9.2e | %11.1f | %10.2f | %9.2e\n", tokens, us,
                 floors.floor_us, us / floors.floor_us, floors.useful_flops / (us * 1e-6) / 1e12,
                 floors.weight_bytes / (us * 1e-6) / 1e12, rel_err, baseline_us, us / baseline_us, baseline_rel_err);

@@ -29,6 +29,7 @@
 #include "progress.hpp"
 #include "ref/moe_reference.hpp"
 #include "ref/random_problem.hpp"
+#include "ref/routing.hpp"
 
 namespace megamoe::bench {
 namespace {
@@ -189,12 +190,14 @@ int run_cpu(const Options& o) {
       ref::reference_forward_unquantized(spec, view, inputs, MoeOutputs{y_exact.data()},
                                          [&](int done, int total) { exact_progress.update(done, total); });
   const double rel_err = ref::relative_l2(report.y, exact.y);
-  const plan::Floors reduced_floors = plan::routed_floors(spec, report.routing.ids.data(), tokens, plan::DeviceFacts::h200_measured());
+  const plan::Floors reduced_floors =
+      ref::routed_floors(spec, report.routing.ids.data(), tokens, plan::DeviceFacts::h200_measured());
   const double reference_gflops = reduced_floors.useful_flops / reference_s / 1e9;
 
   const plan::DeviceFacts h200 = plan::DeviceFacts::h200_measured();
-  const plan::MoePlan plan = plan::plan_moe(full, tokens, std::max(tokens, plan::kTokenBuckets.back()), h200);
-  std::cout << "\nplanner, full workload on " << h200 << ":\n" << plan << "\n\n";
+  const plan::LayerPlan layer_plan = plan::plan_layer(full, std::max(tokens, plan::kTokenBuckets.back()), {}, h200);
+  std::cout << "\nplanner, full workload on " << h200 << ":\n  " << layer_plan << "\n  "
+            << plan::plan_forward(full, layer_plan, tokens, CombineMode::deterministic, h200) << "\n\n";
 
   std::printf("H200 floors of the full workload (%s, uniform routing):\n", to_string(full.precision));
   std::printf("  %7s | %8s | %10s | %10s | %9s | %s\n", "tokens", "experts", "weights MB", "GFLOP", "floor us", "bound");

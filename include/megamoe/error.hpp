@@ -1,4 +1,5 @@
-// megamoe errors: every rejected call throws megamoe::Error before touching any caller buffer.
+// megamoe errors: every rejected call throws megamoe::Error before touching any caller buffer, and
+// leaves the process as usable as before (no memory held, no CUDA error left pending).
 #pragma once
 
 #include <stdexcept>
@@ -15,6 +16,8 @@ enum class ErrorCode {
   capacity_exceeded,   // more tokens than the layer was planned for
   unsupported,         // valid request that this build cannot serve yet
   cuda_error,          // a CUDA runtime call or kernel launch failed
+  out_of_memory,       // a device allocation failed (nothing is left allocated by the failed call)
+  no_device,           // no usable GPU: none visible, no driver, or not a Hopper GPU
   timeout,             // a peer (another rank) did not arrive in time
 };
 

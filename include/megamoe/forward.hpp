@@ -26,6 +26,11 @@ struct MoeInputs {
   // T). Only the choice of tile shapes reads it, so a wrong guess costs speed, never correctness:
   // a launch sized for 8192 rows that usually carries a few hundred then runs the small-batch tiles.
   int expected_valid_tokens = 0;
+  // Optional: this call's routing instead of the spec's (experts, top_k and shapes stay), for a
+  // framework whose routing is a call argument. It decides, as the spec's would, whether the call
+  // reads router_logits or topk_ids/topk_weights. Nothing of it outlives the call: a CUDA graph
+  // replays the routing it captured.
+  const Routing* routing = nullptr;
 };
 
 struct MoeOutputs {
@@ -36,7 +41,7 @@ struct MoeOutputs {
 inline constexpr int kActivationAlignment = 16;
 
 // Throws megamoe::Error (null_pointer, misaligned_pointer, aliasing, capacity_exceeded,
-// invalid_argument) before anything is read or written.
+// invalid_argument, invalid_spec for a bad inputs.routing) before anything is read or written.
 void validate_forward_args(const MoeSpec& spec, int capacity_tokens, const MoeInputs& inputs,
                            const MoeOutputs& outputs);
 

@@ -57,6 +57,8 @@ int channel_granularity(Precision precision);
 
 // Throws megamoe::Error(invalid_spec) with a message naming the field and the fix.
 void validate(const MoeSpec& spec);
+// The same for `routing` in place of spec.routing.
+void validate_routing(const Routing& routing, const MoeSpec& spec);
 
 const char* to_string(Precision precision);
 const char* to_string(ScaleFormat format);

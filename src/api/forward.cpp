@@ -33,6 +33,8 @@ bool overlaps(const Span& a, const Span& b) {
 void validate_forward_args(const MoeSpec& spec, int capacity_tokens, const MoeInputs& inputs,
                            const MoeOutputs& outputs) {
   validate(spec);
+  const Routing& routing = inputs.routing != nullptr ? *inputs.routing : spec.routing;
+  if (inputs.routing != nullptr) validate_routing(routing, spec);
   const int T = inputs.num_tokens;
   if (T < 0) throw Error(ErrorCode::invalid_argument, "num_tokens=" + std::to_string(T) + " must be >= 0");
   if (T > capacity_tokens) {
@@ -60,7 +62,7 @@ void validate_forward_args(const MoeSpec& spec, int capacity_tokens, const MoeIn
   require_pointer(outputs.y, "y", kActivationAlignment);
 
   Span inputs_read[3] = {{"x", reinterpret_cast<uintptr_t>(inputs.x), T * H * 2}, {}, {}};
-  if (std::holds_alternative<Precomputed>(spec.routing)) {
+  if (std::holds_alternative<Precomputed>(routing)) {
     require_pointer(inputs.topk_ids, "topk_ids (precomputed routing)", alignof(int32_t));
     require_pointer(inputs.topk_weights, "topk_weights (precomputed routing)", alignof(float));
     inputs_read[1] = {"topk_ids", reinterpret_cast<uintptr_t>(inputs.topk_ids), T * k * sizeof(int32_t)};

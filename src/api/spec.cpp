@@ -51,6 +51,8 @@ const char* to_string(ErrorCode code) {
     case ErrorCode::capacity_exceeded: return "capacity exceeded";
     case ErrorCode::unsupported: return "unsupported";
     case ErrorCode::cuda_error: return "CUDA error";
+    case ErrorCode::out_of_memory: return "out of memory";
+    case ErrorCode::no_device: return "no usable GPU";
     case ErrorCode::timeout: return "timeout";
   }
   return "unknown error";
@@ -110,7 +112,11 @@ void validate(const MoeSpec& spec) {
   if (spec.precision != Precision::fp8_block && spec.scale_format != ScaleFormat::fp32) {
     reject("scale_format=ue8m0 only applies to precision fp8_block");
   }
-  if (const auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing)) validate_grouped(*grouped, spec);
+  validate_routing(spec.routing, spec);
+}
+
+void validate_routing(const Routing& routing, const MoeSpec& spec) {
+  if (const auto* grouped = std::get_if<DeepseekGrouped>(&routing)) validate_grouped(*grouped, spec);
 }
 
 std::ostream& operator<<(std::ostream& os, const MoeSpec& spec) {

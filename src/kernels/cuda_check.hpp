@@ -9,8 +9,12 @@
 
 namespace megamoe {
 
+// A failed call also leaves its error as the runtime's last error, where the caller's next check
+// (PyTorch's after its next kernel, say) would find it and fail for megamoe's reason: it is read
+// back here, so that the exception is the only report. Sticky errors (a kernel fault) stay.
 inline void cuda_check(cudaError_t status, const char* what, const char* file, int line) {
   if (status != cudaSuccess) {
+    (void)cudaGetLastError();
     throw Error(ErrorCode::cuda_error, std::string(what) + " failed at " + file + ":" + std::to_string(line) + ": " +
                                            cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")");
   }
@@ -21,7 +25,13 @@ inline void cuda_check(cudaError_t status, const char* what, const char* file, i
 template <class T>
 T* cuda_alloc(size_t count) {
   void* p = nullptr;
-  cuda_check(cudaMalloc(&p, (count > 0 ? count : 1) * sizeof(T)), "cudaMalloc", __FILE__, __LINE__);
+  const size_t bytes = (count > 0 ? count : 1) * sizeof(T);
+  const cudaError_t status = cudaMalloc(&p, bytes);
+  if (status == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    throw Error(ErrorCode::out_of_memory, "cudaMalloc of " + std::to_string(bytes) + " bytes failed: the device is out of memory");
+  }
+  cuda_check(status, "cudaMalloc", __FILE__, __LINE__);
   return static_cast<T*>(p);
 }
 

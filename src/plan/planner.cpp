@@ -8,7 +8,6 @@
 
 #include "kernels/layout/gemm_smem.hpp"
 #include "megamoe/error.hpp"
-#include "ref/routing.hpp"
 
 namespace megamoe::plan {
 namespace {
@@ -39,10 +38,6 @@ double mean_rows_per_expert(const MoeSpec& spec, int tokens) {
   return static_cast<double>(tokens) * spec.top_k / expected_touched_experts(spec, tokens);
 }
 
-int expected_rows_per_expert(const MoeSpec& spec, int tokens) {
-  return static_cast<int>(std::ceil(mean_rows_per_expert(spec, tokens)));
-}
-
 // The rows a token tile should hold so that few experts take a second one: the mean rows per
 // touched expert plus kTokenTileSpread standard deviations of the counts (uniform routing's are
 // Poisson-like: the deviation is the mean's square root).
@@ -53,47 +48,42 @@ int token_tile_for_rows(double mean_rows) {
                     layout::kGemmMaxTokenTile);
 }
 
-GemmConfig choose_gemm(const char* name, const MoeSpec& spec, double mean_rows, double touched_experts,
-                       int out_channels, const DeviceFacts& facts) {
-  const int rows_per_expert = static_cast<int>(std::ceil(mean_rows));
+GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int token_tile, double mean_rows, double touched_experts,
+                       int out_channels, PlanDetail detail) {
   const bool fp8 = spec.precision == Precision::fp8_block;
+  const bool explain = detail == PlanDetail::explained;
   GemmConfig c;
   c.name = name;
   c.block_k = fp8 ? 128 : 64;
-  c.reasons.push_back(fp8 ? "block_k=128: one FP8 scale block per K step, so promotion happens once per stage"
-                          : "block_k=64: one 128-byte swizzled row of bf16 per K step");
   c.swap_ab = true;
   c.math_warpgroups = layout::kGemmMathWarpgroups;
   c.channel_tile = layout::kGemmChannelTile;
-  c.token_tile = token_tile_for_rows(mean_rows);
+  c.token_tile = token_tile;
   c.block_m = c.channel_tile;
   c.block_n = c.token_tile;
+  c.stage_bytes = layout::gemm_stage_bytes(c.token_tile, fp8);
+  // The kernels are compiled for sm_90's opt-in limit; plan_layer refused devices offering less.
+  c.stages = layout::gemm_stages(c.token_tile, fp8, layout::kSm90SmemPerBlockOptin);
+  c.smem_bytes = c.stages * c.stage_bytes + layout::gemm_fixed_bytes();
+  if (!explain) return c;
+  const int rows_per_expert = static_cast<int>(std::ceil(mean_rows));
+  c.reasons.push_back(fp8 ? "block_k=128: one FP8 scale block per K step, so promotion happens once per stage"
+                          : "block_k=64: one 128-byte swizzled row of bf16 per K step");
   c.reasons.push_back(format("swapAB: expert channels on wgmma M (%lld rows: %lld math warpgroups x %lld x m64), "
                              "tokens on N, so small batches pad N instead of M=64",
                              c.channel_tile, c.math_warpgroups,
                              c.channel_tile / (c.math_warpgroups * kWgmmaRowsPerWarpgroup)));
-  c.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert, ~%lld with their spread, within "
-                             "[16, 64] (two fp32 accumulator sets of 256 channels x 64 tokens per CTA are the "
-                             "register budget)",
-                             c.token_tile, rows_per_expert, static_cast<long long>(std::ceil(rows_to_cover(mean_rows)))));
-  c.stage_bytes = layout::gemm_stage_bytes(c.token_tile, fp8);
-  const int fixed_bytes = layout::gemm_fixed_bytes();
-  c.stages = layout::gemm_stages(c.token_tile, fp8, facts.smem_per_block_optin);
-  if (c.stages < 2) {
-    throw Error(ErrorCode::unsupported, format("device offers %lld bytes of shared memory per CTA; a %lld-byte stage "
-                                               "needs at least 2 stages",
-                                               facts.smem_per_block_optin, c.stage_bytes));
-  }
   c.reasons.push_back(format("%lld stages: as many %lld-byte stages as fit next to the epilogue exchange "
                              "(>= 3 hides TMA latency; capped at 8)",
                              c.stages, c.stage_bytes));
-  c.smem_bytes = c.stages * c.stage_bytes + fixed_bytes;
   c.expected_tiles = static_cast<long long>(std::ceil(touched_experts)) * ceil_div(out_channels, c.channel_tile) *
                      ceil_div(rows_per_expert, c.token_tile);
   return c;
 }
 
-Floors make_floors(const MoeSpec& spec, int tokens, double routed_rows, double touched, const DeviceFacts& facts) {
+}  // namespace
+
+Floors floors_of(const MoeSpec& spec, int tokens, double routed_rows, double touched, const DeviceFacts& facts) {
   Floors f;
   f.tokens = tokens;
   f.routed_rows = routed_rows;
@@ -107,19 +97,12 @@ Floors make_floors(const MoeSpec& spec, int tokens, double routed_rows, double t
   return f;
 }
 
-}  // namespace
-
 int choose_token_tile(const MoeSpec& spec, int tokens) {
   return token_tile_for_rows(mean_rows_per_expert(spec, tokens));
 }
 
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens) {
   return spec.precision == Precision::fp8_block && mean_rows_per_expert(spec, tokens) <= kMaxRowsPerExpertForRowCopy;
-}
-
-layout::MoeWorkspaceLayout workspace_layout(const MoeSpec& spec, int max_tokens, int row_padding) {
-  return layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden, spec.intermediate, max_tokens,
-                                          row_padding, spec.precision == Precision::fp8_block);
 }
 
 DeviceFacts DeviceFacts::h200_measured() {
@@ -142,47 +125,90 @@ double expert_weight_bytes(const MoeSpec& spec) {
   return elements * 2.0;
 }
 
-MoePlan plan_moe(const MoeSpec& spec, int tokens, int max_tokens, const DeviceFacts& facts) {
+LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions& options, const DeviceFacts& facts) {
   validate(spec);
-  if (max_tokens < 1) throw Error(ErrorCode::invalid_argument, "max_tokens must be >= 1");
-  if (tokens < 1 || tokens > max_tokens) {
-    throw Error(ErrorCode::invalid_argument, format("tokens=%lld must be in [1, max_tokens=%lld]", tokens, max_tokens));
+  validate(options, spec);
+  validate_max_tokens(max_tokens);
+  if (facts.num_sms < 1) throw Error(ErrorCode::invalid_argument, "device facts are missing the SM count");
+  if (facts.smem_per_block_optin < layout::kSm90SmemPerBlockOptin) {
+    throw Error(ErrorCode::unsupported,
+                format("the GEMM kernels need %lld bytes of shared memory per CTA; the device offers %lld",
+                       layout::kSm90SmemPerBlockOptin, facts.smem_per_block_optin));
   }
-  if (facts.num_sms < 1 || facts.smem_per_block_optin < 1) {
-    throw Error(ErrorCode::invalid_argument, "device facts are missing the SM count or shared-memory limit");
-  }
-  MoePlan plan;
+  LayerPlan plan;
   plan.max_tokens = max_tokens;
-  plan.tokens = tokens;
-  const double touched = expected_touched_experts(spec, tokens);
-  plan.expected_rows_per_expert = expected_rows_per_expert(spec, tokens);
-  const double mean_rows = mean_rows_per_expert(spec, tokens);
-  plan.fc1 = choose_gemm("fc1", spec, mean_rows, touched, 2 * spec.intermediate, facts);
-  plan.fc2 = choose_gemm("fc2", spec, mean_rows, touched, spec.hidden, facts);
-
-  // The pool is sized for the largest token tile any token count up to max_tokens may choose.
-  const int row_padding = std::max({plan.fc1.token_tile, plan.fc2.token_tile, choose_token_tile(spec, max_tokens)});
-  plan.workspace = workspace_layout(spec, max_tokens, row_padding);
+  plan.options = options;
+  plan.device_sms = facts.num_sms;
+  // Each expert's pool segment is padded to the widest token tile a call may take: the option's,
+  // or the planner's at max_tokens (the tile grows with the token count).
+  const int row_padding = options.token_tile != 0 ? options.token_tile : choose_token_tile(spec, max_tokens);
+  plan.workspace = layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden, spec.intermediate,
+                                                    max_tokens, row_padding, spec.precision == Precision::fp8_block);
   return plan;
+}
+
+ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens, CombineMode combine,
+                         const DeviceFacts& facts, PlanDetail detail) {
+  if (tokens < 1 || tokens > layer.max_tokens) {
+    throw Error(ErrorCode::invalid_argument,
+                format("tokens=%lld must be in [1, max_tokens=%lld]", tokens, layer.max_tokens));
+  }
+  const MoeLayerOptions& o = layer.options;
+  const bool explain = detail == PlanDetail::explained;
+  const double touched = expected_touched_experts(spec, tokens);
+  const double mean_rows = mean_rows_per_expert(spec, tokens);
+  ForwardPlan p;
+  p.tokens = tokens;
+  p.expected_rows_per_expert = static_cast<int>(std::ceil(mean_rows));
+  p.token_tile = o.token_tile != 0 ? o.token_tile : token_tile_for_rows(mean_rows);
+  if (p.token_tile > layer.workspace.row_padding) {
+    throw Error(ErrorCode::unsupported, format("internal: token tile %lld exceeds the workspace padding %lld "
+                                               "(planner bug)",
+                                               p.token_tile, layer.workspace.row_padding));
+  }
+  const bool fp8 = spec.precision == Precision::fp8_block;
+  switch (o.fc1_token_rows) {
+    case Fc1TokenRows::automatic: p.fc1_copies_token_rows = fc1_copies_token_rows(spec, tokens); break;
+    case Fc1TokenRows::pool: p.fc1_copies_token_rows = false; break;
+    case Fc1TokenRows::row_copy: p.fc1_copies_token_rows = fp8; break;
+  }
+  p.combine = combine;
+  p.grid = o.num_sms != 0 ? std::min(o.num_sms, facts.num_sms) : facts.num_sms;
+  p.fc1 = choose_gemm("fc1", spec, p.token_tile, mean_rows, touched, 2 * spec.intermediate, detail);
+  p.fc2 = choose_gemm("fc2", spec, p.token_tile, mean_rows, touched, spec.hidden, detail);
+  if (!explain) return p;
+  if (o.token_tile != 0) {
+    p.reasons.push_back(format("token tile %lld: options.token_tile", p.token_tile));
+  } else {
+    p.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert, ~%lld with their spread, within "
+                               "[16, 64] (two fp32 accumulator sets of 256 channels x 64 tokens per CTA are the "
+                               "register budget)",
+                               p.token_tile, p.expected_rows_per_expert,
+                               static_cast<long long>(std::ceil(rows_to_cover(mean_rows)))));
+  }
+  if (!fp8) {
+    p.reasons.push_back("FC1 reads the gathered pool: rows are copied from x's fp8 copy only");
+  } else if (o.fc1_token_rows != Fc1TokenRows::automatic) {
+    p.reasons.push_back(std::string("FC1 ") + (p.fc1_copies_token_rows ? "copies its token rows" : "reads the pool") +
+                        ": options.fc1_token_rows=" + to_string(o.fc1_token_rows));
+  } else {
+    p.reasons.push_back(format(p.fc1_copies_token_rows ? "FC1 copies its token rows: ~%lld rows per expert <= %lld"
+                                                       : "FC1 reads the gathered pool: ~%lld rows per expert > %lld",
+                               p.expected_rows_per_expert, static_cast<long long>(kMaxRowsPerExpertForRowCopy)));
+  }
+  p.reasons.push_back(std::string("combine ") + to_string(combine) +
+                      (combine == CombineMode::deterministic ? ": slot store, then a fixed-order reduction"
+                                                             : ": FC2 adds weighted rows with fp32 atomics"));
+  p.reasons.push_back(o.num_sms != 0 ? format("grid %lld CTAs: options.num_sms (device has %lld SMs)", p.grid,
+                                              facts.num_sms)
+                                     : format("grid %lld CTAs: one per SM", p.grid));
+  return p;
 }
 
 Floors expected_floors(const MoeSpec& spec, int tokens, const DeviceFacts& facts) {
   validate(spec);
-  return make_floors(spec, tokens, static_cast<double>(tokens) * spec.top_k, expected_touched_experts(spec, tokens),
-                     facts);
-}
-
-Floors routed_floors(const MoeSpec& spec, const int32_t* topk_ids, int tokens, const DeviceFacts& facts) {
-  validate(spec);
-  const ref::RoutingCheck check = ref::check_routing(topk_ids, tokens, spec.top_k, spec.num_experts);
-  std::vector<uint8_t> touched(spec.num_experts, 0);
-  double rows = 0;
-  for (size_t i = 0; i < check.used.size(); ++i) {
-    if (!check.used[i]) continue;
-    touched[topk_ids[i]] = 1;
-    rows += 1;
-  }
-  return make_floors(spec, tokens, rows, std::count(touched.begin(), touched.end(), 1), facts);
+  return floors_of(spec, tokens, static_cast<double>(tokens) * spec.top_k, expected_touched_experts(spec, tokens),
+                   facts);
 }
 
 std::ostream& operator<<(std::ostream& os, const DeviceFacts& f) {
@@ -194,18 +220,25 @@ std::ostream& operator<<(std::ostream& os, const DeviceFacts& f) {
 std::ostream& operator<<(std::ostream& os, const GemmConfig& c) {
   os << c.name << ": " << (c.swap_ab ? "swapAB " : "") << "block " << c.block_m << "x" << c.block_n << "x"
      << c.block_k << " (tokens " << c.token_tile << " x channels " << c.channel_tile << "), " << c.math_warpgroups
-     << " math WG, " << c.stages << " stages, " << c.smem_bytes / 1024.0 << " KiB smem, ~" << c.expected_tiles
+     << " math WG, " << c.stages << " stages, <= " << c.smem_bytes / 1024.0 << " KiB smem, ~" << c.expected_tiles
      << " tiles";
   for (const std::string& reason : c.reasons) os << "\n    - " << reason;
   return os;
 }
 
-std::ostream& operator<<(std::ostream& os, const MoePlan& p) {
+std::ostream& operator<<(std::ostream& os, const LayerPlan& p) {
   const auto& w = p.workspace;
-  return os << "plan for " << p.tokens << " tokens (capacity " << p.max_tokens << "), ~"
-            << p.expected_rows_per_expert << " rows per touched expert\n  " << p.fc1 << "\n  " << p.fc2
-            << "\n  workspace: " << w.total_bytes / 1048576.0 << " MiB (pool " << w.pool_rows << " rows padded to "
+  return os << "layer for up to " << p.max_tokens << " tokens, " << p.options << ": workspace "
+            << w.total_bytes / 1048576.0 << " MiB (pool " << w.pool_rows << " rows, segments padded to "
             << w.row_padding << ")";
+}
+
+std::ostream& operator<<(std::ostream& os, const ForwardPlan& p) {
+  os << "forward of " << p.tokens << " tokens (~" << p.expected_rows_per_expert << " rows per touched expert): token tile "
+     << p.token_tile << ", FC1 " << (p.fc1_copies_token_rows ? "copies token rows" : "reads the pool") << ", combine "
+     << to_string(p.combine) << ", grid " << p.grid;
+  for (const std::string& reason : p.reasons) os << "\n    - " << reason;
+  return os << "\n  " << p.fc1 << "\n  " << p.fc2;
 }
 
 std::ostream& operator<<(std::ostream& os, const Floors& f) {

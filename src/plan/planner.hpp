@@ -1,5 +1,6 @@
-// The host planner: MoeSpec + token count + device facts -> tile, pipeline and workspace
-// configuration, and the floors a call is measured against. Pure C++, deterministic.
+// The host planner: MoeSpec + options + token count + device facts -> the tile, pipeline and
+// workspace configuration a forward launches, and the floors a call is measured against. Pure
+// C++, deterministic.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "kernels/layout/moe_workspace.hpp"
+#include "megamoe/options.hpp"
 #include "megamoe/spec.hpp"
 #include "plan/device_facts.hpp"
 
@@ -31,45 +33,56 @@ struct GemmConfig {
   std::vector<std::string> reasons;  // one line per heuristic decision
 };
 
-struct MoePlan {
-  int max_tokens = 0;
-  int tokens = 0;               // the token count the tiles were chosen for
-  int expected_rows_per_expert = 0;
-  GemmConfig fc1;
-  GemmConfig fc2;
-  layout::MoeWorkspaceLayout workspace;
-};
-
 // Token tile (wgmma N) of the grouped GEMMs for a call of `tokens` tokens: the narrowest of 16, 32
 // and 64 that holds the expected rows per touched expert under uniform routing plus
-// kTokenTileSpread standard deviations of their spread. A tile that only holds the mean leaves the
-// ~45% of experts above it a second tile, which streams their weights again: at 512 and 1024
-// qwen35-a3b tokens (16 and 32 rows per expert) tiles of 32 and 64 beat 16 and 32 by 24 and 20 us
-// (bench/NOTES.md, eighteenth session, run 5). With two deviations the tile changes at 313 and 721
-// qwen35-a3b tokens; measured between the buckets (nineteenth session, run 2) it matched the best
-// of the three fixed tiles at every count and beat the mean's tile by 22 us at 500 tokens, 16 us
-// at 1000, and 212 and 124 us for dsv3 at 500 and 1000.
+// kTokenTileSpread standard deviations of their spread, so that few experts need a second tile
+// that streams their weights again (docs/decisions.md#token-tile).
 inline constexpr double kTokenTileSpread = 2.0;
 int choose_token_tile(const MoeSpec& spec, int tokens);
 
 // Whether fp8 FC1 copies its token rows from the gather's one quantized row per token
 // (kernels/permute/stage_row_copy.cuh) instead of loading a pool of k copies per token: where the
-// expected rows per touched expert stay within kMaxRowsPerExpertForRowCopy. The copying warp
-// pays per row: at 1024 qwen35-a3b tokens (~32 rows per expert) the layer gained 17 us, at 2048
-// (~64) it lost 17 and at 8192 (~256, full 64-row tiles) FC1 lost 50% (bench/NOTES.md, seventeenth
-// session, run 5, and eighteenth, run 2).
+// expected rows per touched expert stay within kMaxRowsPerExpertForRowCopy. The copying warp pays
+// per row, so it wins at a few rows per expert and loses at full tiles
+// (docs/decisions.md#fc1-row-copy).
 inline constexpr double kMaxRowsPerExpertForRowCopy = 40;
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens);
 
-// The workspace of up to `max_tokens` tokens with each expert's pool segment padded to
-// `row_padding` rows (the largest token tile a call may use).
-layout::MoeWorkspaceLayout workspace_layout(const MoeSpec& spec, int max_tokens, int row_padding);
+// The layer's plan, fixed when it is built: its options and the workspace for up to max_tokens
+// tokens, padded for the widest token tile any call may take.
+struct LayerPlan {
+  int max_tokens = 0;
+  MoeLayerOptions options;
+  int device_sms = 0;
+  layout::MoeWorkspaceLayout workspace;
+};
 
-// Chooses configs for `tokens` and sizes the workspace for up to `max_tokens`
-// (1 <= tokens <= max_tokens). Throws megamoe::Error when the device cannot host any config.
-MoePlan plan_moe(const MoeSpec& spec, int tokens, int max_tokens, const DeviceFacts& facts);
+// What one forward launches: MoeLayer::forward runs exactly this (the launcher checks the stage
+// counts against the kernels it instantiates), and MEGAMOE_PRINT_CONFIGS=1 prints it.
+struct ForwardPlan {
+  int tokens = 0;                       // the rows the tiles were chosen for
+  int expected_rows_per_expert = 0;     // under uniform routing
+  int token_tile = 0;                   // 16, 32 or 64, for FC1 and FC2
+  bool fc1_copies_token_rows = false;
+  CombineMode combine = CombineMode::deterministic;
+  int grid = 0;                         // persistent CTAs of each GEMM
+  GemmConfig fc1;
+  GemmConfig fc2;
+  std::vector<std::string> reasons;     // the forward's own decisions (explained plans only)
+};
 
-// The floor of one call (DESIGN.md "Measuring"): touched-expert weight bytes over HBM read
+// The layer's plan. Throws megamoe::Error when the spec, the options or max_tokens are invalid or
+// the device cannot host the kernels.
+LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions& options, const DeviceFacts& facts);
+
+// The plan of a forward of `tokens` rows (1 <= tokens <= the layer's max_tokens) with `combine`.
+// A forward needs the decisions only; `explain` adds the reasons and the expected tile counts
+// (formatted strings, which the per-call path does not pay for). Both come from the same code.
+enum class PlanDetail { decisions, explained };
+ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens, CombineMode combine,
+                         const DeviceFacts& facts, PlanDetail detail = PlanDetail::explained);
+
+// The floor of one call (docs/design.md#measuring): touched-expert weight bytes over HBM read
 // bandwidth, useful FLOPs (2 * routed rows * 3 * H * I, padding excluded) over the dense rate.
 struct Floors {
   int tokens = 0;
@@ -86,14 +99,15 @@ struct Floors {
 // Expectation under uniform random routing: an expert is untouched by one token with
 // probability 1 - k/E.
 Floors expected_floors(const MoeSpec& spec, int tokens, const DeviceFacts& facts);
-// Exact, from the routing of a call (invalid and -1 ids excluded).
-Floors routed_floors(const MoeSpec& spec, const int32_t* topk_ids, int tokens, const DeviceFacts& facts);
+// From a call's routed rows and touched experts (ref::routed_floors counts them from its ids).
+Floors floors_of(const MoeSpec& spec, int tokens, double routed_rows, double touched_experts, const DeviceFacts& facts);
 
 // Bytes of one expert's packed weights and scales.
 double expert_weight_bytes(const MoeSpec& spec);
 
 std::ostream& operator<<(std::ostream& os, const GemmConfig& config);
-std::ostream& operator<<(std::ostream& os, const MoePlan& plan);
+std::ostream& operator<<(std::ostream& os, const LayerPlan& plan);
+std::ostream& operator<<(std::ostream& os, const ForwardPlan& plan);
 std::ostream& operator<<(std::ostream& os, const Floors& floors);
 
 }  // namespace megamoe::plan

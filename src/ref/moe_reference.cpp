@@ -5,10 +5,10 @@
 #include <mutex>
 
 #include "megamoe/error.hpp"
-#include "ref/parallel.hpp"
-#include "ref/quantize.hpp"
+#include "common/parallel_for.hpp"
+#include "quant/quantize.hpp"
 #include "kernels/layout/weight_layout.hpp"
-#include "ref/weight_packing.hpp"
+#include "weights/packed_decode.hpp"
 
 namespace megamoe::ref {
 namespace {
@@ -36,8 +36,8 @@ std::vector<double> load_activations(const MoeSpec& spec, ActivationPath path, c
   std::vector<float> xf(static_cast<size_t>(T) * H);
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = x[i].to_float();
   if (path == ActivationPath::fp8_block) {
-    const QuantizedRows q = quantize_rows_per_128(xf.data(), T, H, spec.scale_format);
-    return dequantize_rows_per_128(q.codes.data(), q.scales.data(), T, H);
+    const quant::QuantizedRows q = quant::quantize_rows_per_128(xf.data(), T, H, spec.scale_format);
+    return quant::dequantize_rows_per_128(q.codes.data(), q.scales.data(), T, H);
   }
   return std::vector<double>(xf.begin(), xf.end());
 }
@@ -49,8 +49,8 @@ void round_fc1_output(const MoeSpec& spec, ActivationPath path, std::vector<doub
     for (double& v : h) v = bf16_t::from_float(static_cast<float>(v)).to_float();
   } else if (path == ActivationPath::fp8_block) {
     std::vector<float> hf(h.begin(), h.end());
-    const QuantizedRows q = quantize_rows_per_128(hf.data(), 1, I, spec.scale_format);
-    h = dequantize_rows_per_128(q.codes.data(), q.scales.data(), 1, I);
+    const quant::QuantizedRows q = quant::quantize_rows_per_128(hf.data(), 1, I, spec.scale_format);
+    h = quant::dequantize_rows_per_128(q.codes.data(), q.scales.data(), 1, I);
   }
 }
 
@@ -180,9 +180,9 @@ ReferenceReport reference_forward(const MoeSpec& spec, const PackedWeights& weig
   const int I = spec.intermediate;
   auto rows_of = [&](int e) {
     return ExpertRows{[&, e](int row, double* out) {
-                        decode_packed_row(weights, PackedMatrix::w13, e, layout::packed_w13_row(row, I), out);
+                        weights::decode_packed_row(weights, weights::PackedMatrix::w13, e, layout::packed_w13_row(row, I), out);
                       },
-                      [&, e](int row, double* out) { decode_packed_row(weights, PackedMatrix::w2, e, row, out); }};
+                      [&, e](int row, double* out) { weights::decode_packed_row(weights, weights::PackedMatrix::w2, e, row, out); }};
   };
   return run_reference(spec, path, rows_of, inputs, outputs, progress);
 }

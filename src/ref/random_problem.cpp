@@ -3,7 +3,7 @@
 #include <cmath>
 #include <random>
 
-#include "ref/parallel.hpp"
+#include "common/parallel_for.hpp"
 
 namespace megamoe::ref {
 namespace {

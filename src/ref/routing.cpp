@@ -1,5 +1,6 @@
 #include "ref/routing.hpp"
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 
@@ -128,6 +129,19 @@ RoutingCheck check_routing(const int32_t* ids, int num_tokens, int top_k, int nu
     }
   }
   return check;
+}
+
+plan::Floors routed_floors(const MoeSpec& spec, const int32_t* ids, int num_tokens, const plan::DeviceFacts& facts) {
+  validate(spec);
+  const RoutingCheck check = check_routing(ids, num_tokens, spec.top_k, spec.num_experts);
+  std::vector<uint8_t> touched(spec.num_experts, 0);
+  double rows = 0;
+  for (size_t i = 0; i < check.used.size(); ++i) {
+    if (!check.used[i]) continue;
+    touched[ids[i]] = 1;
+    rows += 1;
+  }
+  return plan::floors_of(spec, num_tokens, rows, std::count(touched.begin(), touched.end(), 1), facts);
 }
 
 }  // namespace megamoe::ref

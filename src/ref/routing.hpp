@@ -12,6 +12,7 @@
 
 #include "kernels/routing/selection.hpp"
 #include "megamoe/spec.hpp"
+#include "plan/planner.hpp"
 
 namespace megamoe::ref {
 
@@ -34,5 +35,9 @@ struct RoutingCheck {
   long invalid_ids = 0;
 };
 RoutingCheck check_routing(const int32_t* ids, int num_tokens, int top_k, int num_experts);
+
+// The floors of a call routed by `ids` [T, k] (invalid and -1 ids excluded): its used slots and
+// the distinct experts they touch, through plan::floors_of.
+plan::Floors routed_floors(const MoeSpec& spec, const int32_t* ids, int num_tokens, const plan::DeviceFacts& facts);
 
 }  // namespace megamoe::ref

@@ -12,10 +12,12 @@
 #include <initializer_list>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "api/layer_fixture.hpp"
 #include "common/gpu_test.hpp"
 #include "common/test_random.hpp"
 #include "megamoe/error.hpp"
@@ -26,202 +28,21 @@
 namespace megamoe {
 namespace {
 
-enum class RoutingKind { workload, softmax, grouped, precomputed };
-enum class Skew { uniform, skewed };
-
-struct Case {
-  std::string workload;  // a named workload, or "small"
-  Precision precision;
-  int tokens;
-  RoutingKind routing;
-  Skew skew;
-  CombineMode combine;
-};
-
-std::string name_of(const ::testing::TestParamInfo<Case>& info) {
-  const Case& c = info.param;
-  std::string name = c.workload + "_" + to_string(c.precision) + "_T" + std::to_string(c.tokens);
-  const char* routing[] = {"", "_softmax", "_grouped", "_precomputed"};
-  name += routing[static_cast<int>(c.routing)];
-  if (c.skew == Skew::skewed) name += "_skewed";
-  if (c.combine == CombineMode::fast) name += "_fast";
-  for (char& ch : name)
-    if (ch == '-') ch = '_';
-  return name;
-}
-
-// Weights, packed copy and layer for one (workload, precision); rebuilt when the key changes so
-// that only one large workload lives in memory at a time.
-struct LayerFixture {
-  MoeSpec spec;
-  ref::RandomWeights weights;
-  PackedWeights packed;
-  std::unique_ptr<MoeLayer> layer;
-};
-
-constexpr int kMaxTokens = 4096;
-
-MoeSpec spec_for(const Case& c, uint64_t seed) {
-  MoeSpec spec;
-  if (c.workload == "small") {
-    spec.num_experts = 16;
-    spec.top_k = 4;
-    spec.hidden = 256;
-    spec.intermediate = 256;
-  } else {
-    spec = plan::find_workload(c.workload).spec;
-  }
-  spec.precision = c.precision;
-  switch (c.routing) {
-    case RoutingKind::workload: break;
-    case RoutingKind::softmax: spec.routing = SoftmaxTopK{.renormalize = false}; break;
-    case RoutingKind::grouped: spec.routing = DeepseekGrouped{.n_group = 4, .topk_group = 2, .routed_scaling_factor = 2.5f}; break;
-    case RoutingKind::precomputed: spec.routing = Precomputed{}; break;
-  }
-  if (auto* grouped = std::get_if<DeepseekGrouped>(&spec.routing)) {
-    std::mt19937_64 engine(seed);
-    std::uniform_real_distribution<float> bias(-0.05f, 0.05f);
-    grouped->e_score_correction_bias.resize(spec.num_experts);
-    for (float& b : grouped->e_score_correction_bias) b = bias(engine);
-  }
-  return spec;
-}
-
-LayerFixture& fixture_for(const Case& c, uint64_t seed) {
-  static std::unique_ptr<LayerFixture> cached;
-  static std::string cached_key;
-  const MoeSpec spec = spec_for(c, seed);
-  std::ostringstream key;
-  key << spec;
-  if (!cached || cached_key != key.str()) {
-    cached.reset();
-    auto f = std::make_unique<LayerFixture>();
-    f->spec = spec;
-    f->weights = ref::make_random_weights(spec, seed);
-    f->packed = prepare_weights(spec, f->weights.view());
-    f->layer = std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens);
-    cached = std::move(f);
-    cached_key = key.str();
-  }
-  return *cached;
-}
-
-struct Inputs {
-  std::vector<bf16_t> x;
-  std::vector<float> logits;
-  std::vector<int32_t> ids;
-  std::vector<float> weights;
-  MoeInputs view(int tokens) const { return MoeInputs{tokens, x.data(), logits.data(), ids.data(), weights.data()}; }
-};
-
-Inputs make_inputs(test::SeededRng& rng, const MoeSpec& spec, int tokens, Skew skew) {
-  Inputs in;
-  const int E = spec.num_experts, k = spec.top_k;
-  in.x = rng.bf16_normals(static_cast<size_t>(tokens) * spec.hidden);
-  in.logits = rng.normals(static_cast<size_t>(tokens) * E);
-  if (skew == Skew::skewed) {
-    // Expert 0 wins every token; the rest of each top-k comes from 2k experts, so most get none.
-    for (int t = 0; t < tokens; ++t) {
-      in.logits[static_cast<size_t>(t) * E] += 12.0f;
-      for (int e = 1; e <= 2 * k && e < E; ++e) in.logits[static_cast<size_t>(t) * E + e] += 6.0f;
-    }
-  }
-  for (int t = 0; t < tokens; ++t) {
-    // Distinct ids: a partial Fisher-Yates shuffle of the candidates. Skewed: expert 0 first,
-    // the rest from experts 1..2k.
-    std::vector<int32_t> candidates;
-    if (skew == Skew::skewed) {
-      for (int e = 1; e <= std::min(E - 1, 2 * k); ++e) candidates.push_back(e);
-    } else {
-      for (int e = 0; e < E; ++e) candidates.push_back(e);
-    }
-    for (int j = 0; j < k; ++j) {
-      int32_t id;
-      if (skew == Skew::skewed && j == 0) {
-        id = 0;
-      } else {
-        const int offset = skew == Skew::skewed ? j - 1 : j;
-        std::swap(candidates[offset], candidates[rng.integer(offset, static_cast<int>(candidates.size()) - 1)]);
-        id = candidates[offset];
-      }
-      in.ids.push_back(id);
-      in.weights.push_back(rng.uniform(0.05f, 1.0f));
-    }
-  }
-  return in;
-}
-
-// Tokens compared with the CPU reference: routing is per token, so any subset of a call's rows is
-// a valid call of its own. Small calls are checked whole; larger ones on a random sample (always
-// with the first and last token) of as many rows as ~60 GFLOP of fp64 reference work allows, 32
-// to 256: dsv3 gets 85 rows, the other workloads 256. The device still processes every token.
-std::vector<int> reference_rows(test::SeededRng& rng, const MoeSpec& spec, int tokens) {
-  constexpr double kReferenceFlopBudget = 6e10;
-  const double flops_per_row = 2.0 * spec.top_k * 3.0 * spec.hidden * spec.intermediate;
-  const int count = std::min(tokens, std::clamp(static_cast<int>(kReferenceFlopBudget / flops_per_row), 32, 256));
-  std::vector<int> all(tokens);
-  for (int t = 0; t < tokens; ++t) all[t] = t;
-  if (count < tokens) {
-    std::swap(all[1], all[tokens - 1]);  // the last token is always in the sample, after the first
-    for (int j = 2; j < count; ++j) std::swap(all[j], all[rng.integer(j, tokens - 1)]);
-    all.resize(count);
-    std::sort(all.begin(), all.end());
-  }
-  return all;
-}
-
-// The rows of `in` (or of a device output of `width` values per token) listed in `rows`.
-template <class T>
-std::vector<T> take_rows(const std::vector<T>& values, int width, const std::vector<int>& rows) {
-  std::vector<T> out;
-  out.reserve(rows.size() * width);
-  for (int r : rows) out.insert(out.end(), values.begin() + static_cast<size_t>(r) * width,
-                                values.begin() + static_cast<size_t>(r + 1) * width);
-  return out;
-}
-
-Inputs take_rows(const Inputs& in, const MoeSpec& spec, const std::vector<int>& rows) {
-  return Inputs{take_rows(in.x, spec.hidden, rows), take_rows(in.logits, spec.num_experts, rows),
-                take_rows(in.ids, spec.top_k, rows), take_rows(in.weights, spec.top_k, rows)};
-}
-
-struct Comparison {
-  double rel_l2;
-  double max_normalized;  // max |d - r| / (|r| + rms(r))
-  long non_finite;
-};
-
-Comparison compare(const std::vector<bf16_t>& device, const std::vector<double>& reference) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < reference.size(); ++i) norm += reference[i] * reference[i];
-  const double rms = std::sqrt(norm / reference.size());
-  Comparison c{0, 0, 0};
-  for (size_t i = 0; i < reference.size(); ++i) {
-    const double d = device[i].to_float();
-    if (!std::isfinite(d)) {
-      ++c.non_finite;
-      continue;
-    }
-    diff += (d - reference[i]) * (d - reference[i]);
-    c.max_normalized = std::max(c.max_normalized, std::fabs(d - reference[i]) / (std::fabs(reference[i]) + rms));
-  }
-  c.rel_l2 = std::sqrt(diff / std::max(norm, 1e-300));
-  return c;
-}
-
-std::vector<bf16_t> run_device(MoeLayer& layer, const MoeSpec& spec, const Inputs& in, int tokens, CombineMode mode) {
-  test::DeviceBuffer<bf16_t> x(in.x.size()), y(static_cast<size_t>(tokens) * spec.hidden);
-  test::DeviceBuffer<float> logits(in.logits.size()), weights(in.weights.size());
-  test::DeviceBuffer<int32_t> ids(in.ids.size());
-  x.upload(in.x);
-  logits.upload(in.logits);
-  ids.upload(in.ids);
-  weights.upload(in.weights);
-  y.poison();
-  layer.forward(nullptr, MoeInputs{tokens, x.get(), logits.get(), ids.get(), weights.get()}, MoeOutputs{y.get()}, mode);
-  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
-  return y.download();
-}
+using test::Case;
+using test::Comparison;
+using test::Inputs;
+using test::kMaxTokens;
+using test::LayerFixture;
+using test::RoutingKind;
+using test::Skew;
+using test::compare;
+using test::fixture_for;
+using test::make_inputs;
+using test::name_of;
+using test::reference_rows;
+using test::run_device;
+using test::spec_for;
+using test::take_rows;
 
 // Tight bounds against the quantization-emulating reference. bf16: the device accumulates in fp32
 // and rounds y to bf16 (2^-9 relative). fp8_block adds requantization noise: the FC1 output the
@@ -332,26 +153,25 @@ TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   cudaStreamDestroy(stream);
 }
 
-// Layers on the fixture's packed weights for up to `max_tokens` tokens, one built under each value
-// of an environment switch the layer reads when it is built, and what they give for the same
-// inputs: the same y bit for bit.
-void expect_same_output_under(const char* variable, std::initializer_list<const char*> values,
-                              std::initializer_list<int> token_counts, int max_tokens = kMaxTokens) {
+// Layers on the fixture's packed weights for up to `max_tokens` tokens, one built with each of
+// `variants`, and what they give for the same inputs: the same y bit for bit.
+void expect_same_output_under(std::initializer_list<MoeLayerOptions> variants, std::initializer_list<int> token_counts,
+                              int max_tokens = kMaxTokens) {
   test::SeededRng rng;
   const Case workload{"qwen35-a3b", Precision::fp8_block, 1, RoutingKind::workload, Skew::uniform,
                       CombineMode::deterministic};
   LayerFixture& f = fixture_for(workload, rng.seed());
   std::vector<std::unique_ptr<MoeLayer>> layers;
-  for (const char* value : values) {
-    ASSERT_EQ(setenv(variable, value, 1), 0);
-    layers.push_back(std::make_unique<MoeLayer>(f.spec, f.packed, max_tokens));
+  for (const MoeLayerOptions& options : variants) {
+    layers.push_back(std::make_unique<MoeLayer>(f.spec, f.packed, max_tokens, options));
   }
-  unsetenv(variable);
   for (int tokens : token_counts) {
     const Inputs in = make_inputs(rng, f.spec, tokens, workload.skew);
     const std::vector<bf16_t> first = run_device(*layers[0], f.spec, in, tokens, CombineMode::deterministic);
     for (size_t v = 1; v < layers.size(); ++v) {
-      SCOPED_TRACE(std::to_string(tokens) + " tokens, " + variable + "=" + *(values.begin() + v));
+      std::ostringstream trace;
+      trace << tokens << " tokens, " << layers[v]->options() << " against " << layers[0]->options();
+      SCOPED_TRACE(trace.str());
       const std::vector<bf16_t> other = run_device(*layers[v], f.spec, in, tokens, CombineMode::deterministic);
       EXPECT_EQ(std::memcmp(first.data(), other.data(), first.size() * sizeof(bf16_t)), 0);
     }
@@ -363,7 +183,8 @@ void expect_same_output_under(const char* variable, std::initializer_list<const 
 // for bit. 2048 tokens forces the copy onto full 64-row tiles, which the planner never gives it.
 TEST(MoeLayer, TokenRowCopyMatchesThePoolBitForBit) {
   MEGAMOE_REQUIRE_HOPPER();
-  expect_same_output_under("MEGAMOE_FC1_ROW_COPY", {"0", "1"}, {7, 128, 2048});
+  expect_same_output_under({{.fc1_token_rows = Fc1TokenRows::pool}, {.fc1_token_rows = Fc1TokenRows::row_copy}},
+                           {7, 128, 2048});
 }
 
 // A token's output element is the same sums in the same order whatever the token tile: the tile
@@ -372,59 +193,138 @@ TEST(MoeLayer, TokenRowCopyMatchesThePoolBitForBit) {
 // tokens plans 16-token tiles, so the wider ones need the workspace padded for them.
 TEST(MoeLayer, TokenTileLeavesTheOutputUnchangedBitForBit) {
   MEGAMOE_REQUIRE_HOPPER();
-  expect_same_output_under("MEGAMOE_TOKEN_TILE", {"16", "32", "64"}, {7, 128, 1000});
-  expect_same_output_under("MEGAMOE_TOKEN_TILE", {"16", "32", "64"}, {7, 128}, 128);
+  expect_same_output_under({{.token_tile = 16}, {.token_tile = 32}, {.token_tile = 64}}, {7, 128, 1000});
+  expect_same_output_under({{.token_tile = 16}, {.token_tile = 32}, {.token_tile = 64}}, {7, 128}, 128);
 }
 
-// A mistyped override must not quietly run the planner's own choice.
-TEST(MoeLayer, UnsupportedOverridesAreRefused) {
+// A grid of fewer CTAs than SMs claims the same tiles, more of them per CTA: the same output.
+TEST(MoeLayer, FewerSmsLeaveTheOutputUnchangedBitForBit) {
+  MEGAMOE_REQUIRE_HOPPER();
+  expect_same_output_under({{}, {.num_sms = 1}, {.num_sms = 7}, {.num_sms = 64}}, {1, 128, 1000});
+}
+
+// Options a layer cannot take are refused when it is built, naming the field.
+TEST(MoeLayer, UnsupportedOptionsAreRefused) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
   LayerFixture& f = fixture_for(c, rng.seed());
-  const std::pair<const char*, const char*> overrides[] = {
-      {"MEGAMOE_TOKEN_TILE", "48"}, {"MEGAMOE_FC1_ROW_COPY", "yes"}, {"MEGAMOE_FC1_ROW_COPY", ""}};
-  for (const auto& [name, value] : overrides) {
-    ASSERT_EQ(setenv(name, value, 1), 0);
+  const std::pair<MoeLayerOptions, const char*> refused[] = {{{.token_tile = 48}, "options.token_tile"},
+                                                             {{.num_sms = -2}, "options.num_sms"}};
+  for (const auto& [options, field] : refused) {
     try {
-      MoeLayer layer(f.spec, f.packed, kMaxTokens);
-      ADD_FAILURE() << "a layer was built with " << name << "='" << value << "'";
+      MoeLayer layer(f.spec, f.packed, kMaxTokens, options);
+      ADD_FAILURE() << "a layer was built with " << options;
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
     }
-    unsetenv(name);
   }
 }
 
-// A layer re-routed with set_routing computes what a layer built with that routing computes, bit
-// for bit, and a routing the kernels cannot hold is refused without changing the layer's.
-TEST(MoeLayer, SetRoutingMatchesALayerBuiltWithThatRouting) {
+// The plan a layer describes is the one its forward launches, with the options in it.
+TEST(MoeLayer, DescribesThePlanItLaunches) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
+  LayerFixture& f = fixture_for(c, rng.seed());
+  MoeLayer layer(f.spec, f.packed, kMaxTokens, {.token_tile = 32, .num_sms = 20});
+  const std::string plan = layer.describe_plan(7, CombineMode::fast);
+  for (const char* part : {"token tile 32", "grid 20", "combine fast", "options.token_tile"}) {
+    EXPECT_NE(plan.find(part), std::string::npos) << part << " in\n" << plan;
+  }
+  EXPECT_THROW(layer.describe_plan(0), Error);
+  EXPECT_THROW(layer.describe_plan(kMaxTokens + 1), Error);
+}
+
+// A call routed by its own inputs.routing computes what a layer built with that routing computes,
+// bit for bit; a routing the kernels cannot hold is refused; and nothing of it stays with the
+// layer: the next call without one routes with the spec's again.
+TEST(MoeLayer, PerCallRoutingMatchesALayerBuiltWithThatRouting) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case softmax{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
   const Case grouped{"small", Precision::fp8_block, 7, RoutingKind::grouped, Skew::uniform, CombineMode::deterministic};
   const MoeSpec grouped_spec = spec_for(grouped, rng.seed());
   LayerFixture& f = fixture_for(softmax, rng.seed());
-  MoeLayer rerouted(f.spec, f.packed, kMaxTokens);
+  MoeLayer layer(f.spec, f.packed, kMaxTokens);
   MoeLayer built(grouped_spec, f.packed, kMaxTokens);
-  rerouted.set_routing(grouped_spec.routing);
   const Inputs in = make_inputs(rng, f.spec, 100, Skew::uniform);
   const std::vector<bf16_t> expected = run_device(built, grouped_spec, in, 100, CombineMode::deterministic);
-  const std::vector<bf16_t> actual = run_device(rerouted, grouped_spec, in, 100, CombineMode::deterministic);
+  const std::vector<bf16_t> actual =
+      run_device(layer, f.spec, in, 100, CombineMode::deterministic, &grouped_spec.routing);
   EXPECT_EQ(std::memcmp(expected.data(), actual.data(), expected.size() * sizeof(bf16_t)), 0);
 
   DeepseekGrouped too_many_groups = std::get<DeepseekGrouped>(grouped_spec.routing);
   too_many_groups.n_group = 5;  // 16 experts do not split into 5 groups
-  EXPECT_THROW(rerouted.set_routing(too_many_groups), Error);
-  const std::vector<bf16_t> after = run_device(rerouted, grouped_spec, in, 100, CombineMode::deterministic);
-  EXPECT_EQ(std::memcmp(expected.data(), after.data(), expected.size() * sizeof(bf16_t)), 0);
+  const Routing refused = too_many_groups;
+  EXPECT_THROW(run_device(layer, f.spec, in, 100, CombineMode::deterministic, &refused), Error);
 
-  // Back to softmax: the bias of the grouped routing must not leak into it.
-  rerouted.set_routing(f.spec.routing);
+  // Without a routing of its own, the call routes with the spec's softmax: no grouped bias leaks.
   const std::vector<bf16_t> softmax_expected = run_device(*f.layer, f.spec, in, 100, CombineMode::deterministic);
-  const std::vector<bf16_t> softmax_actual = run_device(rerouted, f.spec, in, 100, CombineMode::deterministic);
+  const std::vector<bf16_t> softmax_actual = run_device(layer, f.spec, in, 100, CombineMode::deterministic);
   EXPECT_EQ(std::memcmp(softmax_expected.data(), softmax_actual.data(), softmax_expected.size() * sizeof(bf16_t)), 0);
+}
+
+// A CUDA graph replays the routing it captured: an eager call with another bias between the
+// capture and the replay does not reach into the graph (each bias has a buffer of its own). A bias
+// the layer has not seen cannot be uploaded inside a capture: refused, the capture left intact.
+TEST(MoeLayer, GraphsReplayTheRoutingTheyCaptured) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case grouped{"small", Precision::fp8_block, 7, RoutingKind::grouped, Skew::uniform, CombineMode::deterministic};
+  LayerFixture& f = fixture_for(grouped, rng.seed());
+  MoeLayer layer(f.spec, f.packed, kMaxTokens);
+  DeepseekGrouped other = std::get<DeepseekGrouped>(f.spec.routing);
+  for (float& b : other.e_score_correction_bias) b = -4.0f * b + 0.3f;  // another choice of experts
+  const Routing other_routing = other;
+  constexpr int kTokens = 64;
+  const Inputs in = make_inputs(rng, f.spec, kTokens, Skew::uniform);
+  const std::vector<bf16_t> with_spec_bias = run_device(layer, f.spec, in, kTokens, CombineMode::deterministic);
+  const std::vector<bf16_t> with_other_bias =
+      run_device(layer, f.spec, in, kTokens, CombineMode::deterministic, &other_routing);
+  ASSERT_NE(std::memcmp(with_spec_bias.data(), with_other_bias.data(), with_spec_bias.size() * sizeof(bf16_t)), 0)
+      << "the two biases must route differently for this test to mean anything";
+
+  test::DeviceBuffer<bf16_t> x(in.x.size()), y(static_cast<size_t>(kTokens) * f.spec.hidden);
+  test::DeviceBuffer<float> logits(in.logits.size());
+  x.upload(in.x);
+  logits.upload(in.logits);
+  cudaStream_t stream;
+  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const MoeInputs inputs{kTokens, x.get(), logits.get(), nullptr, nullptr};
+  cudaGraph_t graph;
+  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  layer.forward(stream, inputs, MoeOutputs{y.get()});
+  DeepseekGrouped unseen = other;
+  unseen.e_score_correction_bias[0] += 1.0f;
+  MoeInputs unseen_inputs = inputs;
+  const Routing unseen_routing = unseen;
+  unseen_inputs.routing = &unseen_routing;
+  try {
+    layer.forward(stream, unseen_inputs, MoeOutputs{y.get()});
+    ADD_FAILURE() << "a new bias was uploaded during capture";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("before capturing"), std::string::npos) << e.what();
+  }
+  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  MoeInputs eager = inputs;
+  eager.routing = &other_routing;
+  layer.forward(stream, eager, MoeOutputs{y.get()});
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  y.poison();  // on the legacy stream, which a non-blocking stream does not wait for
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<bf16_t> replayed = y.download();
+  EXPECT_EQ(std::memcmp(replayed.data(), with_spec_bias.data(), replayed.size() * sizeof(bf16_t)), 0);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 // The kernels' shared-memory limits belong to each device: a process that spreads a model's layers

@@ -17,6 +17,12 @@ MoeSpec workload(const std::string& name, Precision precision) {
   return spec;
 }
 
+// The plan of a forward of `tokens` rows in a layer for `max_tokens`, with `options`.
+ForwardPlan forward_plan(const MoeSpec& spec, int tokens, int max_tokens, const MoeLayerOptions& options = {},
+                         const DeviceFacts& facts = DeviceFacts::h200_measured()) {
+  return plan_forward(spec, plan_layer(spec, max_tokens, options, facts), tokens, options.combine, facts);
+}
+
 TEST(Planner, SwapAbWithTokenTileCoveringRowsPerExpert) {
   const DeviceFacts h200 = DeviceFacts::h200_measured();
   for (const Workload& w : named_workloads()) {
@@ -24,7 +30,7 @@ TEST(Planner, SwapAbWithTokenTileCoveringRowsPerExpert) {
       MoeSpec spec = w.spec;
       spec.precision = precision;
       for (int tokens : kTokenBuckets) {
-        const MoePlan plan = plan_moe(spec, tokens, 8192, h200);
+        const ForwardPlan plan = forward_plan(spec, tokens, 8192);
         SCOPED_TRACE(w.name + " tokens=" + std::to_string(tokens));
         for (const GemmConfig* c : {&plan.fc1, &plan.fc2}) {
           EXPECT_TRUE(c->swap_ab);
@@ -44,7 +50,7 @@ TEST(Planner, SwapAbWithTokenTileCoveringRowsPerExpert) {
 }
 
 TEST(Planner, OneTokenTouchesTopKExpertsWithOneRowEach) {
-  const MoePlan plan = plan_moe(workload("qwen35-a3b", Precision::fp8_block), 1, 128, DeviceFacts::h200_measured());
+  const ForwardPlan plan = forward_plan(workload("qwen35-a3b", Precision::fp8_block), 1, 128);
   EXPECT_EQ(plan.expected_rows_per_expert, 1);
   EXPECT_TRUE(plan.fc1.swap_ab);
   EXPECT_EQ(plan.fc1.token_tile, 16);
@@ -52,7 +58,7 @@ TEST(Planner, OneTokenTouchesTopKExpertsWithOneRowEach) {
 }
 
 TEST(Planner, LargeBatchesTakeTheWidestTokenTile) {
-  const MoePlan plan = plan_moe(workload("dsv3", Precision::fp8_block), 8192, 8192, DeviceFacts::h200_measured());
+  const ForwardPlan plan = forward_plan(workload("dsv3", Precision::fp8_block), 8192, 8192);
   EXPECT_EQ(plan.expected_rows_per_expert, 256);
   EXPECT_EQ(plan.fc1.token_tile, 64);
   EXPECT_EQ(plan.fc1.expected_tiles, 256 * (2 * 2048 / 256) * (256 / 64));
@@ -80,7 +86,7 @@ TEST(Planner, WorkspacePaddingCoversTheTileOfEveryCallUpToCapacity) {
   for (const Workload& w : named_workloads()) specs.push_back(w.spec);
   for (const MoeSpec& spec : specs) {
     for (int max_tokens : {1, 3, 16, 100, 1000, 4096, 8192}) {
-      const layout::MoeWorkspaceLayout workspace = plan_moe(spec, max_tokens, max_tokens, h200).workspace;
+      const layout::MoeWorkspaceLayout workspace = plan_layer(spec, max_tokens, {}, h200).workspace;
       for (int tokens = 1; tokens <= max_tokens; tokens += 1 + tokens / 8) {
         SCOPED_TRACE("E=" + std::to_string(spec.num_experts) + " max_tokens=" + std::to_string(max_tokens) +
                      " tokens=" + std::to_string(tokens));
@@ -93,21 +99,85 @@ TEST(Planner, WorkspacePaddingCoversTheTileOfEveryCallUpToCapacity) {
 TEST(Planner, IsDeterministicAndPrintable) {
   const MoeSpec spec = workload("qwen3-30b-a3b", Precision::bf16);
   std::ostringstream a, b;
-  a << plan_moe(spec, 128, 2048, DeviceFacts::h200_measured());
-  b << plan_moe(spec, 128, 2048, DeviceFacts::h200_measured());
+  a << forward_plan(spec, 128, 2048);
+  b << forward_plan(spec, 128, 2048);
   EXPECT_EQ(a.str(), b.str());
   EXPECT_NE(a.str().find("swapAB"), std::string::npos);
+  EXPECT_NE(a.str().find("token tile 16"), std::string::npos) << a.str();
+}
+
+// A forward launches the decisions alone; the explained plan that is printed must carry the
+// same ones.
+TEST(Planner, TheExplainedPlanHoldsTheLaunchedDecisions) {
+  const DeviceFacts h200 = DeviceFacts::h200_measured();
+  for (const Workload& w : named_workloads()) {
+    MoeSpec spec = w.spec;
+    spec.precision = Precision::fp8_block;
+    const LayerPlan layer = plan_layer(spec, 8192, {}, h200);
+    for (int tokens : {1, 7, 128, 1000, 4096, 8192}) {
+      for (CombineMode combine : {CombineMode::deterministic, CombineMode::fast}) {
+        const ForwardPlan launched = plan_forward(spec, layer, tokens, combine, h200, PlanDetail::decisions);
+        const ForwardPlan printed = plan_forward(spec, layer, tokens, combine, h200, PlanDetail::explained);
+        EXPECT_TRUE(launched.reasons.empty() && launched.fc1.reasons.empty());
+        EXPECT_FALSE(printed.reasons.empty() || printed.fc1.reasons.empty());
+        EXPECT_EQ(launched.token_tile, printed.token_tile);
+        EXPECT_EQ(launched.fc1_copies_token_rows, printed.fc1_copies_token_rows);
+        EXPECT_EQ(launched.combine, printed.combine);
+        EXPECT_EQ(launched.grid, printed.grid);
+        EXPECT_EQ(launched.fc1.stages, printed.fc1.stages);
+        EXPECT_EQ(launched.fc2.stages, printed.fc2.stages);
+      }
+    }
+  }
+}
+
+// Options replace the planner's choices, and the plan says so.
+TEST(Planner, OptionsReplaceThePlannersChoices) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  const ForwardPlan planner = forward_plan(spec, 2048, 8192);
+  EXPECT_EQ(planner.token_tile, 64);
+  EXPECT_FALSE(planner.fc1_copies_token_rows);
+  EXPECT_EQ(planner.grid, 132);
+
+  const MoeLayerOptions options{.token_tile = 16, .fc1_token_rows = Fc1TokenRows::row_copy,
+                                .combine = CombineMode::fast, .num_sms = 100};
+  const ForwardPlan chosen = forward_plan(spec, 2048, 8192, options);
+  EXPECT_EQ(chosen.token_tile, 16);
+  EXPECT_TRUE(chosen.fc1_copies_token_rows);
+  EXPECT_EQ(chosen.combine, CombineMode::fast);
+  EXPECT_EQ(chosen.grid, 100);
+  std::ostringstream os;
+  os << chosen;
+  for (const char* reason : {"options.token_tile", "options.fc1_token_rows=row_copy", "options.num_sms", "combine fast"}) {
+    EXPECT_NE(os.str().find(reason), std::string::npos) << reason << " in\n" << os.str();
+  }
+  EXPECT_FALSE(forward_plan(spec, 1, 8192, {.fc1_token_rows = Fc1TokenRows::pool}).fc1_copies_token_rows);
+  EXPECT_EQ(forward_plan(spec, 1, 8192, {.num_sms = 1000}).grid, 132) << "never more CTAs than SMs";
+}
+
+// A layer whose option fixes the token tile pads its pool for that tile, not the planner's.
+TEST(Planner, AFixedTokenTilePadsTheWorkspaceForIt) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  const DeviceFacts h200 = DeviceFacts::h200_measured();
+  EXPECT_EQ(plan_layer(spec, 128, {}, h200).workspace.row_padding, 16);
+  EXPECT_EQ(plan_layer(spec, 128, {.token_tile = 64}, h200).workspace.row_padding, 64);
+  EXPECT_EQ(forward_plan(spec, 100, 128, {.token_tile = 64}).token_tile, 64);
 }
 
 TEST(Planner, RejectsImpossibleRequests) {
   const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
-  DeviceFacts tiny = DeviceFacts::h200_measured();
+  const DeviceFacts h200 = DeviceFacts::h200_measured();
+  DeviceFacts tiny = h200;
   tiny.smem_per_block_optin = 40 * 1024;
-  EXPECT_THROW(plan_moe(spec, 4096, 8192, tiny), Error);
-  EXPECT_THROW(plan_moe(spec, 0, 8, DeviceFacts::h200_measured()), Error);
-  EXPECT_THROW(plan_moe(spec, 9, 8, DeviceFacts::h200_measured()), Error);
+  EXPECT_THROW(plan_layer(spec, 8192, {}, tiny), Error);
+  const LayerPlan layer = plan_layer(spec, 8, {}, h200);
+  EXPECT_THROW(plan_forward(spec, layer, 0, CombineMode::deterministic, h200), Error);
+  EXPECT_THROW(plan_forward(spec, layer, 9, CombineMode::deterministic, h200), Error);
+  EXPECT_THROW(plan_layer(spec, 0, {}, h200), Error);
+  EXPECT_THROW(plan_layer(spec, (1 << 24) + 1, {}, h200), Error);
+  EXPECT_THROW(plan_layer(spec, 8, {.token_tile = 48}, h200), Error);
   DeviceFacts none;
-  EXPECT_THROW(plan_moe(spec, 1, 8, none), Error);
+  EXPECT_THROW(plan_layer(spec, 8, {}, none), Error);
 }
 
 TEST(Floors, OneTokenStreamsExactlyTopKExperts) {
@@ -132,16 +202,6 @@ TEST(Floors, ExpectedTouchedExpertsMatchesTheClosedForm) {
   EXPECT_NEAR(f128.floor_us, 190, 10);
   const Floors big = expected_floors(workload("dsv3", Precision::fp8_block), 8192, DeviceFacts::h200_measured());
   EXPECT_STREQ(big.bound, "compute");
-}
-
-TEST(Floors, RoutedFloorsCountDistinctValidExperts) {
-  const MoeSpec spec = workload("qwen35-a3b", Precision::bf16);
-  std::vector<int32_t> ids = {0, 1, 2, 3, 4, 5, 6, 7,  // token 0
-                              0, 1, 2, 3, -1, 300, 9, 9};  // token 1: -1 unused, 300 invalid, 9 twice
-  const Floors f = routed_floors(spec, ids.data(), 2, DeviceFacts::h200_measured());
-  EXPECT_EQ(f.touched_experts, 9);
-  EXPECT_EQ(f.routed_rows, 8 + 5);
-  EXPECT_NEAR(f.weight_bytes, 9 * 3.0 * 2048 * 512 * 2, 1e-3);
 }
 
 // The token tile holds the mean rows per touched expert plus their spread (planner.hpp): uniform

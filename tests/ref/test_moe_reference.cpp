@@ -9,8 +9,8 @@
 #include "common/test_random.hpp"
 #include "megamoe/error.hpp"
 #include "kernels/layout/weight_layout.hpp"
-#include "ref/fp8_codec.hpp"
-#include "ref/quantize.hpp"
+#include "quant/fp8_codec.hpp"
+#include "quant/quantize.hpp"
 
 namespace megamoe::ref {
 namespace {
@@ -66,7 +66,7 @@ double packed_element(const PackedWeights& packed, const std::vector<uint8_t>& c
   }
   const size_t expert = matrix_offset / (static_cast<size_t>(rows) * cols);
   const float scale = scales[(expert * (rows / 128) + row / 128) * (cols / 128) + col / 128];
-  return double(e4m3_decode(codes[i])) * scale;
+  return double(quant::e4m3_decode(codes[i])) * scale;
 }
 
 // Naive per-token loop: for each token and slot, decode the weights it needs straight from the
@@ -87,8 +87,8 @@ std::vector<double> naive_forward(const Problem& p, const PackedWeights& packed,
     for (int h = 0; h < H; ++h) xt[h] = p.x[t * H + h].to_float();
     std::vector<double> a(xt.begin(), xt.end());
     if (s.precision == Precision::fp8_block) {
-      const QuantizedRows q = quantize_rows_per_128(xt.data(), 1, H, s.scale_format);
-      a = dequantize_rows_per_128(q.codes.data(), q.scales.data(), 1, H);
+      const quant::QuantizedRows q = quant::quantize_rows_per_128(xt.data(), 1, H, s.scale_format);
+      a = quant::dequantize_rows_per_128(q.codes.data(), q.scales.data(), 1, H);
     }
     for (int j = 0; j < k; ++j) {
       const int e = routing.ids[t * k + j];
@@ -104,8 +104,8 @@ std::vector<double> naive_forward(const Problem& p, const PackedWeights& packed,
       }
       std::vector<double> hd(h.begin(), h.end());
       if (s.precision == Precision::fp8_block) {
-        const QuantizedRows q = quantize_rows_per_128(h.data(), 1, I, s.scale_format);
-        hd = dequantize_rows_per_128(q.codes.data(), q.scales.data(), 1, I);
+        const quant::QuantizedRows q = quant::quantize_rows_per_128(h.data(), 1, I, s.scale_format);
+        hd = quant::dequantize_rows_per_128(q.codes.data(), q.scales.data(), 1, I);
       } else {
         for (double& v : hd) v = bf16_t::from_float(static_cast<float>(v)).to_float();
       }

@@ -153,5 +153,19 @@ TEST(CheckRouting, ClassifiesUnusedAndInvalidIds) {
   EXPECT_EQ(check.used, (std::vector<uint8_t>{1, 0, 0, 0, 1, 1, 1, 0}));
 }
 
+TEST(RoutedFloors, CountDistinctValidExperts) {
+  MoeSpec spec;
+  spec.num_experts = 256;
+  spec.top_k = 8;
+  spec.hidden = 2048;
+  spec.intermediate = 512;
+  std::vector<int32_t> ids = {0, 1, 2, 3, 4, 5, 6, 7,      // token 0
+                              0, 1, 2, 3, -1, 300, 9, 9};  // token 1: -1 unused, 300 invalid, 9 twice
+  const plan::Floors f = routed_floors(spec, ids.data(), 2, plan::DeviceFacts::h200_measured());
+  EXPECT_EQ(f.touched_experts, 9);
+  EXPECT_EQ(f.routed_rows, 8 + 5);
+  EXPECT_NEAR(f.weight_bytes, 9 * 3.0 * 2048 * 512 * 2, 1e-3);
+}
+
 }  // namespace
 }  // namespace megamoe::ref

@@ -26,8 +26,14 @@ struct GemmArguments {
 };
 
 template <class Config>
-void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t stream) {
+void launch_gemm(const MoeLayerParams& f, const MoeLaunchChoices& c, const GemmArguments& g, int planned_stages,
+                 cudaStream_t stream) {
   using Element = typename Config::Element;
+  if (planned_stages != Config::kStages) {
+    throw Error(ErrorCode::unsupported, "internal: the plan has " + std::to_string(planned_stages) +
+                                            " stages where the kernel was built with " +
+                                            std::to_string(Config::kStages) + " (planner and kernel disagree)");
+  }
   const layout::MoeWorkspaceLayout& w = f.workspace_layout;
   const int pool_rows = static_cast<int>(w.pool_rows);
   Tensor weights = make_tensor(make_gmem_ptr(static_cast<const Element*>(g.weights)),
@@ -90,30 +96,34 @@ void launch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t
 
   constexpr auto kernel = &sm90_grouped_gemm_swapab_kernel<Config, Params>;
   allow_dynamic_smem<kernel>(Config::kSmemBytes);
-  launch_overlapping_previous(kernel, f.grid, Config::kThreads, Config::kSmemBytes, stream,
+  launch_overlapping_previous(kernel, c.grid, Config::kThreads, Config::kSmemBytes, stream,
                               "sm90_grouped_gemm_swapab_kernel", p);
 }
 
 template <class Element, GemmOp kOp, bool kCopiesRows>
-void dispatch_token_tile(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t stream) {
-  switch (f.token_tile) {
-    case 16: return launch_gemm<GroupedGemmConfig<Element, 16, kOp, kCopiesRows>>(f, g, stream);
-    case 32: return launch_gemm<GroupedGemmConfig<Element, 32, kOp, kCopiesRows>>(f, g, stream);
-    case 64: return launch_gemm<GroupedGemmConfig<Element, 64, kOp, kCopiesRows>>(f, g, stream);
-    default: throw Error(ErrorCode::unsupported, "token tile must be 16, 32 or 64");
+void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, const GemmArguments& g, int stages,
+                         cudaStream_t stream) {
+  switch (c.token_tile) {
+    case 16: return launch_gemm<GroupedGemmConfig<Element, 16, kOp, kCopiesRows>>(f, c, g, stages, stream);
+    case 32: return launch_gemm<GroupedGemmConfig<Element, 32, kOp, kCopiesRows>>(f, c, g, stages, stream);
+    case 64: return launch_gemm<GroupedGemmConfig<Element, 64, kOp, kCopiesRows>>(f, c, g, stages, stream);
+    default: throw Error(ErrorCode::unsupported, "internal: token tile must be 16, 32 or 64");
   }
 }
 
 template <GemmOp kOp>
-void dispatch_gemm(const MoeForwardLaunch& f, const GemmArguments& g, cudaStream_t stream) {
+void dispatch_gemm(const MoeLayerParams& f, const MoeLaunchChoices& c, const GemmArguments& g, int stages,
+                   cudaStream_t stream) {
   // fp8 FC1 may copy its rows from x's quantized copy (the gather's rows_by_token).
   if constexpr (kOp == GemmOp::fc1_swiglu) {
-    if (f.fc1_copies_token_rows) return dispatch_token_tile<cutlass::float_e4m3_t, kOp, true>(f, g, stream);
+    if (c.fc1_copies_token_rows) {
+      return dispatch_token_tile<cutlass::float_e4m3_t, kOp, true>(f, c, g, stages, stream);
+    }
   }
   if (f.fp8) {
-    dispatch_token_tile<cutlass::float_e4m3_t, kOp, false>(f, g, stream);
+    dispatch_token_tile<cutlass::float_e4m3_t, kOp, false>(f, c, g, stages, stream);
   } else {
-    dispatch_token_tile<cutlass::bfloat16_t, kOp, false>(f, g, stream);
+    dispatch_token_tile<cutlass::bfloat16_t, kOp, false>(f, c, g, stages, stream);
   }
 }
 
@@ -121,35 +131,36 @@ int blocks_for(long threads, int block) { return static_cast<int>((threads + blo
 
 }  // namespace
 
-void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
+void launch_moe_forward(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call,
+                        cudaStream_t stream) {
   const layout::MoeWorkspaceLayout& w = f.workspace_layout;
-  const int T = f.num_tokens;
+  const int T = call.num_tokens;
   if (T == 0) return;
-  if (f.fc1_copies_token_rows && !f.fp8) {
+  if (c.fc1_copies_token_rows && !f.fp8) {
     throw Error(ErrorCode::unsupported, "internal: FC1 copies token rows from the fp8 copy of x only");
   }
   void* ws = f.workspace;
   RoutingParams routing{};
   routing.num_tokens = T;
-  routing.num_valid_tokens = f.num_valid_tokens;
+  routing.num_valid_tokens = call.num_valid_tokens;
   routing.num_experts = f.num_experts;
   routing.top_k = f.top_k;
-  routing.mode = static_cast<RoutingMode>(f.routing_mode);
+  routing.mode = f.routing_mode;
   routing.renormalize = f.renormalize;
   routing.n_group = f.n_group;
   routing.topk_group = f.topk_group;
   routing.routed_scaling_factor = f.routed_scaling_factor;
   routing.bias = f.bias;
-  routing.logits = f.router_logits;
-  routing.topk_ids = f.topk_ids;
-  routing.topk_weights = f.topk_weights;
+  routing.logits = call.router_logits;
+  routing.topk_ids = call.topk_ids;
+  routing.topk_weights = call.topk_weights;
   // The routing counters are zero on entry (the workspace starts zeroed and the router's last
   // block clears them), so no memset node sits before the router and every kernel overlaps the
   // previous one's launch through programmatic dependent launch.
   routing.expert_counts = w.at<int32_t>(ws, w.expert_counts);
   routing.blocks_done = w.at<uint32_t>(ws, w.routing_blocks_done);
   routing.expert_rows = w.at<int32_t>(ws, w.expert_rows);
-  routing.token_tile_rows = f.token_tile;
+  routing.token_tile_rows = c.token_tile;
   routing.expert_offsets = w.at<int32_t>(ws, w.expert_offsets);
   routing.token_tile_prefix = w.at<int32_t>(ws, w.token_tile_prefix);
   routing.token_tile_expert = w.at<int32_t>(ws, w.token_tile_expert);
@@ -157,7 +168,7 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
   routing.routed_weights = w.at<float>(ws, w.routed_weights);
   routing.slot_rank = w.at<int32_t>(ws, w.slot_rank);
   routing.error_flags = w.at<int32_t>(ws, w.error_flags);
-  routing.y_accumulator = f.deterministic ? nullptr : w.at<float>(ws, w.y_accumulator);
+  routing.y_accumulator = c.deterministic ? nullptr : w.at<float>(ws, w.y_accumulator);
   routing.hidden = f.hidden;
   routing.gemm = GemmTileCounters{w.at<uint32_t>(ws, w.gemm_tiles_claimed), w.at<uint32_t>(ws, w.fc1_tiles_done)};
   // For the most experts the router takes, once per device.
@@ -167,17 +178,17 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
 
   GatherParams gather{};
   gather.num_tokens = T;
-  gather.num_valid_tokens = f.num_valid_tokens;
+  gather.num_valid_tokens = call.num_valid_tokens;
   gather.top_k = f.top_k;
   gather.hidden = f.hidden;
   gather.pool_rows = static_cast<int>(w.pool_rows);
   gather.ue8m0 = f.ue8m0;
-  gather.x = static_cast<const __nv_bfloat16*>(f.x);
+  gather.x = static_cast<const __nv_bfloat16*>(call.x);
   gather.routed_ids = routing.routed_ids;
   gather.slot_rank = routing.slot_rank;
   gather.expert_offsets = routing.expert_offsets;
   gather.pool_slot = w.at<int32_t>(ws, w.pool_slot);
-  gather.rows_by_token = f.fc1_copies_token_rows;  // FC1 copies its rows (see dispatch_gemm)
+  gather.rows_by_token = c.fc1_copies_token_rows;  // FC1 copies its rows (see dispatch_gemm)
   gather.activations = w.at<void>(ws, w.activations);
   gather.activation_scales = w.at<float>(ws, w.activation_scales);
   launch_overlapping_previous(f.fp8 ? gather_quantize_kernel<true> : gather_quantize_kernel<false>,
@@ -185,28 +196,28 @@ void launch_moe_forward(const MoeForwardLaunch& f, cudaStream_t stream) {
 
   const GemmArguments fc1{f.w13, f.w13_scales, 2 * f.intermediate, f.hidden, gather.activations, gather.activation_scales,
                           f.intermediate, w.at<void>(ws, w.fc1_output), w.at<float>(ws, w.fc1_scales)};
-  dispatch_gemm<GemmOp::fc1_swiglu>(f, fc1, stream);
+  dispatch_gemm<GemmOp::fc1_swiglu>(f, c, fc1, c.fc1_stages, stream);
 
   const GemmArguments fc2{f.w2, f.w2_scales, f.hidden, f.intermediate, fc1.out, fc1.out_scales,
                           f.hidden, w.at<void>(ws, w.slot_outputs), nullptr};
-  if (f.deterministic) {
-    dispatch_gemm<GemmOp::fc2_slot_store>(f, fc2, stream);
+  if (c.deterministic) {
+    dispatch_gemm<GemmOp::fc2_slot_store>(f, c, fc2, c.fc2_stages, stream);
   } else {
-    dispatch_gemm<GemmOp::fc2_atomic_combine>(f, fc2, stream);
+    dispatch_gemm<GemmOp::fc2_atomic_combine>(f, c, fc2, c.fc2_stages, stream);
   }
 
   CombineParams combine{};
   combine.num_tokens = T;
-  combine.num_valid_tokens = f.num_valid_tokens;
+  combine.num_valid_tokens = call.num_valid_tokens;
   combine.top_k = f.top_k;
   combine.hidden = f.hidden;
   combine.routed_ids = routing.routed_ids;
   combine.routed_weights = routing.routed_weights;
   combine.slot_outputs = w.at<__nv_bfloat16>(ws, w.slot_outputs);
   combine.y_accumulator = w.at<float>(ws, w.y_accumulator);
-  combine.y = static_cast<__nv_bfloat16*>(f.y);
+  combine.y = static_cast<__nv_bfloat16*>(call.y);
   const int combine_blocks = blocks_for(static_cast<long>(T) * (f.hidden / 8), 256);
-  launch_overlapping_previous(f.deterministic ? combine_kernel<true> : combine_kernel<false>, combine_blocks, 256, 0,
+  launch_overlapping_previous(c.deterministic ? combine_kernel<true> : combine_kernel<false>, combine_blocks, 256, 0,
                               stream, "combine_kernel", combine);
 }
 

@@ -9,36 +9,25 @@
 #include <cstdint>
 
 #include "kernels/layout/moe_workspace.hpp"
+#include "kernels/routing/routing_limits.hpp"
 
 namespace megamoe::kernels {
 
-struct MoeForwardLaunch {
-  // Shapes and modes.
-  int num_tokens;
-  const int32_t* num_valid_tokens;  // device count of real rows, or null
+// A layer as the kernels take it: its shapes, precision and routing from the spec, and its device
+// buffers. Built once, when the layer is built (and again when its routing changes).
+struct MoeLayerParams {
   int num_experts;
   int top_k;
   int hidden;
   int intermediate;
   bool fp8;
   bool ue8m0;
-  int token_tile;             // 16, 32 or 64
-  bool fc1_copies_token_rows; // fp8: the gather writes a row per token, FC1 copies its rows from it
-  bool deterministic;         // slot store + ordered combine, else atomic combine
-  int grid;                   // persistent CTAs of the GEMMs
-  // Routing.
-  int routing_mode;           // kernels::RoutingMode
+  RoutingMode routing_mode;
   bool renormalize;
   int n_group;
   int topk_group;
   float routed_scaling_factor;
-  const float* bias;          // device [E] or null
-  // Buffers (device).
-  const void* x;
-  const float* router_logits;
-  const int32_t* topk_ids;
-  const float* topk_weights;
-  void* y;
+  const float* bias;          // device [E] or null (deepseek_grouped)
   const void* w13;            // packed [E, 2I, H]
   const float* w13_scales;    // [E, 2I/128, H/128]
   const void* w2;             // [E, H, I]
@@ -47,6 +36,30 @@ struct MoeForwardLaunch {
   layout::MoeWorkspaceLayout workspace_layout;
 };
 
-void launch_moe_forward(const MoeForwardLaunch& launch, cudaStream_t stream);
+// The planner's decisions for one forward (plan::ForwardPlan), which the launch follows. The
+// stage counts are the plan's; the launcher refuses a plan whose counts differ from those of the
+// kernels it instantiates, so that the printed plan cannot drift from the launched one.
+struct MoeLaunchChoices {
+  int token_tile;              // 16, 32 or 64
+  bool fc1_copies_token_rows;  // fp8: the gather writes a row per token, FC1 copies its rows from it
+  bool deterministic;          // slot store + ordered combine, else atomic combine
+  int grid;                    // persistent CTAs of the GEMMs
+  int fc1_stages;
+  int fc2_stages;
+};
+
+// One call's buffers (device).
+struct MoeCall {
+  int num_tokens;
+  const int32_t* num_valid_tokens;  // device count of real rows, or null
+  const void* x;
+  const float* router_logits;
+  const int32_t* topk_ids;
+  const float* topk_weights;
+  void* y;
+};
+
+void launch_moe_forward(const MoeLayerParams& layer, const MoeLaunchChoices& choices, const MoeCall& call,
+                        cudaStream_t stream);
 
 }  // namespace megamoe::kernels

@@ -28,8 +28,6 @@
 
 namespace megamoe::kernels {
 
-enum class RoutingMode : int { softmax_topk = 0, deepseek_grouped = 1, precomputed = 2 };
-
 struct RoutingParams {
   int num_tokens;
   const int32_t* num_valid_tokens;  // device count, or null: all num_tokens rows are real

@@ -57,11 +57,12 @@ TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
 TEST(MoeWorkspaceLayout, PlannerSizesThePoolForTheWidestTileUpToCapacity) {
   MoeSpec spec = plan::find_workload("qwen35-a3b").spec;
   spec.precision = Precision::fp8_block;
-  const plan::MoePlan small = plan::plan_moe(spec, 1, 8192, plan::DeviceFacts::h200_measured());
-  const plan::MoePlan large = plan::plan_moe(spec, 8192, 8192, plan::DeviceFacts::h200_measured());
-  EXPECT_EQ(small.workspace.total_bytes, large.workspace.total_bytes)
-      << "one allocation must serve every token count up to capacity";
-  EXPECT_GE(small.workspace.row_padding, large.fc1.token_tile);
+  const plan::DeviceFacts h200 = plan::DeviceFacts::h200_measured();
+  const plan::LayerPlan layer = plan::plan_layer(spec, 8192, {}, h200);
+  for (int tokens : {1, 100, 1000, 8192}) {
+    const plan::ForwardPlan forward = plan::plan_forward(spec, layer, tokens, CombineMode::deterministic, h200);
+    EXPECT_GE(layer.workspace.row_padding, forward.token_tile) << "one allocation must serve every token count";
+  }
 }
 
 }  // namespace

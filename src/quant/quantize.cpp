@@ -1,11 +1,11 @@
-#include "ref/quantize.hpp"
+#include "quant/quantize.hpp"
 
 #include <algorithm>
 #include <cmath>
 
-#include "ref/fp8_codec.hpp"
+#include "quant/fp8_codec.hpp"
 
-namespace megamoe::ref {
+namespace megamoe::quant {
 
 float quantize_block(const float* values, int count, long stride, ScaleFormat format,
                      uint8_t* codes) {
@@ -68,4 +68,4 @@ std::vector<double> dequantize_rows_per_128(const uint8_t* codes, const float* s
   return out;
 }
 
-}  // namespace megamoe::ref
+}  // namespace megamoe::quant

@@ -9,8 +9,8 @@
 #include "kernels/layout/weight_layout.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/weights.hpp"
-#include "ref/fp8_codec.hpp"
-#include "ref/quantize.hpp"
+#include "quant/fp8_codec.hpp"
+#include "quant/quantize.hpp"
 
 namespace megamoe {
 namespace {
@@ -118,11 +118,11 @@ Fp8Checkpoint make_checkpoint(test::SeededRng& rng, int E, int H, int I) {
     for (int e = 0; e < E; ++e) {
       std::vector<float> original = rng.normals(count, 0.05f);
       original[rng.integer(0, static_cast<int>(count) - 1)] = 0.9f;  // blocks with different scales
-      ref::quantize_blocks_128x128(original.data(), rows, cols, ScaleFormat::fp32, codes.data() + e * count,
+      quant::quantize_blocks_128x128(original.data(), rows, cols, ScaleFormat::fp32, codes.data() + e * count,
                                    scales.data() + e * blocks);
       for (size_t i = 0; i < count; ++i) {
         const int block = static_cast<int>((i / cols) / 128 * (cols / 128) + (i % cols) / 128);
-        values[e * count + i] = ref::e4m3_decode(codes[e * count + i]) * scales[e * blocks + block];
+        values[e * count + i] = quant::e4m3_decode(codes[e * count + i]) * scales[e * blocks + block];
       }
     }
   };
@@ -167,7 +167,7 @@ TEST(PrepareWeights, Fp8CheckpointInput) {
 // of 128, which per-row scales, unlike blocks, allow (a bf16 layer takes multiples of 64).
 TEST(PrepareWeights, Fp8CheckpointWithRowScales) {
   test::SeededRng rng;
-  for (const auto [precision, format, I] : {std::tuple{Precision::fp8_block, ScaleFormat::fp32, 128},
+  for (const auto& [precision, format, I] : {std::tuple{Precision::fp8_block, ScaleFormat::fp32, 128},
                                             std::tuple{Precision::fp8_block, ScaleFormat::ue8m0, 128},
                                             std::tuple{Precision::bf16, ScaleFormat::fp32, 192}}) {
     const int E = 2, H = 256;
@@ -183,8 +183,8 @@ TEST(PrepareWeights, Fp8CheckpointWithRowScales) {
         for (int c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(in[c]));
         scales[row] = amax / 448.0f * (1.0f + static_cast<float>(row % 3));  // largest codes below 448 too
         for (int c = 0; c < cols; ++c) {
-          codes[row * cols + c] = ref::e4m3_encode(in[c] / scales[row]);
-          values[row * cols + c] = ref::e4m3_decode(codes[row * cols + c]) * scales[row];
+          codes[row * cols + c] = quant::e4m3_encode(in[c] / scales[row]);
+          values[row * cols + c] = quant::e4m3_decode(codes[row * cols + c]) * scales[row];
         }
       }
     };

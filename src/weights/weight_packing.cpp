@@ -9,10 +9,10 @@
 #include "kernels/layout/weight_layout.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/weights.hpp"
-#include "ref/fp8_codec.hpp"
-#include "ref/parallel.hpp"
-#include "ref/quantize.hpp"
-#include "ref/weight_packing.hpp"
+#include "quant/fp8_codec.hpp"
+#include "common/parallel_for.hpp"
+#include "quant/quantize.hpp"
+#include "weights/packed_decode.hpp"
 
 namespace megamoe {
 namespace {
@@ -33,11 +33,11 @@ void load_matrix(const void* base, DType dtype, const float* scales, ScaleLayout
       for (int c = 0; c < cols; ++c) dst[c] = src[c].to_float();
     } else if (layout == ScaleLayout::per_row) {
       const uint8_t* src = static_cast<const uint8_t*>(base) + first;
-      for (int c = 0; c < cols; ++c) dst[c] = ref::e4m3_decode(src[c]) * scales[r];
+      for (int c = 0; c < cols; ++c) dst[c] = quant::e4m3_decode(src[c]) * scales[r];
     } else {
       const uint8_t* src = static_cast<const uint8_t*>(base) + first;
-      const float* row_scales = scales + static_cast<size_t>(r / ref::kQuantBlock) * (cols / ref::kQuantBlock);
-      for (int c = 0; c < cols; ++c) dst[c] = ref::e4m3_decode(src[c]) * row_scales[c / ref::kQuantBlock];
+      const float* row_scales = scales + static_cast<size_t>(r / quant::kQuantBlock) * (cols / quant::kQuantBlock);
+      for (int c = 0; c < cols; ++c) dst[c] = quant::e4m3_decode(src[c]) * row_scales[c / quant::kQuantBlock];
     }
   }
 }
@@ -45,14 +45,14 @@ void load_matrix(const void* base, DType dtype, const float* scales, ScaleLayout
 // Input scales one expert's [rows, cols] matrix holds in `layout`.
 size_t matrix_scale_count(ScaleLayout layout, int rows, int cols) {
   if (layout == ScaleLayout::per_row) return static_cast<size_t>(rows);
-  return static_cast<size_t>(rows / ref::kQuantBlock) * (cols / ref::kQuantBlock);
+  return static_cast<size_t>(rows / quant::kQuantBlock) * (cols / quant::kQuantBlock);
 }
 
 // Packs one row-major matrix into `codes` (bf16 bits or E4M3 bytes) and, for fp8, `scales`.
 void pack_matrix(const std::vector<float>& values, int rows, int cols, const PackedWeights& packed, uint8_t* codes,
                  float* scales) {
   if (packed.precision == Precision::fp8_block) {
-    ref::quantize_blocks_128x128(values.data(), rows, cols, packed.scale_format, codes, scales);
+    quant::quantize_blocks_128x128(values.data(), rows, cols, packed.scale_format, codes, scales);
     return;
   }
   for (size_t i = 0; i < values.size(); ++i) {
@@ -63,10 +63,7 @@ void pack_matrix(const std::vector<float>& values, int rows, int cols, const Pac
 
 }  // namespace
 
-namespace ref {
-namespace {
-
-}  // namespace
+namespace weights {
 
 void decode_packed_row(const PackedWeights& packed, PackedMatrix matrix, int expert, int row, double* out) {
   const bool w13 = matrix == PackedMatrix::w13;
@@ -82,13 +79,16 @@ void decode_packed_row(const PackedWeights& packed, PackedMatrix matrix, int exp
     }
     return;
   }
+  using quant::kQuantBlock;
   const int block_cols = cols / kQuantBlock;
   const float* row_scales = (w13 ? packed.w13_scales : packed.w2_scales).data() +
                             (static_cast<size_t>(expert) * (rows / kQuantBlock) + row / kQuantBlock) * block_cols;
-  for (int c = 0; c < cols; ++c) out[c] = e4m3_decode(codes[first + c]) * static_cast<double>(row_scales[c / kQuantBlock]);
+  for (int c = 0; c < cols; ++c) {
+    out[c] = quant::e4m3_decode(codes[first + c]) * static_cast<double>(row_scales[c / kQuantBlock]);
+  }
 }
 
-}  // namespace ref
+}  // namespace weights
 
 void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed) {
   if (packed.num_experts != spec.num_experts || packed.hidden != spec.hidden ||
@@ -131,7 +131,7 @@ size_t PackedWeightsView::w2_bytes() const { return w13_bytes() / 2; }
 
 size_t PackedWeightsView::w13_scale_count() const {
   if (precision != Precision::fp8_block) return 0;
-  return 2ull * num_experts * (intermediate / ref::kQuantBlock) * (hidden / ref::kQuantBlock);
+  return 2ull * num_experts * (intermediate / quant::kQuantBlock) * (hidden / quant::kQuantBlock);
 }
 
 size_t PackedWeightsView::w2_scale_count() const { return w13_scale_count() / 2; }
@@ -156,7 +156,7 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
     for (auto [name, scales, layout, rows, cols] :
          {std::tuple{"w13_scales", weights.w13_scales, weights.w13_scale_layout, 2 * I, H},
           std::tuple{"w2_scales", weights.w2_scales, weights.w2_scale_layout, H, I}}) {
-      if (layout == ScaleLayout::block_128x128 && (rows % ref::kQuantBlock != 0 || cols % ref::kQuantBlock != 0)) {
+      if (layout == ScaleLayout::block_128x128 && (rows % quant::kQuantBlock != 0 || cols % quant::kQuantBlock != 0)) {
         throw Error(ErrorCode::invalid_argument, std::string("weights.") + name + " come in 128x128 blocks: hidden=" +
                                                      std::to_string(H) + " and intermediate=" + std::to_string(I) +
                                                      " must be multiples of 128 (or pass scales per row)");
@@ -185,14 +185,14 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
   const bool fp8 = packed.precision == Precision::fp8_block;
   packed.w13.resize(E * w13_count * packed.element_bytes());
   packed.w2.resize(E * w2_count * packed.element_bytes());
-  const size_t w13_scale_count = fp8 ? w13_count / (ref::kQuantBlock * ref::kQuantBlock) : 0;
-  const size_t w2_scale_count = fp8 ? w2_count / (ref::kQuantBlock * ref::kQuantBlock) : 0;
+  const size_t w13_scale_count = fp8 ? w13_count / (quant::kQuantBlock * quant::kQuantBlock) : 0;
+  const size_t w2_scale_count = fp8 ? w2_count / (quant::kQuantBlock * quant::kQuantBlock) : 0;
   packed.w13_scales.resize(E * w13_scale_count);
   packed.w2_scales.resize(E * w2_scale_count);
 
   std::mutex progress_mutex;
   int done = 0;
-  ref::parallel_for(E, [&](int e) {
+  parallel_for(E, [&](int e) {
     // Reused across the experts a thread packs: fresh buffers would fault in new pages each time.
     thread_local std::vector<float> scratch;
     // Input scales of this expert (fp8_e4m3).
@@ -216,7 +216,7 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
   return packed;
 }
 
-namespace ref {
+namespace weights {
 
 ExpertMatrices decode_expert(const PackedWeights& packed, int expert) {
   const int H = packed.hidden, I = packed.intermediate;
@@ -233,12 +233,12 @@ ExpertMatrices decode_expert(const PackedWeights& packed, int expert) {
   return out;
 }
 
-}  // namespace ref
+}  // namespace weights
 
 DequantizedWeights unpack_weights(const PackedWeights& packed) {
   DequantizedWeights out;
   for (int e = 0; e < packed.num_experts; ++e) {
-    const ref::ExpertMatrices expert = ref::decode_expert(packed, e);
+    const weights::ExpertMatrices expert = weights::decode_expert(packed, e);
     out.w13.insert(out.w13.end(), expert.w13.begin(), expert.w13.end());
     out.w2.insert(out.w2.end(), expert.w2.begin(), expert.w2.end());
   }

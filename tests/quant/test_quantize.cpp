@@ -1,13 +1,13 @@
-#include "ref/quantize.hpp"
+#include "quant/quantize.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 
 #include "common/test_random.hpp"
-#include "ref/fp8_codec.hpp"
+#include "quant/fp8_codec.hpp"
 
-namespace megamoe::ref {
+namespace megamoe::quant {
 namespace {
 
 // Largest error round-to-nearest E4M3 may make on |v| <= 448 after scaling: half a mantissa step
@@ -99,4 +99,4 @@ TEST(QuantizeBlocks128x128, OneScalePerBlockRowMajor) {
 }
 
 }  // namespace
-}  // namespace megamoe::ref
+}  // namespace megamoe::quant

@@ -1,4 +1,4 @@
-#include "ref/fp8_codec.hpp"
+#include "quant/fp8_codec.hpp"
 
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 
 #include "common/test_random.hpp"
 
-namespace megamoe::ref {
+namespace megamoe::quant {
 namespace {
 
 TEST(E4M3, HandCheckedCodes) {
@@ -123,4 +123,4 @@ TEST(BlockScale, Fp32AndUe8m0Rules) {
 }
 
 }  // namespace
-}  // namespace megamoe::ref
+}  // namespace megamoe::quant

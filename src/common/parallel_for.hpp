@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-namespace megamoe::ref {
+namespace megamoe {
 
 template <class Fn>
 void parallel_for(int count, Fn&& fn) {
@@ -35,4 +35,4 @@ void parallel_for(int count, Fn&& fn) {
   if (failure) std::rethrow_exception(failure);
 }
 
-}  // namespace megamoe::ref
+}  // namespace megamoe

@@ -1,11 +1,11 @@
-#include "ref/fp8_codec.hpp"
+#include "quant/fp8_codec.hpp"
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
 
-namespace megamoe::ref {
+namespace megamoe::quant {
 namespace {
 
 constexpr int kExponentBias = 7;
@@ -79,4 +79,4 @@ BlockScale block_scale(float amax, ScaleFormat format) {
   return {clamped / kE4M3Max, kE4M3Max / clamped};
 }
 
-}  // namespace megamoe::ref
+}  // namespace megamoe::quant

@@ -6,7 +6,7 @@
 
 #include "megamoe/spec.hpp"
 
-namespace megamoe::ref {
+namespace megamoe::quant {
 
 inline constexpr float kE4M3Max = 448.0f;
 // Blocks whose absolute maximum is below this are scaled as if it were this value, so a block of
@@ -32,4 +32,4 @@ struct BlockScale {
 };
 BlockScale block_scale(float amax, ScaleFormat format);
 
-}  // namespace megamoe::ref
+}  // namespace megamoe::quant

@@ -7,7 +7,7 @@
 
 #include "megamoe/spec.hpp"
 
-namespace megamoe::ref {
+namespace megamoe::quant {
 
 inline constexpr int kQuantBlock = 128;
 
@@ -33,4 +33,4 @@ void quantize_blocks_128x128(const float* values, int rows, int cols, ScaleForma
 std::vector<double> dequantize_rows_per_128(const uint8_t* codes, const float* scales, int rows,
                                             int cols);
 
-}  // namespace megamoe::ref
+}  // namespace megamoe::quant

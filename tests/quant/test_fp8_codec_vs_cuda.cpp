@@ -7,9 +7,9 @@
 #include <cstring>
 
 #include "common/test_random.hpp"
-#include "ref/fp8_codec.hpp"
+#include "quant/fp8_codec.hpp"
 
-namespace megamoe::ref {
+namespace megamoe::quant {
 namespace {
 
 uint8_t nvidia_encode(float value) {
@@ -61,4 +61,4 @@ TEST(E4M3VsCuda, EncodesMidpointsAndRandomFloatsIdentically) {
 }
 
 }  // namespace
-}  // namespace megamoe::ref
+}  // namespace megamoe::quant

@@ -5,7 +5,7 @@
 
 #include "megamoe/weights.hpp"
 
-namespace megamoe::ref {
+namespace megamoe::weights {
 
 // One expert's weights in the original vLLM order (w13 [2I, H] gate rows then up rows,
 // w2 [H, I]); fp8 values are decode(code) * scale, exact in double.
@@ -20,4 +20,4 @@ ExpertMatrices decode_expert(const PackedWeights& packed, int expert);
 enum class PackedMatrix { w13, w2 };
 void decode_packed_row(const PackedWeights& packed, PackedMatrix matrix, int expert, int row, double* out);
 
-}  // namespace megamoe::ref
+}  // namespace megamoe::weights

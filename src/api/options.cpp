@@ -1,0 +1,61 @@
+// MoeLayerOptions validation and printing.
+#include "megamoe/options.hpp"
+
+#include <ostream>
+#include <string>
+
+#include "megamoe/error.hpp"
+
+namespace megamoe {
+
+void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
+  if (options.token_tile != 0 && options.token_tile != 16 && options.token_tile != 32 && options.token_tile != 64) {
+    throw Error(ErrorCode::invalid_argument, "options.token_tile=" + std::to_string(options.token_tile) +
+                                                 " must be 16, 32 or 64 (or 0: the planner's choice per call)");
+  }
+  if (options.fc1_token_rows == Fc1TokenRows::row_copy && spec.precision != Precision::fp8_block) {
+    throw Error(ErrorCode::invalid_argument,
+                std::string("options.fc1_token_rows=row_copy copies x's fp8 rows: it needs precision fp8_block, not ") +
+                    to_string(spec.precision));
+  }
+  if (options.num_sms < 0) {
+    throw Error(ErrorCode::invalid_argument, "options.num_sms=" + std::to_string(options.num_sms) +
+                                                 " must be >= 0 (0: every SM of the device)");
+  }
+}
+
+void validate_max_tokens(long long max_tokens) {
+  if (max_tokens < 1 || max_tokens > kMaxLayerTokens) {
+    throw Error(ErrorCode::invalid_argument, "max_tokens=" + std::to_string(max_tokens) + " must be in [1, " +
+                                                 std::to_string(kMaxLayerTokens) + "]");
+  }
+}
+
+const char* to_string(CombineMode mode) { return mode == CombineMode::fast ? "fast" : "deterministic"; }
+
+const char* to_string(Fc1TokenRows rows) {
+  switch (rows) {
+    case Fc1TokenRows::automatic: return "auto";
+    case Fc1TokenRows::pool: return "pool";
+    case Fc1TokenRows::row_copy: return "row_copy";
+  }
+  return "?";
+}
+
+std::ostream& operator<<(std::ostream& os, const MoeLayerOptions& o) {
+  os << "MoeLayerOptions{token_tile=";
+  if (o.token_tile == 0) {
+    os << "auto";
+  } else {
+    os << o.token_tile;
+  }
+  os << ", fc1_token_rows=" << to_string(o.fc1_token_rows) << ", combine=" << to_string(o.combine) << ", num_sms=";
+  if (o.num_sms == 0) {
+    os << "all";
+  } else {
+    os << o.num_sms;
+  }
+  return os << "}";
+}
+
+}  // namespace megamoe

@@ -1,0 +1,77 @@
+#include "megamoe/options.hpp"
+
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+
+#include "megamoe/error.hpp"
+
+namespace megamoe {
+namespace {
+
+MoeSpec spec_of(Precision precision) {
+  MoeSpec spec;
+  spec.num_experts = 16;
+  spec.top_k = 4;
+  spec.hidden = 256;
+  spec.intermediate = 128;
+  spec.precision = precision;
+  return spec;
+}
+
+// The message of the invalid_argument error `options` gets, or "" when they are valid.
+std::string rejection(const MoeLayerOptions& options, Precision precision = Precision::fp8_block) {
+  try {
+    validate(options, spec_of(precision));
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Options, DefaultsLeaveEveryChoiceToThePlanner) {
+  const MoeLayerOptions o;
+  EXPECT_EQ(o.token_tile, 0);
+  EXPECT_EQ(o.fc1_token_rows, Fc1TokenRows::automatic);
+  EXPECT_EQ(o.combine, CombineMode::deterministic);
+  EXPECT_EQ(o.num_sms, 0);
+  EXPECT_EQ(rejection(o), "");
+  EXPECT_EQ(rejection(o, Precision::bf16), "");
+}
+
+TEST(Options, TokenTileTakesTheKernelsTilesOnly) {
+  for (int tile : {16, 32, 64}) EXPECT_EQ(rejection({.token_tile = tile}), "") << tile;
+  for (int tile : {-16, 1, 8, 48, 128}) {
+    const std::string message = rejection({.token_tile = tile});
+    EXPECT_NE(message.find("options.token_tile=" + std::to_string(tile) + " must be 16, 32 or 64"), std::string::npos)
+        << message;
+  }
+}
+
+TEST(Options, RowCopyNeedsFp8) {
+  EXPECT_EQ(rejection({.fc1_token_rows = Fc1TokenRows::row_copy}), "");
+  EXPECT_EQ(rejection({.fc1_token_rows = Fc1TokenRows::pool}, Precision::bf16), "");
+  const std::string message = rejection({.fc1_token_rows = Fc1TokenRows::row_copy}, Precision::bf16);
+  EXPECT_NE(message.find("needs precision fp8_block"), std::string::npos) << message;
+}
+
+TEST(Options, NumSmsIsACountOrZero) {
+  EXPECT_EQ(rejection({.num_sms = 1}), "");
+  EXPECT_EQ(rejection({.num_sms = 100000}), "") << "more than the device has means all of them";
+  EXPECT_NE(rejection({.num_sms = -1}).find("options.num_sms=-1"), std::string::npos);
+}
+
+TEST(Options, PrintEveryField) {
+  std::ostringstream os;
+  os << MoeLayerOptions{.token_tile = 32, .fc1_token_rows = Fc1TokenRows::pool, .combine = CombineMode::fast,
+                        .num_sms = 100};
+  EXPECT_EQ(os.str(), "MoeLayerOptions{token_tile=32, fc1_token_rows=pool, combine=fast, num_sms=100}");
+  std::ostringstream defaults;
+  defaults << MoeLayerOptions{};
+  EXPECT_EQ(defaults.str(), "MoeLayerOptions{token_tile=auto, fc1_token_rows=auto, combine=deterministic, num_sms=all}");
+}
+
+}  // namespace
+}  // namespace megamoe
