@@ -169,12 +169,18 @@ else
     if [ "$deps_missing" != - ]; then
       if [[ $deps_python == "$deps_venv"/* ]]; then
         deps_venv_tools=$deps_missing  # ours: completed below
-      elif [[ ,$deps_missing, == *,pytest,* ]]; then
-        # shellcheck disable=SC2034  # read by test.sh
-        deps_suites_note="no pytest in $deps_python (nothing is installed into it: pip install pytest there to run them)"
-        deps_say "$deps_python lacks ${deps_missing//,/, }: the Python suites (pytest) do not run"
       else
-        deps_say "$deps_python lacks ${deps_missing//,/, }: the cases that need them skip"
+        deps_lacking=${deps_missing//,/ }
+        deps_lacking=${deps_lacking//_/-}  # pip's names
+        if [[ ,$deps_missing, == *,pytest,* ]]; then
+          # shellcheck disable=SC2034  # read by test.sh
+          deps_suites_note="no pytest in $deps_python (nothing is installed into it: pip install pytest there to run them)"
+          deps_say "$deps_python lacks $deps_lacking: the Python suites (pytest) do not run; nothing is installed" \
+            "into it (pip install $deps_lacking there to run them)"
+        else
+          deps_say "$deps_python lacks $deps_lacking: the cases that need them skip; nothing is installed into it" \
+            "(pip install $deps_lacking there to run them)"
+        fi
       fi
     fi
   elif [ "$deps_mode" = ON ]; then

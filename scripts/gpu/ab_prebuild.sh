@@ -9,12 +9,15 @@
 # MEGAMOE_AB_PREBUILT=.ab-prebuilt: each variant whose sources still hash the same takes its
 # binaries instead of building them there.
 #   MEGAMOE_AB_TARGETS="..." scripts/gpu/ab_prebuild.sh CHANGE.patch|flags:ARGS ...
+# shellcheck source-path=SCRIPTDIR
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: ab_prebuild.sh CHANGE.patch|flags:ARGS ..."; exit 2; }
+# shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 log=$out/ab_prebuild.log
+# shellcheck source=gpu_variants.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_variants.sh"
-targets=(${MEGAMOE_AB_TARGETS:-megamoe-bench test_api_moe_layer})
+read -ra targets <<<"${MEGAMOE_AB_TARGETS:-megamoe-bench test_api_moe_layer}"
 prebuilt=$root/.ab-prebuilt
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/ab-prebuild.XXXXXX") || exit 1
 trap 'rm -rf "$scratch"' EXIT
@@ -33,7 +36,8 @@ for v in "${!names[@]}"; do
   done
   source_hash "${roots[$v]}" >"$staging/${names[$v]}/source_hash"
 done
-mkdir -p "$prebuilt" && tar -cJf "$prebuilt/variants.tar.xz" -C "$staging" $(ls "$staging") || exit 1
-echo "$(du -h "$prebuilt/variants.tar.xz" | cut -f1) in $prebuilt/variants.tar.xz ($(ls "$staging" | xargs): ${targets[*]};" \
+mapfile -t packed < <(ls "$staging")
+mkdir -p "$prebuilt" && tar -cJf "$prebuilt/variants.tar.xz" -C "$staging" "${packed[@]}" || exit 1
+echo "$(du -h "$prebuilt/variants.tar.xz" | cut -f1) in $prebuilt/variants.tar.xz (${packed[*]}: ${targets[*]};" \
   "flags: variants run A's);" \
   "carry \".ab-prebuilt\" and set MEGAMOE_AB_PREBUILT=.ab-prebuilt for gpu_ab.sh / gpu2_ab.sh with the same patches"

@@ -6,10 +6,13 @@
 # tokens per rank (default 128,4096), the variants in turn for MEGAMOE_AB_ROUNDS rounds (default
 # 2) so that drift affects all alike, each run writing its JSON (ep.VARIANT.rROUND.json) next to
 # ab2.log in $OUT. MEGAMOE_AB_EP_ARGS adds arguments to every bench run (e.g. --timeline).
+# shellcheck source-path=SCRIPTDIR
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: gpu2_ab.sh CHANGE.patch|flags:--OPTION[=VALUE][,...] ..."; exit 2; }
+# shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 log=$out/ab2.log
+# shellcheck source=gpu_variants.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_variants.sh"
 build_variants "megamoe-run megamoe-ep-bench comm_ep_layer_rank" "$@"
 

@@ -3,7 +3,9 @@
 # carried: builds, then runs the expert-parallel suites (CTest label gpu2) under megamoe-run, and
 # the single-GPU layer on every GPU of one process.
 # NVLink multicast stays off (megamoe-run sets NCCL_NVLS_ENABLE=0 and friends in every rank).
+# shellcheck source-path=SCRIPTDIR
 set -uo pipefail
+# shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 nvidia-smi topo -m | tee "$out/topology.txt"
 gpu_build "$out/build2.log" || exit 1

@@ -13,16 +13,19 @@
 # (a gtest filter of the layer suite), every patch variant also runs those GPU tests, so that a
 # wrong variant shows before a full gpu_check.sh is spent on it (a flags: variant runs A's tests,
 # whose options are its own).
+# shellcheck source-path=SCRIPTDIR
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: gpu_ab.sh CHANGE.patch|flags:--OPTION[=VALUE][,...] ..."; exit 2; }
+# shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 log=$out/ab.log
 precision=${MEGAMOE_AB_PRECISION:-fp8_block}
 
+# shellcheck source=gpu_variants.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_variants.sh"
-targets=megamoe-bench
-[ -n "${MEGAMOE_AB_TESTS:-}" ] && targets+=" test_api_moe_layer"
-build_variants "$targets" "$@"
+target_list=megamoe-bench
+[ -n "${MEGAMOE_AB_TESTS:-}" ] && target_list+=" test_api_moe_layer"
+build_variants "$target_list" "$@"
 benches=()
 for v in "${!names[@]}"; do benches+=("${roots[$v]}/build-gpu/megamoe-bench"); done
 

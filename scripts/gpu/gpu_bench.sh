@@ -3,7 +3,9 @@
 # scripts/gpu/gpu_check.sh), times the forward for the token buckets of the workloads named in
 # MEGAMOE_BENCH (default: qwen35-a3b:fp8_block) and writes one JSON per workload and precision to
 # $OUT (copy them to bench/results/).
+# shellcheck source-path=SCRIPTDIR
 set -uo pipefail
+# shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 gpu_build "$out/build.log" megamoe-bench || exit 1
 status=0

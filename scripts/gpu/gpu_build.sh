@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the GPU-machine scripts (scripts/gpu/*.sh): sets root, out and build, and
 # gpu_build LOG [TARGET ...] configures and builds every target there (or only the TARGETs) from the
 # carried .deps (those machines have no network), appending to LOG; it returns non-zero (after

@@ -3,7 +3,9 @@
 # builds from the carried CUTLASS and GoogleTest copies (that machine has no network), runs every
 # test suite with the GPU suites required, checks the SASS of the kernels, runs compute-sanitizer
 # over the GPU suites, and prints a short summary last. Logs go to $OUT (or ./gpu-logs).
+# shellcheck source-path=SCRIPTDIR
 set -uo pipefail
+# shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 export MEGAMOE_REQUIRE_GPU=1
 summary=()

@@ -12,7 +12,9 @@
 #     first launch of each kernel, exported per SASS line (ncu-source.csv: instructions executed and
 #     warp stall samples per line) next to the report (ncu-full.ncu-rep).
 # Writes diagnose.log and ncu.log to $OUT (or ./gpu-logs).
+# shellcheck source-path=SCRIPTDIR
 set -uo pipefail
+# shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 gpu_build "$out/build.log" megamoe-bench || exit 1
 bench=$build/megamoe-bench

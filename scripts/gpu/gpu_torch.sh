@@ -5,7 +5,9 @@
 # (default qwen35-a3b; "all" for the three), writing its JSON and plots to $OUT (copy them to
 # bench/results/, then `python3 tools/readme_table.py --write` puts them in the README). Prints a
 # short summary last.
+# shellcheck source-path=SCRIPTDIR
 set -uo pipefail
+# shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 export MEGAMOE_REQUIRE_GPU=1
 summary=()

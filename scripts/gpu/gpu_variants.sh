@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2154  # log, root: set by the sourcing script
 # Sourced by the A/B scripts (gpu_ab.sh, gpu2_ab.sh, ab_prebuild.sh) after gpu_build.sh: variant A
 # is this tree, variant B1, B2, ... a copy of it with the patch given as the 1st, 2nd, ... argument
 # applied (`git diff main > change.patch` on a checkout of main; patches travel as untracked files),
@@ -52,7 +53,8 @@ take_prebuilt() {
 }
 
 build_variants() {
-  local targets=($1)
+  local -a targets
+  read -ra targets <<<"$1"
   shift
   names=(A)
   roots=("$root")

@@ -2,6 +2,7 @@
 # scripts/gpu/gpu_variants.sh: a flags: variant is A's tree and binaries run with extra bench
 # arguments, and is never built; a patch variant is a patched copy (without A's build folders or
 # .venv), built in its own folder; a flags: argument that is not options is refused.
+# shellcheck source-path=SCRIPTDIR
 set -euo pipefail
 script=$1
 dir=$(mktemp -d)
@@ -9,6 +10,7 @@ trap 'rm -rf "$dir"' EXIT
 root=$dir/tree log=$dir/ab.log
 mkdir -p "$root/src" "$root/.venv" "$root/build-gpu" && echo 'int x;' >"$root/src/a.cpp"
 printf -- '--- a/src/a.cpp\n+++ b/src/a.cpp\n@@ -1 +1 @@\n-int x;\n+int y;\n' >"$dir/change.patch"
+# shellcheck source=../../../scripts/gpu/gpu_variants.sh
 source "$script"
 gpu_build() { echo "$root" >>"$dir/built"; }  # stands in for the build; records each tree built
 MEGAMOE_AB_SCRATCH=$dir/scratch build_variants "megamoe-bench" \
