@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -26,6 +27,7 @@
 #include "comm/rendezvous.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/layer.hpp"
+#include "megamoe/options.hpp"
 #include "megamoe/weights.hpp"
 
 namespace megamoe::torch_ops {
@@ -45,6 +47,7 @@ auto translating_errors(Fn&& fn) -> decltype(fn()) {
       case ErrorCode::misaligned_pointer:
       case ErrorCode::aliasing:
       case ErrorCode::capacity_exceeded: TORCH_CHECK_VALUE(false, e.what());
+      case ErrorCode::out_of_memory: TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
       default: TORCH_CHECK(false, e.what());
     }
   }
@@ -110,6 +113,24 @@ Registry<RegisteredEpLayer>& ep_registry() {
   return instance;
 }
 
+// An int64 argument as the int the C++ API takes: refused outside [lo, hi], never wrapped.
+int checked_int(int64_t value, const char* name, int64_t lo, int64_t hi = std::numeric_limits<int>::max()) {
+  TORCH_CHECK_VALUE(value >= lo && value <= hi, "megamoe: ", name, "=", value, " is out of range: it must be in [", lo,
+                    ", ", hi, "]");
+  return static_cast<int>(value);
+}
+
+// The CUDA device a layer goes on: `index`, or the current device for -1, refused unless this
+// process sees it.
+c10::DeviceIndex checked_device(int64_t index) {
+  const int64_t count = c10::cuda::device_count();
+  TORCH_CHECK(count > 0, "megamoe: no CUDA device is visible; the layer runs on Hopper GPUs (sm_90)");
+  if (index == -1) return c10::cuda::current_device();
+  TORCH_CHECK_VALUE(index >= 0 && index < count, "megamoe: device cuda:", index, " does not exist: this process sees ",
+                    count, " CUDA device(s) (cuda:0 to cuda:", count - 1, ")");
+  return static_cast<c10::DeviceIndex>(index);
+}
+
 Precision precision_from(const std::string& name) {
   if (name == "bf16") return Precision::bf16;
   if (name == "fp8_block") return Precision::fp8_block;
@@ -128,8 +149,8 @@ Routing routing_from(const std::string& mode, bool renormalize, int64_t n_group,
   if (mode == "precomputed") return Precomputed{};
   TORCH_CHECK_VALUE(mode == "deepseek_grouped", "megamoe: routing must be 'softmax', 'deepseek_grouped' or 'precomputed', not '",
                     mode, "'");
-  DeepseekGrouped grouped{.n_group = static_cast<int>(n_group),
-                          .topk_group = static_cast<int>(topk_group),
+  DeepseekGrouped grouped{.n_group = checked_int(n_group, "n_group", 1),
+                          .topk_group = checked_int(topk_group, "topk_group", 1),
                           .routed_scaling_factor = static_cast<float>(routed_scaling_factor),
                           .renormalize = renormalize};
   if (bias.has_value()) {
@@ -145,14 +166,30 @@ MoeSpec spec_from(int64_t num_experts, int64_t hidden, int64_t intermediate, int
                   bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                   const std::optional<at::Tensor>& bias) {
   MoeSpec spec;
-  spec.num_experts = static_cast<int>(num_experts);
-  spec.top_k = static_cast<int>(top_k);
-  spec.hidden = static_cast<int>(hidden);
-  spec.intermediate = static_cast<int>(intermediate);
+  spec.num_experts = checked_int(num_experts, "num_experts", 1);
+  spec.top_k = checked_int(top_k, "top_k", 1);
+  spec.hidden = checked_int(hidden, "hidden", 1);
+  spec.intermediate = checked_int(intermediate, "intermediate", 1);
   spec.precision = precision_from(precision);
   spec.scale_format = scale_format_from(scale_format);
   spec.routing = routing_from(routing, renormalize, n_group, topk_group, routed_scaling_factor, bias);
   return spec;
+}
+
+MoeLayerOptions options_from(int64_t token_tile, const std::string& fc1_token_rows, int64_t num_sms) {
+  MoeLayerOptions options;
+  options.token_tile = checked_int(token_tile, "token_tile", 0);
+  if (fc1_token_rows == "auto") {
+    options.fc1_token_rows = Fc1TokenRows::automatic;
+  } else if (fc1_token_rows == "pool") {
+    options.fc1_token_rows = Fc1TokenRows::pool;
+  } else {
+    TORCH_CHECK_VALUE(fc1_token_rows == "row_copy", "megamoe: fc1_token_rows must be 'auto', 'pool' or 'row_copy', not '",
+                      fc1_token_rows, "'");
+    options.fc1_token_rows = Fc1TokenRows::row_copy;
+  }
+  options.num_sms = checked_int(num_sms, "num_sms", 0);
+  return options;
 }
 
 // A host copy of `t` as `dtype`, contiguous: what prepare_weights reads.
@@ -241,15 +278,25 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
   });
 }
 
-// The spec's own checks (shapes the kernels' blocks divide, routing parameters), before weights
-// are packed anywhere.
-void check_spec(int64_t num_experts, int64_t hidden, int64_t intermediate, int64_t top_k, const std::string& precision,
-                const std::string& scale_format, const std::string& routing, bool renormalize, int64_t n_group,
-                int64_t topk_group, double routed_scaling_factor, const std::optional<at::Tensor>& bias) {
+// Every check of a layer's description (the spec's shapes and routing, max_tokens and the
+// options), before weights are packed anywhere: the one place they are made for both kinds of
+// layer. The device has its own check (checked_device, the op check_device).
+void check_layer(int64_t num_experts, int64_t hidden, int64_t intermediate, int64_t top_k,
+                 const std::string& precision, const std::string& scale_format, const std::string& routing,
+                 bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
+                 const std::optional<at::Tensor>& bias, int64_t max_tokens, int64_t token_tile,
+                 const std::string& fc1_token_rows, int64_t num_sms) {
   const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
                                  renormalize, n_group, topk_group, routed_scaling_factor, bias);
-  translating_errors([&] { validate(spec); });
+  const MoeLayerOptions options = options_from(token_tile, fc1_token_rows, num_sms);
+  translating_errors([&] {
+    validate(spec);
+    validate_max_tokens(max_tokens);
+    validate(options, spec);
+  });
 }
+
+int64_t check_device(int64_t device_index) { return checked_device(device_index); }
 
 // Packed tensors of `experts` experts of `spec`'s shapes (pack_weights' tensors, or the same bytes
 // packed on the GPU) as the view a layer copies from, their sizes checked.
@@ -285,28 +332,24 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const 
                      int64_t top_k, const std::string& precision, const std::string& scale_format,
                      const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
                      double routed_scaling_factor, const std::optional<at::Tensor>& bias, int64_t max_tokens,
-                     int64_t device_index) {
+                     int64_t token_tile, const std::string& fc1_token_rows, int64_t num_sms, int64_t device_index) {
+  check_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, routing, renormalize, n_group,
+              topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms);
   const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
                                  renormalize, n_group, topk_group, routed_scaling_factor, bias);
   const PackedWeightsView view = packed_view(spec, spec.num_experts, w13, w13_scales, w2, w2_scales);
+  const c10::DeviceIndex device = checked_device(device_index);
   return translating_errors([&] {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+    c10::cuda::CUDAGuard guard(device);
     wait_for_packing(w13);
-    RegisteredLayer entry{std::make_unique<MoeLayer>(spec, view, static_cast<int>(max_tokens)),
-                          static_cast<c10::DeviceIndex>(device_index)};
+    RegisteredLayer entry{std::make_unique<MoeLayer>(spec, view, static_cast<int>(max_tokens),
+                                                     options_from(token_tile, fc1_token_rows, num_sms)),
+                          device};
     return registry().add(std::move(entry));
   });
 }
 
 void destroy_layer(int64_t handle) { registry().remove(handle); }
-
-void set_routing(int64_t handle, const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
-                 double routed_scaling_factor, const std::optional<at::Tensor>& bias) {
-  const auto entry = registry().find(handle);
-  const Routing next = routing_from(routing, renormalize, n_group, topk_group, routed_scaling_factor, bias);
-  c10::cuda::CUDAGuard guard(entry->device);
-  translating_errors([&] { entry->layer->set_routing(next); });
-}
 
 void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t rows, int64_t columns,
                  c10::DeviceIndex device) {
@@ -322,16 +365,20 @@ void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, in
 // routing, from topk_ids [T, k] int32 (-1: not routed here) and topk_weights [T, k] fp32.
 at::Tensor forward(int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& router_logits,
                    const std::optional<at::Tensor>& topk_ids, const std::optional<at::Tensor>& topk_weights,
-                   bool deterministic) {
+                   bool deterministic, const std::string& routing_mode, bool renormalize, int64_t n_group,
+                   int64_t topk_group, double routed_scaling_factor, const std::optional<at::Tensor>& bias) {
   const auto entry = registry().find(handle);
   MoeLayer& layer = *entry->layer;
   const MoeSpec& spec = layer.spec();
+  // The call's routing travels with the call: the layer keeps none of it (a graph replays the
+  // routing it captured, and calls from several threads cannot switch each other's).
+  const Routing routing = routing_from(routing_mode, renormalize, n_group, topk_group, routed_scaling_factor, bias);
   TORCH_CHECK_VALUE(x.dim() == 2, "megamoe: x must be [tokens, hidden], got ", x.sizes());
   const int64_t T = x.size(0);
   check_input(x, "x", at::kBFloat16, T, spec.hidden, entry->device);
   TORCH_CHECK_VALUE(T <= layer.max_tokens(), "megamoe: ", T, " tokens exceed the ", layer.max_tokens(),
                     " this layer was prepared for (max_tokens)");
-  const bool precomputed = std::holds_alternative<Precomputed>(spec.routing);
+  const bool precomputed = std::holds_alternative<Precomputed>(routing);
   if (precomputed) {
     TORCH_CHECK_VALUE(topk_ids.has_value() && topk_weights.has_value() && !router_logits.has_value(),
                       "megamoe: precomputed routing takes topk_ids and topk_weights, not router_logits");
@@ -339,7 +386,7 @@ at::Tensor forward(int64_t handle, const at::Tensor& x, const std::optional<at::
     check_input(*topk_weights, "topk_weights", at::kFloat, T, spec.top_k, entry->device);
   } else {
     TORCH_CHECK_VALUE(router_logits.has_value() && !topk_ids.has_value() && !topk_weights.has_value(),
-                      "megamoe: ", to_string(spec.routing), " routing takes router_logits, not topk_ids/topk_weights");
+                      "megamoe: ", to_string(routing), " routing takes router_logits, not topk_ids/topk_weights");
     check_input(*router_logits, "router_logits", at::kFloat, T, spec.num_experts, entry->device);
   }
   at::Tensor y = at::empty({T, spec.hidden}, x.options());
@@ -348,6 +395,7 @@ at::Tensor forward(int64_t handle, const at::Tensor& x, const std::optional<at::
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(entry->device).stream();
   MoeInputs inputs;
   inputs.num_tokens = static_cast<int>(T);
+  inputs.routing = &routing;
   inputs.x = x.data_ptr();
   if (precomputed) {
     inputs.topk_ids = topk_ids->data_ptr<int32_t>();
@@ -384,23 +432,26 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
                         int64_t top_k, const std::string& precision, const std::string& scale_format,
                         int64_t max_tokens, const std::string& rendezvous_dir, int64_t rank, int64_t world_size,
                         int64_t device_index) {
-  TORCH_CHECK_VALUE(world_size >= 1 && rank >= 0 && rank < world_size, "megamoe: rank ", rank,
-                    " must be in [0, world_size=", world_size, ")");
+  check_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed", false, 1, 1, 1.0,
+              std::nullopt, max_tokens, 0, "auto", 0);
+  checked_int(world_size, "world_size", 1);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
+                    ")");
   TORCH_CHECK_VALUE(num_experts % world_size == 0, "megamoe: num_experts=", num_experts,
                     " must be a multiple of the world size ", world_size, " (each rank holds E / world experts)");
-  TORCH_CHECK_VALUE(max_tokens >= 1, "megamoe: max_tokens must be positive, not ", max_tokens);
   const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
                                  false, 1, 1, 1.0, std::nullopt);
   const PackedWeightsView view =
       packed_view(spec, static_cast<int>(num_experts / world_size), w13, w13_scales, w2, w2_scales);
+  const c10::DeviceIndex device = checked_device(device_index);
   return translating_errors([&] {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+    c10::cuda::CUDAGuard guard(device);
     wait_for_packing(w13);
     RegisteredEpLayer entry;
     entry.rendezvous =
         std::make_unique<comm::FileRendezvous>(rendezvous_dir, static_cast<int>(rank), static_cast<int>(world_size));
     entry.layer = std::make_unique<comm::EpLayer>(spec, view, static_cast<int>(max_tokens), *entry.rendezvous);
-    entry.device = static_cast<c10::DeviceIndex>(device_index);
+    entry.device = device;
     return ep_registry().add(std::move(entry));
   });
 }
@@ -447,19 +498,20 @@ TORCH_LIBRARY(megamoe, m) {
   m.def("pack_weights(Tensor w13, Tensor w2, Tensor? w13_scale, Tensor? w2_scale, str precision, str scale_format) "
         "-> Tensor[]",
         &pack_weights);
-  m.def("check_spec(int num_experts, int hidden, int intermediate, int top_k, str precision, str scale_format, "
-        "str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, Tensor? bias) -> ()",
-        &check_spec);
+  m.def("check_layer(int num_experts, int hidden, int intermediate, int top_k, str precision, str scale_format, "
+        "str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, Tensor? bias, "
+        "int max_tokens, int token_tile, str fc1_token_rows, int num_sms) -> ()",
+        &check_layer);
+  m.def("check_device(int device_index) -> int", &check_device);
   m.def("create_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "
         "int intermediate, int top_k, str precision, str scale_format, str routing, bool renormalize, int n_group, "
-        "int topk_group, float routed_scaling_factor, Tensor? bias, int max_tokens, int device_index) -> int",
+        "int topk_group, float routed_scaling_factor, Tensor? bias, int max_tokens, int token_tile, "
+        "str fc1_token_rows, int num_sms, int device_index) -> int",
         &create_layer);
   m.def("destroy_layer(int layer) -> ()", &destroy_layer);
-  m.def("set_routing(int layer, str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, "
-        "Tensor? bias) -> ()",
-        &set_routing);
   m.def("forward(int layer, Tensor x, Tensor? router_logits, Tensor? topk_ids, Tensor? topk_weights, "
-        "bool deterministic) -> Tensor");
+        "bool deterministic, str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, "
+        "Tensor? bias) -> Tensor");
   m.def("invalid_routing_ids(int layer) -> int", &invalid_routing_ids);
   m.def("workspace_bytes(int layer) -> int", &workspace_bytes);
   m.def("create_ep_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "

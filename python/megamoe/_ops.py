@@ -31,7 +31,7 @@ ops = torch.ops.megamoe
 
 
 @torch.library.register_fake("megamoe::forward")
-def _forward_fake(layer, x, router_logits, topk_ids, topk_weights, deterministic):
+def _forward_fake(layer, x, router_logits, topk_ids, topk_weights, deterministic, *routing):
     return torch.empty_like(x)
 
 

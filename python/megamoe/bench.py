@@ -9,7 +9,7 @@ the weights stream from HBM as they do between a model's layers):
     SwiGLU and an index_add_ combine;
   torch fp8: the same with torch._scaled_grouped_mm on E4M3 weights and activations with one
     scale per row (per token, per output channel).
-Floors (DESIGN.md "Measuring", measured in the same run): the touched experts' fp8 weight bytes
+Floors (docs/design.md#measuring, measured in the same run): the touched experts' fp8 weight bytes
 over the HBM read bandwidth, and the useful FLOPs over torch._scaled_mm's dense E4M3 rate; the
 larger.
 Prints a table per workload, writes bench/results/torch-<workload>.json and a log-log plot of

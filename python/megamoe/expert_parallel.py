@@ -17,8 +17,8 @@ from typing import Optional, Union
 import torch
 
 from megamoe._ops import ops
-from megamoe.layer import (LayerHandle, check_max_tokens, check_precomputed, checked_tokens, checked_weights,
-                           ids_as_int32, packed_on)
+from megamoe.layer import (LayerHandle, check_precomputed, checked_tokens, checked_weights, device_index,
+                           ids_as_int32, packed_on, require_int, require_str)
 from megamoe.routing import PrecomputedRouting, op_arguments
 
 # Layers made in this process so far: each gets its own folder under the rendezvous folder (every
@@ -124,7 +124,7 @@ def prepare_ep_weights(
     else MEGAMOE_RENDEZVOUS_DIR (megamoe-run sets it), else one rank 0 makes and torch.distributed
     broadcasts. top_k may not exceed the experts per rank.
     """
-    checked = checked_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
+    checked = checked_weights(w13, w2, w13_scale, w2_scale)
     rank, world_size = _rank_and_world(rank, world_size)
     if not isinstance(num_experts, int) or checked.num_experts * world_size != num_experts:
         raise ValueError(f"megamoe: this rank's w13 holds {checked.num_experts} experts, so num_experts must be "
@@ -133,11 +133,12 @@ def prepare_ep_weights(
     if not isinstance(top_k, int) or not 1 <= top_k <= checked.num_experts:
         raise ValueError(f"megamoe: top_k must be an int in [1, {checked.num_experts}] (the experts per rank: a "
                          f"rank runs every local expert of a token it receives), not {top_k!r}")
-    check_max_tokens(max_tokens)
-    ops.check_spec(num_experts, checked.hidden, checked.intermediate, top_k, precision, scale_format,
-                   *op_arguments(PrecomputedRouting()))
+    ops.check_layer(num_experts, checked.hidden, checked.intermediate, top_k, require_str(precision, "precision"),
+                    require_str(scale_format, "scale_format"), *op_arguments(PrecomputedRouting()),
+                    require_int(max_tokens, "max_tokens"), 0, "auto", 0)
     folder = _rendezvous_root(rendezvous_dir)
-    packed, device = packed_on(checked, precision, scale_format, device)
+    device = torch.device("cuda", ops.check_device(device_index(device)))
+    packed = packed_on(checked, precision, scale_format, device)
     global _layers_made
     layer_folder = os.path.join(folder, f"megamoe-ep-layer-{_layers_made}")
     _layers_made += 1

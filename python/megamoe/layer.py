@@ -1,8 +1,10 @@
 """prepare_weights, fused_moe and MegaMoE: megamoe's layer as PyTorch calls.
 
-Every argument is checked here, before any kernel runs: TypeError for a wrong dtype, ValueError for
-a wrong shape, device, contiguity or value. The ops check again (torch.ops.megamoe.* called
-directly get the same errors) and raise NotImplementedError for what the kernels do not support.
+Every argument is checked before any kernel runs: TypeError for a wrong dtype, ValueError for a
+wrong shape, device, contiguity or value, NotImplementedError for what the kernels do not support.
+Each check has one owner: what the ops receive, the ops check (torch.ops.megamoe.* called directly
+get the same errors, from the same code); this module checks what it needs before it calls them
+(the Python types it is given, the dtypes it converts, the weights it packs on the GPU).
 """
 
 import dataclasses
@@ -23,7 +25,7 @@ from megamoe.routing import (
 )
 
 PRECISIONS = ("bf16", "fp8_block")
-SCALE_FORMATS = ("fp32", "ue8m0")
+FC1_TOKEN_ROWS = ("auto", "pool", "row_copy")
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 _PRECOMPUTED = PrecomputedRouting()
 
@@ -88,10 +90,10 @@ class MoeWeights(LayerHandle):
 
     _pickle_hint = "; save the original weights and call prepare_weights again"
 
-    def __init__(self, *, routing: Routing, **layer):
+    def __init__(self, *, routing: Routing, options: Optional[dict] = None, **layer):
         super().__init__(**layer)
         self.routing = routing  # for calls with router_logits and no routing of their own
-        self._active_routing = routing  # what the layer routes with now (the last call's)
+        self.options = options or {}  # the planner's choices the caller fixed (prepare_weights' keywords)
 
     def _destroy(self, handle: int) -> None:
         ops.destroy_layer(handle)
@@ -105,23 +107,12 @@ class MoeWeights(LayerHandle):
         last call; they contributed nothing. Synchronizes the current stream."""
         return ops.invalid_routing_ids(self._handle)
 
-    def _route_with(self, routing: Routing) -> None:
-        if routing is self._active_routing or routing == self._active_routing:
-            return
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"megamoe: the last call routed with {self._active_routing}; switching to {routing} uploads "
-                "the new settings, which cannot happen during CUDA graph capture. Make one call with this "
-                "routing before capturing."
-            )
-        ops.set_routing(self._handle, *op_arguments(routing))
-        self._active_routing = routing
-
     def __repr__(self) -> str:
         return (
             f"MoeWeights(num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden}, "
             f"intermediate={self.intermediate}, precision={self.precision!r}, routing={self.routing}, "
-            f"max_tokens={self.max_tokens}, device={self.device})"
+            f"max_tokens={self.max_tokens}, device={self.device}"
+            + "".join(f", {name}={value!r}" for name, value in self.options.items()) + ")"
         )
 
 
@@ -137,6 +128,9 @@ def prepare_weights(
     routing: Union[Routing, str] = "softmax",
     max_tokens: int = 8192,
     device: Optional[Union[torch.device, str, int]] = None,
+    token_tile: Optional[int] = None,
+    fc1_token_rows: str = "auto",
+    num_sms: Optional[int] = None,
 ) -> MoeWeights:
     """Packs vLLM-layout expert weights for the kernels and uploads them to `device` (default: the
     current CUDA device).
@@ -153,20 +147,53 @@ def prepare_weights(
     (megamoe.packing); others on the host by the C++ packer, where a large layer reports its
     progress on stderr. Both give the same bytes. max_tokens sizes the workspace: fused_moe runs a
     larger batch as consecutive passes of max_tokens tokens.
+
+    The planner's choices stay its own unless fixed here (the output does not depend on them):
+    token_tile (16, 32 or 64 tokens per GEMM tile and expert, for every call), fc1_token_rows
+    ("pool" or "row_copy": where fp8 FC1 reads its token rows) and num_sms (at most that many
+    persistent CTAs, leaving the other SMs to work on other streams).
     """
-    checked = checked_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
-    if not isinstance(top_k, int) or not 1 <= top_k <= checked.num_experts:
-        raise ValueError(f"megamoe: top_k must be an int in [1, {checked.num_experts}], not {top_k!r}")
-    check_max_tokens(max_tokens)
+    checked = checked_weights(w13, w2, w13_scale, w2_scale)
     routing = as_routing(routing)
-    ops.check_spec(checked.num_experts, checked.hidden, checked.intermediate, top_k, precision, scale_format,
-                   *op_arguments(routing))
-    packed, device = packed_on(checked, precision, scale_format, device)
-    handle = ops.create_layer(*packed, checked.num_experts, checked.hidden, checked.intermediate, top_k, precision,
-                              scale_format, *op_arguments(routing), max_tokens, device.index)
+    options = {name: value for name, value in (("token_tile", token_tile), ("fc1_token_rows", fc1_token_rows),
+                                                ("num_sms", num_sms)) if value not in (None, "auto")}
+    layer = (checked.num_experts, checked.hidden, checked.intermediate, require_int(top_k, "top_k"),
+             require_str(precision, "precision"), require_str(scale_format, "scale_format"), *op_arguments(routing),
+             require_int(max_tokens, "max_tokens"), require_int(token_tile or 0, "token_tile"),
+             require_str(fc1_token_rows, "fc1_token_rows"), require_int(num_sms or 0, "num_sms"))
+    ops.check_layer(*layer)
+    device = torch.device("cuda", ops.check_device(device_index(device)))
+    packed = packed_on(checked, precision, scale_format, device)
+    handle = ops.create_layer(*packed, *layer, device.index)
     return MoeWeights(handle=handle, num_experts=checked.num_experts, top_k=top_k, hidden=checked.hidden,
                       intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
-                      routing=routing, max_tokens=max_tokens, device=device)
+                      routing=routing, options=options, max_tokens=max_tokens, device=device)
+
+
+def require_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"megamoe: {name} must be an int, not {type(value).__name__} {value!r}")
+    return value
+
+
+def require_str(value, name: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"megamoe: {name} must be a str, not {type(value).__name__} {value!r}")
+    return value
+
+
+def device_index(device) -> int:
+    """The index of the CUDA device `device` names (-1: the current one), for the ops to check."""
+    if device is None:
+        return -1
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"megamoe: device must be a torch.device, str or int, not {type(device).__name__}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"megamoe: device must be a CUDA device, not {device}")
+    return -1 if device.index is None else device.index
 
 
 @dataclasses.dataclass
@@ -182,8 +209,8 @@ class CheckedWeights:
     intermediate: int
 
 
-def checked_weights(w13, w2, w13_scale, w2_scale, precision: str, scale_format: str) -> CheckedWeights:
-    """prepare_weights' checks of the weights and the formats (also prepare_ep_weights')."""
+def checked_weights(w13, w2, w13_scale, w2_scale) -> CheckedWeights:
+    """prepare_weights' checks of the weights it packs (also prepare_ep_weights')."""
     require_tensor(w13, "w13", 3)
     require_tensor(w2, "w2", 3)
     if w13.dtype not in _WEIGHT_DTYPES:
@@ -212,40 +239,24 @@ def checked_weights(w13, w2, w13_scale, w2_scale, precision: str, scale_format: 
             scales[name] = packing.checkpoint_scales(scale, name, num_experts, rows, columns,
                                                      gate_up=name == "w13_scale").to(w13.device)
         w13_scale, w2_scale = scales["w13_scale"], scales["w2_scale"]
+        for name, scale in scales.items():
+            if not (torch.isfinite(scale).all() and (scale > 0).all()):
+                raise ValueError(f"megamoe: {name} holds non-finite or non-positive scales")
     elif w13_scale is not None or w2_scale is not None:
         raise ValueError(f"megamoe: weight scales go with float8_e4m3fn weights only; these are {w13.dtype}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"megamoe: precision must be one of {PRECISIONS}, not {precision!r}")
-    if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"megamoe: scale_format must be one of {SCALE_FORMATS}, not {scale_format!r}")
     return CheckedWeights(w13, w2, w13_scale, w2_scale, num_experts, hidden, intermediate)
 
 
-def check_max_tokens(max_tokens) -> None:
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"megamoe: max_tokens must be a positive int, not {max_tokens!r}")
-
-
-def packed_on(checked: CheckedWeights, precision: str, scale_format: str, device):
-    """(the packed tensors, the CUDA device they are for): the scales' values checked, then packed
-    on the GPU where the weights are, else on the host."""
-    for name, scale in (("w13_scale", checked.w13_scale), ("w2_scale", checked.w2_scale)):
-        if scale is not None and not (torch.isfinite(scale).all() and (scale > 0).all()):
-            raise ValueError(f"megamoe: {name} holds non-finite or non-positive scales")
-    if not torch.cuda.is_available():
-        raise RuntimeError("megamoe: no CUDA device is visible; the layer runs on Hopper GPUs (sm_90)")
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"megamoe: device must be a CUDA device, not {device}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+def packed_on(checked: CheckedWeights, precision: str, scale_format: str, device: torch.device):
+    """The packed tensors for `device` (checked by ops.check_device): packed on the GPU where the
+    weights are, else on the host."""
     detached = [None if t is None else t.detach() for t in
                 (checked.w13, checked.w2, checked.w13_scale, checked.w2_scale)]
     if checked.w13.is_cuda:
         # On the GPU with PyTorch (seconds for a large layer), the same bytes as the host packer.
         on_device = [None if t is None else t.to(device) for t in detached]
-        return packing.pack_weights(*on_device[:2], precision, scale_format, *on_device[2:]), device
-    return ops.pack_weights(*detached, precision, scale_format), device
+        return packing.pack_weights(*on_device[:2], precision, scale_format, *on_device[2:])
+    return ops.pack_weights(*detached, precision, scale_format)
 
 
 def check_activation(t: torch.Tensor, name: str, rows: int, columns: int, device: torch.device) -> None:
@@ -318,7 +329,11 @@ def fused_moe(
     expert_map [global E] (int) this layer's index of each, -1 for experts held elsewhere.
     deterministic=True reduces each token's k expert rows in a fixed order (the same bits every
     run); False adds them with atomics. Enqueues on the current stream without
-    host synchronization, so it can be captured in a CUDA graph and traced by torch.compile.
+    host synchronization, so it can be captured in a CUDA graph and traced by torch.compile. The
+    routing travels with each call (the weights keep none between calls), so a graph replays the
+    routing it captured; a DeepseekRouting bias the weights have not seen is uploaded on its first
+    call, which therefore cannot be inside a capture (it raises ValueError there). Calls from several
+    threads on the same weights are safe; calls on several streams must be ordered by the caller.
     """
     if not isinstance(weights, MoeWeights):
         raise TypeError(f"megamoe: weights must come from megamoe.prepare_weights, not {type(weights).__name__}")
@@ -361,9 +376,9 @@ def fused_moe(
             raise TypeError(f"megamoe: router_logits must be a floating-point tensor, not {router_logits.dtype}")
         check_activation(router_logits, "router_logits", tokens, weights.num_experts, weights.device)
         router_logits = router_logits.to(torch.float32)
-    weights._route_with(chosen)
+    routing_arguments = op_arguments(chosen)
     if tokens <= weights.max_tokens:
-        return ops.forward(weights._handle, x, router_logits, topk_ids, topk_weights, deterministic)
+        return ops.forward(weights._handle, x, router_logits, topk_ids, topk_weights, deterministic, *routing_arguments)
     # The workspace holds max_tokens tokens, so a larger batch (a long prefill) runs as consecutive
     # passes of up to max_tokens tokens on this stream, as vLLM chunks its fused_moe; a token's
     # output depends only on its own row and routing.
@@ -371,7 +386,7 @@ def fused_moe(
     for first in range(0, tokens, weights.max_tokens):
         rows = slice(first, first + weights.max_tokens)
         part = [None if t is None else t[rows] for t in (router_logits, topk_ids, topk_weights)]
-        pieces.append(ops.forward(weights._handle, x[rows], *part, deterministic))
+        pieces.append(ops.forward(weights._handle, x[rows], *part, deterministic, *routing_arguments))
     return torch.cat(pieces)
 
 
@@ -398,11 +413,15 @@ class MegaMoE(nn.Module):
         max_tokens: int = 8192,
         deterministic: bool = True,
         device: Optional[Union[torch.device, str, int]] = None,
+        token_tile: Optional[int] = None,
+        fc1_token_rows: str = "auto",
+        num_sms: Optional[int] = None,
     ):
         super().__init__()
         self.weights = prepare_weights(w13, w2, top_k=top_k, precision=precision, w13_scale=w13_scale,
                                        w2_scale=w2_scale, scale_format=scale_format, routing=routing,
-                                       max_tokens=max_tokens, device=device)
+                                       max_tokens=max_tokens, device=device, token_tile=token_tile,
+                                       fc1_token_rows=fc1_token_rows, num_sms=num_sms)
         self.deterministic = deterministic
 
     @classmethod

@@ -1,7 +1,9 @@
-"""How a token picks its experts: the routing modes of the layer, as the op arguments carry them."""
+"""How a token picks its experts: the routing modes of the layer, as the op arguments carry them.
+Each routing object computes its op arguments once, when it is made: every call passes them (the
+layer keeps no routing of its own between calls)."""
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -12,6 +14,9 @@ class SoftmaxRouting:
     weights sum to 1."""
 
     renormalize: bool = False
+
+    def __post_init__(self):
+        _set_op_arguments(self, ("softmax", bool(self.renormalize), 1, 1, 1.0, None))
 
 
 @dataclass(frozen=True)
@@ -33,12 +38,19 @@ class DeepseekRouting:
                 raise ValueError(f"megamoe: e_score_correction_bias must be 1-D [num_experts], got {tuple(bias.shape)}")
             bias = bias.detach().to("cpu", torch.float32).tolist()
         if bias is not None:
-            object.__setattr__(self, "e_score_correction_bias", tuple(float(b) for b in bias))
+            bias = tuple(float(b) for b in bias)
+            object.__setattr__(self, "e_score_correction_bias", bias)
+        _set_op_arguments(self, ("deepseek_grouped", bool(self.renormalize), self.n_group, self.topk_group,
+                                 float(self.routed_scaling_factor),
+                                 None if bias is None else torch.tensor(bias, dtype=torch.float32)))
 
 
 @dataclass(frozen=True)
 class PrecomputedRouting:
     """The caller routes: topk_ids [T, k] (-1: not routed here) and topk_weights [T, k]."""
+
+    def __post_init__(self):
+        _set_op_arguments(self, ("precomputed", False, 1, 1, 1.0, None))
 
 
 Routing = Union[SoftmaxRouting, DeepseekRouting, PrecomputedRouting]
@@ -58,16 +70,9 @@ def as_routing(routing: Union[Routing, str]) -> Routing:
 
 def op_arguments(routing: Routing) -> tuple:
     """(mode, renormalize, n_group, topk_group, routed_scaling_factor, bias) as the ops take them."""
-    if isinstance(routing, SoftmaxRouting):
-        return ("softmax", routing.renormalize, 1, 1, 1.0, None)
-    if isinstance(routing, PrecomputedRouting):
-        return ("precomputed", False, 1, 1, 1.0, None)
-    bias: Optional[Sequence[float]] = routing.e_score_correction_bias
-    return (
-        "deepseek_grouped",
-        routing.renormalize,
-        routing.n_group,
-        routing.topk_group,
-        routing.routed_scaling_factor,
-        None if bias is None else torch.tensor(bias, dtype=torch.float32),
-    )
+    return routing._op_arguments
+
+
+def _set_op_arguments(routing, arguments: tuple) -> None:
+    # Not a dataclass field: equality and hashing stay those of the routing's own fields.
+    object.__setattr__(routing, "_op_arguments", arguments)

@@ -368,6 +368,44 @@ def test_prepare_weights_checks_its_arguments():
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.zeros(4, 2, 1), w2_scale=torch.ones(4, 1, 1))
 
 
+@pytest.mark.parametrize("arguments, error, message", [
+    # Sizes the C++ layer takes as int: refused with the limit, never wrapped (2**32 + 16 was a layer of 16).
+    (dict(max_tokens=2**32 + 16), ValueError, r"max_tokens=4294967312 must be in \[1, 16777216\]"),
+    (dict(max_tokens=2**31), ValueError, r"max_tokens=2147483648 must be in \[1, 16777216\]"),
+    (dict(max_tokens=-5), ValueError, r"max_tokens=-5 must be in \[1, 16777216\]"),
+    (dict(top_k=2**32 + 2), ValueError, r"top_k=4294967298 is out of range: it must be in \[1, 2147483647\]"),
+    (dict(max_tokens=8.0), TypeError, "max_tokens must be an int"),
+    (dict(top_k=True), TypeError, "top_k must be an int"),
+    # The planner's choices a caller may fix, checked by the library's own rules.
+    (dict(token_tile=48), ValueError, "options.token_tile=48 must be 16, 32 or 64"),
+    (dict(fc1_token_rows="copy"), ValueError, "fc1_token_rows must be 'auto', 'pool' or 'row_copy'"),
+    (dict(fc1_token_rows="row_copy", precision="bf16"), ValueError, "needs precision fp8_block"),
+    (dict(num_sms=-1), ValueError, "num_sms=-1 is out of range"),
+    (dict(device="cpu"), ValueError, "device must be a CUDA device"),
+    (dict(device=3.5), TypeError, "device must be a torch.device, str or int"),
+])
+def test_prepare_weights_refuses_out_of_range_values(arguments, error, message):
+    """Runs without a GPU: the ops' checks, before anything is packed."""
+    w13 = torch.zeros(4, 256, 128, dtype=torch.bfloat16)
+    w2 = torch.zeros(4, 128, 128, dtype=torch.bfloat16)
+    arguments = dict(dict(top_k=2), **arguments)
+    with pytest.raises(error, match=message):
+        megamoe.prepare_weights(w13, w2, **arguments)
+
+
+def test_create_layer_refuses_sizes_that_would_wrap():
+    """Runs without a GPU: torch.ops.megamoe called directly checks its int64 arguments itself."""
+    empty, scales = torch.empty(0, dtype=torch.uint8), torch.empty(0)
+    spec = [4, 128, 128, 2, "bf16", "fp32", "softmax", False, 1, 1, 1.0, None]
+    with pytest.raises(ValueError, match=r"num_experts=4294967300 is out of range"):
+        torch.ops.megamoe.create_layer(empty, scales, empty, scales, 2**32 + 4, *spec[1:], 16, 0, "auto", 0, 0)
+    with pytest.raises(ValueError, match=r"max_tokens=4294967312 must be in"):
+        torch.ops.megamoe.create_layer(empty, scales, empty, scales, *spec, 2**32 + 16, 0, "auto", 0, 0)
+    with pytest.raises(ValueError, match=r"n_group=-1 is out of range"):
+        torch.ops.megamoe.check_layer(4, 128, 128, 2, "bf16", "fp32", "deepseek_grouped", True, -1, 1, 1.0, None, 16,
+                                      0, "auto", 0)
+
+
 def test_int64_ids_beyond_int32_stay_invalid():
     ids = torch.tensor([[3, -1, 2**32 + 3, -(2**32) + 5, 2**31, 7]])
     assert ids_as_int32(ids).tolist() == [[3, -1, -2, -2, -2, 7]]
@@ -421,15 +459,14 @@ def stand_in_layer(monkeypatch, passes):
 
     from megamoe import layer
 
-    def forward(handle, x, router_logits, topk_ids, topk_weights, deterministic):
+    def forward(handle, x, router_logits, topk_ids, topk_weights, deterministic, *routing):
+        assert routing[0] == ("softmax" if router_logits is not None else "precomputed")
         routing = router_logits if router_logits is not None else topk_weights + topk_ids
         assert x.shape[0] == routing.shape[0] <= 8 and x.is_contiguous() and routing.is_contiguous()
         passes.append(x.shape[0])
         return x + routing[:, :1].to(x.dtype)
 
-    # Precomputed ids re-route the layer (set_routing), which first asks whether a capture runs.
-    monkeypatch.setattr(layer, "ops", types.SimpleNamespace(forward=forward, set_routing=lambda *args: None))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(layer, "ops", types.SimpleNamespace(forward=forward))
     return megamoe.MoeWeights(handle=None, num_experts=4, top_k=2, hidden=128, intermediate=128,
                               precision="bf16", scale_format="fp32", routing=megamoe.SoftmaxRouting(),
                               max_tokens=8, device=torch.device("cpu"))
@@ -471,5 +508,6 @@ def test_forward_has_a_fake_implementation():
 
     with FakeTensorMode():
         x = torch.empty(5, 128, dtype=torch.bfloat16, device="cuda")
-        y = torch.ops.megamoe.forward(-1, x, torch.empty(5, 16, device="cuda"), None, None, True)
+        y = torch.ops.megamoe.forward(-1, x, torch.empty(5, 16, device="cuda"), None, None, True,
+                                      *megamoe.routing.op_arguments(megamoe.SoftmaxRouting()))
     assert y.shape == x.shape and y.dtype == torch.bfloat16 and y.device == x.device
