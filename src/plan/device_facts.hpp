@@ -22,9 +22,9 @@ struct DeviceFacts {
     return precision == Precision::fp8_block ? dense_fp8_flops_per_s : dense_bf16_flops_per_s;
   }
 
-  // Measured on an H200 of the lent machines on 2026-11-29 (shared/MACHINE_NOTES.md): 132 SMs,
-  // 227 KiB opt-in shared memory, 60 MB L2, 4.18 TB/s HBM read, cuBLAS 1267 TFLOP/s FP8 and
-  // 700 TFLOP/s bf16 at 8192^3.
+  // An H200 as measured on the lent machines (docs/decisions.md#h200-facts): 132 SMs, 227 KiB
+  // opt-in shared memory, 60 MB L2, 4.45 TB/s HBM read, cuBLASLt 1459 TFLOP/s E4M3 and 790
+  // TFLOP/s bf16 at 8192^3.
   static DeviceFacts h200_measured();
 };
 

@@ -107,13 +107,13 @@ bool fc1_copies_token_rows(const MoeSpec& spec, int tokens) {
 
 DeviceFacts DeviceFacts::h200_measured() {
   DeviceFacts f;
-  f.name = "NVIDIA H200 (figures measured 2026-11-29)";
+  f.name = "NVIDIA H200 (figures measured 2026-11-30..12-01)";
   f.num_sms = 132;
   f.smem_per_block_optin = 232448;
   f.l2_bytes = 60LL * 1024 * 1024;
-  f.hbm_read_bytes_per_s = 4.18e12;
-  f.dense_fp8_flops_per_s = 1267e12;
-  f.dense_bf16_flops_per_s = 700e12;
+  f.hbm_read_bytes_per_s = 4.45e12;
+  f.dense_fp8_flops_per_s = 1459e12;
+  f.dense_bf16_flops_per_s = 790e12;
   return f;
 }
 

@@ -1,4 +1,4 @@
-// The named workloads of DESIGN.md "Measuring" and the token buckets we report.
+// The named workloads of docs/design.md#measuring and the token buckets we report.
 #pragma once
 
 #include <string>

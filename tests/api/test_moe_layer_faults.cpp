@@ -41,6 +41,12 @@ struct DeviceCall {
   MoeInputs inputs() const { return MoeInputs{tokens, x.get(), logits.get(), nullptr, nullptr}; }
 };
 
+// The small fp8 layer with softmax routing most of these tests run.
+LayerFixture& small_layer(test::SeededRng& rng) {
+  const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
+  return test::fixture_for(c, rng.seed());
+}
+
 bool same_bits(const std::vector<bf16_t>& a, const std::vector<bf16_t>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16_t)) == 0;
 }
@@ -59,8 +65,7 @@ size_t free_device_bytes() {
 TEST(MoeLayerFaults, ThreadsSharingALayerAndAStream) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
-  const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = test::fixture_for(c, rng.seed());
+  LayerFixture& f = small_layer(rng);
   constexpr int kThreads = 4, kCallsPerThread = 200;
   const int token_counts[kThreads] = {1, 37, 128, 300};
   std::vector<Inputs> inputs;
@@ -124,8 +129,7 @@ TEST(MoeLayerFaults, FailedAllocationLeavesTheProcessAsItWas) {
   EXPECT_NEAR(static_cast<double>(free_device_bytes()), static_cast<double>(free_before), 4 << 20)
       << "the failed constructions left device memory allocated";
 
-  const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = test::fixture_for(c, rng.seed());
+  LayerFixture& f = small_layer(rng);
   const Inputs in = test::make_inputs(rng, f.spec, 7, Skew::uniform);
   const std::vector<bf16_t> y = test::run_device(*f.layer, f.spec, in, 7, CombineMode::deterministic);
   for (const bf16_t v : y) ASSERT_TRUE(std::isfinite(v.to_float()));
@@ -135,8 +139,7 @@ TEST(MoeLayerFaults, FailedAllocationLeavesTheProcessAsItWas) {
 TEST(MoeLayerFaults, SizesOutsideTheLimitsAreRefusedByName) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
-  const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = test::fixture_for(c, rng.seed());
+  LayerFixture& f = small_layer(rng);
   for (int max_tokens : {0, -1, (1 << 24) + 1, 2147483647}) {
     try {
       MoeLayer layer(f.spec, f.packed, max_tokens);
@@ -208,8 +211,7 @@ TEST(MoeLayerFaults, ForwardBesideKernelsHoldingMostSms) {
 TEST(MoeLayerFaults, SoakOfTenThousandCalls) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
-  const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = test::fixture_for(c, rng.seed());
+  LayerFixture& f = small_layer(rng);
   constexpr int kCalls = 10000, kMaxSoakTokens = 256;
   const Inputs fixed = test::make_inputs(rng, f.spec, 64, Skew::uniform);
   const std::vector<bf16_t> fixed_y = test::run_device(*f.layer, f.spec, fixed, 64, CombineMode::deterministic);

@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // Lane 0 of three warps fills the stages: warp 0 the weight block (and the tile tags), warp 1
     // the token block, warp 2 (fp8) the weight block's scales. One thread's chain of instructions
     // per stage bounds how fast a CTA turns its stages over (a longer chain slowed the GEMMs at
-    // every batch size, bench/NOTES.md, eleventh session); split, each chain is a fraction as long.
+    // every batch size: docs/decisions.md#producer-threads); split, each chain is a fraction as long.
     // All wait for the same empty barriers; a stage is full after every part's arrival and bytes,
     // in any order (its transaction count may go below zero until the weight part's expect_tx).
     // The weight producer claims the tiles and hands them to the others through a queue.
@@ -387,7 +387,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     Tensor tBgB = get<0>(b_slices);
     Tensor tBsB = get<1>(b_slices);
     // One subtile, then the second unless the tile is short: no run-time loop, which made this
-    // chain (then the only producer's) a generic unrolled loop of loads (eleventh session, run 2).
+    // chain (then the only producer's) a generic unrolled loop of loads
+    // (docs/decisions.md#32-row-subtile).
     static_assert(Config::kSubtiles <= 2, "a stage holds one or two token subtiles");
     auto load_subtile = [&](int subtile, int kb, int stage, int view) {
       copy(p.tma_b.with(smem.full[stage]), tBgB(_, subtile, kb), tBsB(_, view));

@@ -12,7 +12,7 @@ inline constexpr int kGemmMaxTokenTile = 64;
 inline constexpr int kGemmMaxStages = 8;
 // Math warpgroups per CTA, each owning kGemmChannelTile / kGemmMathWarpgroups consecutive rows
 // (2: two m64 blocks each, 224 registers per thread; 4: one, 112 registers). Four would give each
-// SM sub-partition four consumer warps to hide latency with; bench/NOTES.md has where that stands.
+// SM sub-partition four consumer warps to hide latency with (docs/decisions.md#four-math-warpgroups).
 inline constexpr int kGemmMathWarpgroups = 2;
 inline constexpr int kGemmConsumerWarps = 4 * kGemmMathWarpgroups;
 inline constexpr int kGemmExchangeBytes = (kGemmConsumerWarps + 1) * kGemmMaxTokenTile * 4;  // FC1 token amaxes

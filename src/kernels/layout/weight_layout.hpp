@@ -3,7 +3,7 @@
 // W13 rows are interleaved by 8: packed rows [16g, 16g+8) hold gate rows [8g, 8g+8) and packed
 // rows [16g+8, 16g+16) hold up rows [8g, 8g+8). A wgmma m64nNk* accumulator fragment gives each
 // thread rows r and r+8 (and columns c and c+8), so after this interleave every thread owns both
-// halves of each SwiGLU pair it computes, with no shuffle (seeds/000 "Hopper 10").
+// halves of each SwiGLU pair it computes, with no shuffle (docs/decisions.md#swiglu-row-pairs).
 #pragma once
 
 #if defined(__CUDACC__)

@@ -1,4 +1,4 @@
-// FC1 -> FC2 hand-off per expert (DESIGN.md "fc1_done"): each FC1 tile, once its epilogue has
+// FC1 -> FC2 hand-off per expert (docs/decisions.md#fc2-waits-per-expert): each FC1 tile, once its epilogue has
 // stored it, adds one to its expert's counter; an FC2 tile's producer waits until its expert's
 // counter holds every FC1 tile of that expert before loading the expert's FC1 output. FC2 then
 // starts on the experts FC1 has finished while FC1's last tiles still run, instead of waiting for
