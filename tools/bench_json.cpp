@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
@@ -28,6 +29,17 @@ void escape(std::string& out, const std::string& text) {
     }
   }
   out += '"';
+}
+
+// `arg` as a POSIX shell reads it back: unchanged when it holds only safe characters, else in
+// single quotes.
+std::string shell_quoted(const std::string& arg) {
+  const bool safe = !arg.empty() && arg.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                                          "0123456789_-+=/.,:@%") == std::string::npos;
+  if (safe) return arg;
+  std::string quoted = "'";
+  for (char c : arg) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
 }
 
 }  // namespace
@@ -100,6 +112,30 @@ void write_json_file(const std::string& path, const Json& json) {
   std::ofstream file(target);
   file << json.dump();
   if (!file) throw std::runtime_error("cannot write " + path);
+}
+
+#ifndef MEGAMOE_VERSION
+#define MEGAMOE_VERSION "unknown (built without -DMEGAMOE_VERSION)"
+#endif
+
+Provenance provenance_of_run(int argc, char** argv) {
+  Provenance p;
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  char date[32] = "unknown";
+  if (now != static_cast<std::time_t>(-1) && gmtime_r(&now, &utc) != nullptr) {
+    std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  }
+  p.date = date;
+  for (int i = 0; i < argc; ++i) p.command += (i ? " " : "") + shell_quoted(argv[i]);
+  p.megamoe_version = MEGAMOE_VERSION;
+  return p;
+}
+
+Json& set_provenance(Json& record, const Provenance& provenance) {
+  return record.set("date", provenance.date)
+      .set("command", provenance.command)
+      .set("megamoe_version", provenance.megamoe_version);
 }
 
 }  // namespace megamoe::bench

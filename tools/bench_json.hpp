@@ -40,4 +40,16 @@ class Json {
 // Writes `json` to `path`, creating parent folders; throws std::runtime_error on failure.
 void write_json_file(const std::string& path, const Json& json);
 
+// Where a record comes from, for docs/performance.md: when the run started (UTC, ISO-8601), its
+// command line as run (arguments quoted where a shell would need it) and the megamoe version
+// (the CMake project version, compile definition MEGAMOE_VERSION).
+struct Provenance {
+  std::string date;
+  std::string command;
+  std::string megamoe_version;
+};
+Provenance provenance_of_run(int argc, char** argv);
+// Adds "date", "command" and "megamoe_version" to the object `record`.
+Json& set_provenance(Json& record, const Provenance& provenance);
+
 }  // namespace megamoe::bench

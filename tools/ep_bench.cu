@@ -26,11 +26,13 @@
 
 #include "bench_json.hpp"
 #include "bench_stats.hpp"
+#include "cli_args.hpp"
 #include "comm/ep_layer.hpp"
 #include "device_timing.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/layout/ep_timeline.hpp"
 #include "megamoe/error.hpp"
+#include "megamoe/options.hpp"
 #include "plan/workloads.hpp"
 #include "ref/moe_reference.hpp"
 #include "ref/random_problem.hpp"
@@ -125,33 +127,64 @@ double max_over_ranks(const comm::FileRendezvous& rendezvous, const std::string&
   return worst;
 }
 
-int run(int argc, char** argv) {
-  std::string workload_name = "dsv3", json_path;
+void print_usage() {
+  std::printf(
+      "usage: megamoe-run -n RANKS -- megamoe-ep-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3]\n"
+      "                                                [--tokens N[,N...]] [--precision bf16|fp8_block]\n"
+      "                                                [--json PATH] [--timeline]\n"
+      "Options take their value as --flag value or --flag=value.\n"
+      "  --workload   named workload (default dsv3)\n"
+      "  --tokens     tokens per rank, comma-separated (default 128,4096)\n"
+      "  --precision  bf16 or fp8_block (default fp8_block)\n"
+      "  --json PATH  rank 0 also writes the measured figures as JSON (one record per token count)\n"
+      "  --timeline   also print when each rank's blocks reached each point of a call\n");
+}
+
+struct Options {
+  std::string workload = "dsv3";
   std::vector<int> token_counts = {128, 4096};
   Precision precision = Precision::fp8_block;
+  std::string json_path;
   bool timeline = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--workload" && i + 1 < argc) {
-      workload_name = argv[++i];
-    } else if (arg == "--tokens" && i + 1 < argc) {
-      token_counts.clear();
-      std::stringstream list(argv[++i]);
-      for (std::string item; std::getline(list, item, ',');) token_counts.push_back(std::stoi(item));
-    } else if (arg == "--precision" && i + 1 < argc) {
-      precision = std::string(argv[++i]) == "bf16" ? Precision::bf16 : Precision::fp8_block;
-    } else if (arg == "--json" && i + 1 < argc) {
-      json_path = argv[++i];
-    } else if (arg == "--timeline") {
-      timeline = true;
-    } else {
-      throw Error(ErrorCode::invalid_argument, "unknown argument " + arg);
-    }
-  }
+  bench::Provenance provenance;
+};
+
+Options parse(int argc, char** argv) {
+  namespace cli = bench::cli;
+  using Value = const std::string&;
+  Options o;
+  o.provenance = bench::provenance_of_run(argc, argv);
+  cli::parse(argc, argv, {
+      cli::switch_option("--help", [] {
+        print_usage();
+        std::exit(0);
+      }),
+      cli::switch_option("--timeline", [&] { o.timeline = true; }),
+      cli::value_option("--workload", [&](Value v) { o.workload = v; }),
+      cli::value_option("--tokens",
+                        [&](Value v) { o.token_counts = cli::parse_count_list("--tokens", v, kMaxLayerTokens); }),
+      cli::value_option("--precision", [&](Value v) { o.precision = cli::parse_choice("--precision", v, cli::kPrecisions); }),
+      cli::value_option("--json", [&](Value v) { o.json_path = v; }),
+  });
+  cli::check_usage([&] { plan::find_workload(o.workload); });
+  return o;
+}
+
+int run(const Options& o) {
+  const std::string& workload_name = o.workload;
+  const std::vector<int>& token_counts = o.token_counts;
+  const Precision precision = o.precision;
+  const bool timeline = o.timeline;
+  const std::string& json_path = o.json_path;
   const auto rendezvous = comm::FileRendezvous::from_environment();
   const int rank = rendezvous.rank(), world = rendezvous.world_size();
   const char* local_rank = std::getenv("LOCAL_RANK");
   MEGAMOE_CUDA_CHECK(cudaSetDevice(local_rank ? std::atoi(local_rank) : rank));
+  int device = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  const std::string gpu_name = prop.name;
   cudaStream_t stream;
   MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
 
@@ -329,25 +362,27 @@ int run(int argc, char** argv) {
       std::printf("  %6d | %11.1f | %10.1f | %11.1f | %10.1f | %8.0f%% | %13.1f | %11.1f | %11.1f | %10.2f | %9.2e\n",
                   tokens, d_us, d_gbps, c_us, c_gbps, 100.0 * 2 * bytes / ((d_us + c_us) * 1e-6) / 1e9 / peer_gbps,
                   rt_us, t_us, b_us, t_us / b_us, agreement);
-      records.push(bench::Json::object()
-                       .set("workload", workload_name)
-                       .set("precision", to_string(precision))
-                       .set("ranks", world)
-                       .set("tokens_per_rank", tokens)
-                       .set("dispatch_us", d_us)
-                       .set("combine_us", c_us)
-                       .set("round_trip_graph_us", rt_us)
-                       .set("round_trip_graph", "dispatch + combine in one CUDA graph, " + std::to_string(kRoundTrips) +
-                                                    " replays back to back between two events, per replay")
-                       .set("ep_forward_us", t_us)
-                       .set("nvlink_bytes_each_way", bytes)
-                       .set("dispatch_gbps", d_gbps)
-                       .set("combine_gbps", c_gbps)
-                       .set("peer_copy_gbps", peer_gbps)
-                       .set("barrier_us", barrier_us)
-                       .set("baseline_us", b_us)
-                       .set("baseline", "NCCL all-gather -> local experts (MoeLayer) -> reduce-scatter")
-                       .set("rel_diff_ep_vs_baseline", agreement));
+      bench::Json record = bench::Json::object();
+      record.set("workload", workload_name)
+          .set("precision", to_string(precision))
+          .set("ranks", world)
+          .set("tokens_per_rank", tokens)
+          .set("dispatch_us", d_us)
+          .set("combine_us", c_us)
+          .set("round_trip_graph_us", rt_us)
+          .set("round_trip_graph", "dispatch + combine in one CUDA graph, " + std::to_string(kRoundTrips) +
+                                       " replays back to back between two events, per replay")
+          .set("ep_forward_us", t_us)
+          .set("nvlink_bytes_each_way", bytes)
+          .set("dispatch_gbps", d_gbps)
+          .set("combine_gbps", c_gbps)
+          .set("peer_copy_gbps", peer_gbps)
+          .set("barrier_us", barrier_us)
+          .set("baseline_us", b_us)
+          .set("baseline", "NCCL all-gather -> local experts (MoeLayer) -> reduce-scatter")
+          .set("rel_diff_ep_vs_baseline", agreement)
+          .set("gpu", gpu_name);
+      records.push(std::move(bench::set_provenance(record, o.provenance)));
     }
     for (void* p : {static_cast<void*>(x_dev), static_cast<void*>(ids_dev), static_cast<void*>(w_dev),
                     static_cast<void*>(y_ep), static_cast<void*>(y_base), static_cast<void*>(x_all),
@@ -367,10 +402,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "megamoe-ep-bench: %s\n", e.what());
-    return 1;
-  }
+  return megamoe::bench::cli::run_main("megamoe-ep-bench", [&] { return run(parse(argc, argv)); });
 }

@@ -10,7 +10,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <iostream>
 #include <random>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -70,6 +73,27 @@ std::string node_name(cudaGraphNode_t node) {
   name = name.substr(0, name.find_first_of("<("));
   const size_t scope = name.rfind("::");
   return scope == std::string::npos ? name : name.substr(scope + 2);
+}
+
+// The kernels one replay of `graph` launches: its kernel nodes, those of child graphs included.
+int count_kernel_launches(cudaGraph_t graph) {
+  size_t count = 0;
+  MEGAMOE_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  if (count > 0) MEGAMOE_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &count));
+  int kernels = 0;
+  for (size_t i = 0; i < count; ++i) {
+    cudaGraphNodeType type;
+    MEGAMOE_CUDA_CHECK(cudaGraphNodeGetType(nodes[i], &type));
+    if (type == cudaGraphNodeTypeKernel) {
+      ++kernels;
+    } else if (type == cudaGraphNodeTypeGraph) {
+      cudaGraph_t child = nullptr;
+      MEGAMOE_CUDA_CHECK(cudaGraphChildGraphNodeGetGraph(nodes[i], &child));
+      kernels += count_kernel_launches(child);
+    }
+  }
+  return kernels;
 }
 
 // Median microseconds of replays of `graph`, `before_replay` running outside the timed events.
@@ -153,7 +177,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
   spec.scale_format = o.scale_format;
   spec.routing = routing_for(o, workload.spec, spec.num_experts, o.seed);
   validate(spec);
-  const std::vector<int> token_counts = o.tokens ? std::vector<int>{*o.tokens} : plan::kTokenBuckets;
+  const std::vector<int> token_counts = o.tokens.empty() ? plan::kTokenBuckets : o.tokens;
   const int max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
 
   cudaDeviceProp prop{};
@@ -166,9 +190,10 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
   plan::DeviceFacts facts = plan::DeviceFacts::h200_measured();
   facts.name = gpu_name;
   facts.num_sms = prop.multiProcessorCount;
+  facts.smem_per_block_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
   facts.hbm_read_bytes_per_s = measure_hbm_read_bytes_per_s(stream, prop.multiProcessorCount);
-  // The compute floor's dense rate, measured now; the shared/MACHINE_NOTES.md figure stands in
-  // (and the output says so) when cuBLASLt cannot run the problem.
+  // The compute floor's dense rate, measured now; the H200 figure (docs/decisions.md#h200-facts)
+  // stands in (and the output says so) when cuBLASLt cannot run the problem.
   std::string dense_rate_source;
   try {
     const DenseRate dense = measure_dense_rate(spec.precision, stream);
@@ -176,7 +201,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
         dense.flops_per_s;
     dense_rate_source = dense.method;
   } catch (const Error& e) {
-    dense_rate_source = std::string("shared/MACHINE_NOTES.md figure; measuring it failed: ") + e.what();
+    dense_rate_source = std::string("docs/decisions.md#h200-facts figure; measuring it failed: ") + e.what();
   }
   std::printf("  HBM read bandwidth measured now: %.2f TB/s\n  dense %s rate %.0f TFLOP/s (%s)\n",
               facts.hbm_read_bytes_per_s / 1e12, to_string(spec.precision), facts.dense_flops_per_s(spec.precision) / 1e12,
@@ -188,7 +213,22 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     Progress progress("prepare_weights, experts");
     packed = prepare_weights(spec, weights.view(), [&](int done, int total) { progress.update(done, total); });
   }
-  MoeLayer layer(spec, packed, max_tokens);
+  MoeLayer layer(spec, packed, max_tokens, o.layer);
+  // The plan's decisions for the records, from the planner with the layer's inputs; each count's
+  // is checked against the layer's own describe_plan, the plan its forward launches.
+  const plan::LayerPlan layer_plan = plan::plan_layer(spec, max_tokens, o.layer, facts);
+  std::vector<plan::ForwardPlan> forward_plans;
+  for (int tokens : token_counts) {
+    forward_plans.push_back(plan::plan_forward(spec, layer_plan, tokens, o.layer.combine, facts));
+    std::ostringstream mine;
+    mine << forward_plans.back();
+    const std::string launched = layer.describe_plan(tokens, o.layer.combine);
+    if (launched.size() < mine.str().size() ||
+        launched.compare(launched.size() - mine.str().size(), std::string::npos, mine.str()) != 0) {
+      throw std::logic_error("internal: the bench's plan of " + std::to_string(tokens) +
+                             " tokens differs from the layer's:\n" + mine.str() + "\nlayer:\n" + launched);
+    }
+  }
   // A layer's weights are not in L2 when a model runs it (the other layers' weights passed through
   // since), but a replayed graph finds them there when they fit (qwen35 at 1 token touches 25 MB
   // of a 60 MB L2). Reading twice the L2 size before each timed replay evicts them and leaves only
@@ -200,14 +240,26 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
   if (o.warm_l2) std::printf("  --warm-l2: L2 is NOT scrubbed between replays; not comparable with committed results\n");
   UnfusedBaseline baseline(spec, weights.view(), max_tokens);
   std::printf("  workspace %.1f MiB for up to %d tokens\n", layer.workspace_bytes() / 1048576.0, max_tokens);
+  std::cout << "  options " << o.layer << "\n";
   std::printf("  baseline: routing given, host-built permutation, grouped cuBLAS bf16 GEMMs (one call per layer GEMM), plain kernels\n\n");
 
-  std::printf("  %6s | %9s | %9s | %9s | %9s | %11s | %9s | %11s | %10s | %9s\n", "tokens", "median us", "floor us",
-              "x floor", "TFLOP/s", "weight TB/s", "rel err", "baseline us", "x baseline", "base err");
+  if (o.print_plan) {
+    for (int tokens : token_counts) {
+      std::printf("  plan of a forward of %d tokens (MoeLayer::describe_plan):\n", tokens);
+      std::istringstream lines(layer.describe_plan(tokens, o.layer.combine));
+      for (std::string line; std::getline(lines, line);) std::printf("    %s\n", line.c_str());
+    }
+    std::printf("\n");
+  }
+
+  std::printf("  %6s | %9s | %9s | %9s | %9s | %11s | %9s | %11s | %10s | %9s | %8s\n", "tokens", "median us",
+              "floor us", "x floor", "TFLOP/s", "weight TB/s", "rel err", "baseline us", "x baseline", "base err",
+              "launches");
   Json records = Json::array();
   std::mt19937_64 engine(o.seed + 7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int tokens : token_counts) {
+  for (size_t count_index = 0; count_index < token_counts.size(); ++count_index) {
+    const int tokens = token_counts[count_index];
     const int H = spec.hidden, E = spec.num_experts, k = spec.top_k;
     std::vector<bf16_t> x(static_cast<size_t>(tokens) * H);
     for (bf16_t& v : x) v = bf16_t::from_float(normal(engine));
@@ -233,7 +285,9 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(y_dev.as<void>(), 0xFF, x.size() * 2, stream));
     const MoeInputs inputs{tokens, x_dev.as<void>(), logits_dev.as<float>(), ids_dev.as<int32_t>(), weights_dev.as<float>()};
 
-    cudaGraph_t graph = capture_graph(stream, [&] { layer.forward(stream, inputs, MoeOutputs{y_dev.as<void>()}); });
+    cudaGraph_t graph =
+        capture_graph(stream, [&] { layer.forward(stream, inputs, MoeOutputs{y_dev.as<void>()}, o.layer.combine); });
+    const int launches = count_kernel_launches(graph);
     const double us = median_graph_us(graph, stream, before_replay);
     Json breakdown = Json::array();
     if (o.breakdown) breakdown = time_graph_prefixes(graph, stream, before_replay, tokens);
@@ -265,32 +319,35 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     const double baseline_rel_err = ref::relative_l2(y_device, exact.y);
 
     const plan::Floors floors = ref::routed_floors(spec, ids.data(), tokens, facts);
-    std::printf("  %6d | %9.1f | %9.1f | %9.2f | %9.1f | %11.2f | %9.2e | %11.1f | %10.2f | %9.2e\n", tokens, us,
-                floors.floor_us, us / floors.floor_us, floors.useful_flops / (us * 1e-6) / 1e12,
-                floors.weight_bytes / (us * 1e-6) / 1e12, rel_err, baseline_us, us / baseline_us, baseline_rel_err);
+    std::printf("  %6d | %9.1f | %9.1f | %9.2f | %9.1f | %11.2f | %9.2e | %11.1f | %10.2f | %9.2e | %8d\n", tokens,
+                us, floors.floor_us, us / floors.floor_us, floors.useful_flops / (us * 1e-6) / 1e12,
+                floors.weight_bytes / (us * 1e-6) / 1e12, rel_err, baseline_us, us / baseline_us, baseline_rel_err,
+                launches);
     std::fflush(stdout);
-    records.push(Json::object()
-                     .set("workload", workload.name)
-                     .set("precision", to_string(spec.precision))
-                     .set("tokens", tokens)
-                     .set("gpu", gpu_name)
-                     .set("median_us", us)
-                     .set("floor_us", floors.floor_us)
-                     .set("floor_bound", floors.bound)
-                     .set("touched_experts", floors.touched_experts)
-                     .set("weight_bytes", floors.weight_bytes)
-                     .set("useful_flops", floors.useful_flops)
-                     .set("hbm_read_bytes_per_s", facts.hbm_read_bytes_per_s)
-                     .set("dense_flops_per_s", facts.dense_flops_per_s(spec.precision))
-                     .set("dense_rate_source", dense_rate_source)
-                     .set("baseline_us", baseline_us)
-                     .set("baseline", "cublasGemmGroupedBatchedEx bf16 (FC1, FC2) + plain kernels, routing given, host-built row lists")
-                     .set("baseline_rel_err_vs_unquantized", baseline_rel_err)
-                     .set("rel_err", rel_err)
-                     .set("rel_err_rows_checked", checked)
-                     .set("combine", "deterministic")
-                     .set("l2", o.warm_l2 ? "warm (not scrubbed)" : "scrubbed before each timed replay")
-                     .set("breakdown", std::move(breakdown)));
+    Json record = Json::object();
+    record.set("workload", workload.name)
+        .set("precision", to_string(spec.precision))
+        .set("tokens", tokens)
+        .set("gpu", gpu_name)
+        .set("median_us", us)
+        .set("floor_us", floors.floor_us)
+        .set("floor_bound", floors.bound)
+        .set("touched_experts", floors.touched_experts)
+        .set("weight_bytes", floors.weight_bytes)
+        .set("useful_flops", floors.useful_flops)
+        .set("hbm_read_bytes_per_s", facts.hbm_read_bytes_per_s)
+        .set("dense_flops_per_s", facts.dense_flops_per_s(spec.precision))
+        .set("dense_rate_source", dense_rate_source)
+        .set("baseline_us", baseline_us)
+        .set("baseline", "cublasGemmGroupedBatchedEx bf16 (FC1, FC2) + plain kernels, routing given, host-built row lists")
+        .set("baseline_rel_err_vs_unquantized", baseline_rel_err)
+        .set("rel_err", rel_err)
+        .set("rel_err_rows_checked", checked)
+        .set("l2", o.warm_l2 ? "warm (not scrubbed)" : "scrubbed before each timed replay")
+        .set("launches", launches)
+        .set("options", options_json(o.layer));
+    set_plan_decisions(record, forward_plans[count_index]).set("breakdown", std::move(breakdown));
+    records.push(std::move(set_provenance(record, o.provenance)));
   }
   cudaStreamDestroy(stream);
   if (!o.json_path.empty()) {

@@ -10,9 +10,10 @@ namespace megamoe::bench {
 // True when device 0 is a Hopper GPU; `name` receives its name.
 bool hopper_gpu_available(std::string* name);
 
-// Times MoeLayer::forward under a CUDA graph for each token count, against the floors of
-// DESIGN.md "Measuring" (HBM read bandwidth measured in the same run), checks the output against
-// the CPU reference on a sample of tokens, prints a table and writes JSON when asked.
+// Times MoeLayer::forward (a layer built with options.layer) under a CUDA graph for each token
+// count, against the floors of docs/design.md#measuring (HBM read bandwidth measured in the same
+// run), counts the kernels the graph launches, checks the output against the CPU reference on a
+// sample of tokens, prints a table and writes JSON when asked.
 int run_gpu(const Options& options, const std::string& gpu_name);
 
 }  // namespace megamoe::bench
