@@ -9,6 +9,7 @@ Expert-parallel across the GPUs of one node (one process per GPU): prepare_ep_we
 ep_fused_moe (megamoe.expert_parallel).
 """
 
+from megamoe._version import __version__
 from megamoe.expert_parallel import EpMoeWeights, ep_fused_moe, prepare_ep_weights
 from megamoe.layer import MegaMoE, MoeWeights, fused_moe, prepare_weights
 from megamoe.routing import DeepseekRouting, PrecomputedRouting, SoftmaxRouting
