@@ -28,7 +28,7 @@ deps_dir=$deps_root/.deps
 deps_venv=$deps_root/.venv
 deps_cutlass_version=4.2.0.0
 deps_torch_pin=2.11.0
-deps_torch_size="about 3 GB to download, 7 GB in .venv"
+deps_torch_size="about 3 GB to download, 5 GB in .venv"
 # The test tooling .venv gets with PyTorch: pytest runs the suites; numpy, matplotlib (the bench's
 # plot) and transformers (the Hugging Face layout check) serve cases that skip without them;
 # scikit-build-core builds the wheel (tests/consumer/pip_wheel.sh).
@@ -132,6 +132,7 @@ deps_path_python=$(command -v python3 || true)
 deps_venv_python=""
 [ -x "$deps_venv/bin/python" ] && deps_venv_python=$deps_venv/bin/python
 deps_make_venv=0      # create .venv
+deps_venv_why=""      # for what
 deps_venv_torch=0     # install PyTorch and the tooling into .venv
 deps_venv_tools=""    # install these tooling modules into .venv (it has PyTorch)
 deps_torch_line=""
@@ -186,6 +187,7 @@ else
   elif [ "$deps_mode" = ON ]; then
     deps_make_venv=1
     deps_venv_torch=1
+    deps_venv_why="for PyTorch"
   else
     deps_python_note="no PyTorch to build against ($deps_seen_text; it takes a CUDA 13 build of 2.11 or later)"
     deps_torch_line="none to build against ($deps_seen_text): the Python package and its suites are skipped;"
@@ -203,7 +205,8 @@ if ((deps_nvcc)) && [ "$(cat "$deps_dir/cutlass/VERSION" 2>/dev/null)" != "$deps
   elif [ -n "$deps_path_python" ] && "$deps_path_python" -m pip --version >/dev/null 2>&1; then
     deps_pip_python=$deps_path_python
   else
-    deps_make_venv=1  # a bare one, for its pip
+    deps_make_venv=1
+    deps_venv_why="for its pip, which downloads the CUTLASS wheel"
     deps_pip_python=$deps_venv/bin/python
   fi
 fi
@@ -248,7 +251,7 @@ fi
 
 # ---- .venv: the project's own virtual environment, for PyTorch or for a pip
 if ((deps_make_venv)) && [ -z "$deps_venv_python" ]; then
-  if deps_will "creating .venv, a virtual environment of ${deps_path_python:-python3} (ignored by git)"; then
+  if deps_will "creating .venv, a virtual environment of ${deps_path_python:-python3} $deps_venv_why (ignored by git)"; then
     "$deps_path_python" -m venv "$deps_venv" || {
       rm -rf "$deps_venv"
       deps_say "error: $deps_path_python -m venv failed (on Debian/Ubuntu it needs the package python3-venv)"
