@@ -1,5 +1,5 @@
 // The dense GEMM rate of the GPU the bench runs on, measured in the same run: the compute floor
-// of DESIGN.md "Measuring" divides useful FLOPs by it.
+// of docs/design.md#measuring divides useful FLOPs by it.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,7 +1,7 @@
 // megamoe-wgmma-probe: how fast the grouped GEMM's fp8 mainloop runs on one SM with data that is
 // already in L2, by tile shape, and what each part of it costs. It answers whether the math warps'
-// ~1000 cycles per K block at large batches (bench/NOTES.md, seventeenth session, run 4: ~540 of
-// tensor work) come from the tensor cores, the promotion, or the stage traffic through shared
+// ~1000 cycles per K block at large batches (~540 of tensor work: docs/decisions.md#swapab-tile)
+// come from the tensor cores, the promotion, or the stage traffic through shared
 // memory (wgmma reads both operands from shared memory while the stage copies write it).
 //
 // Each CTA (one per SM) runs the mainloop's skeleton: a producer thread fills a ring of stages,
@@ -23,7 +23,8 @@
 //            buffer far larger than L2 instead, four CTAs on each block at a time (as an expert's
 //            four 64-token tiles at 8192 tokens): one from HBM and three from L2 if L2 keeps it.
 //            Nsight Compute's dram__bytes_read.sum of the two tells whether multicast loads find
-//            each other's lines in L2 (FC1 in pairs read twice the HBM bytes, bench/NOTES.md)
+//            each other's lines in L2 (FC1 in pairs read twice the HBM bytes:
+//            docs/decisions.md#cta-pairs-sharing-weight-blocks)
 // Prints the time per K block and the rate, beside the tile's tensor work at the fp8 peak (4096
 // MACs per cycle per SM, dense), per case. 256 x 128 (what the GEMM cannot hold twice in
 // registers) runs the cases without promotion only.

@@ -7,7 +7,7 @@
 # qwen35-a3b:128 qwen35-a3b:2048"), the variants in turn for each case, so that drift in the GPU's
 # state affects all alike. MEGAMOE_AB_ROUNDS=R (default 1) repeats each case's turn R times, each
 # run a process of its own: a large batch's layer time moves by a few percent between processes
-# (30 us at 8192 tokens in the fifteenth session), more than many changes are worth. Writes ab.log
+# (30 us at 8192 tokens: docs/decisions.md#benchmark-method), more than many changes are worth. Writes ab.log
 # to $OUT, prints per-node times, and ends with a summary table of one line per case and variant:
 # the round with the median layer time, and the range over the rounds. With MEGAMOE_AB_TESTS set
 # (a gtest filter of the layer suite), every patch variant also runs those GPU tests, so that a

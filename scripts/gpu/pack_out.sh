@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run last in a device call that chains several scripts: only 8 files come back from $OUT, and
-# the checks' logs alone are more (the seventeenth session lost a benchmark JSON that way). Keeps
+# the checks' logs alone are more (a benchmark JSON was lost that way once). Keeps
 # the JSON results and the files named on the command line as they are, packs every other file
 # into logs.tar.gz, and lists what it packed.
 #   bash scripts/gpu/pack_out.sh [FILE_TO_KEEP ...]

@@ -328,7 +328,7 @@ TEST(MoeLayer, GraphsReplayTheRoutingTheyCaptured) {
 }
 
 // The kernels' shared-memory limits belong to each device: a process that spreads a model's layers
-// over several GPUs must find them raised on every one. Needs two GPUs (scripts/gpu2_check.sh).
+// over several GPUs must find them raised on every one. Needs two GPUs (scripts/gpu/gpu2_check.sh).
 TEST(MoeLayer, RunsOnEveryGpuOfOneProcess) {
   MEGAMOE_REQUIRE_HOPPER();
   int devices = 0;

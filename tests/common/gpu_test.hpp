@@ -1,5 +1,5 @@
 // Helpers for GPU suites: device-memory buffers with checked calls, and the rule that a GPU suite
-// skips on a machine without a Hopper GPU unless MEGAMOE_REQUIRE_GPU=1 (set by scripts/gpu_check.sh
+// skips on a machine without a Hopper GPU unless MEGAMOE_REQUIRE_GPU=1 (set by scripts/gpu/gpu_check.sh
 // on the GPU machine, where a skip would hide a failure).
 #pragma once
 

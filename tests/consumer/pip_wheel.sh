@@ -5,10 +5,10 @@
 # keeps the wheel's CMake build, so a rerun rebuilds only what changed.
 set -euo pipefail
 src=$1 work=$2 python=$3
-# scripts/deps.sh installs scikit-build-core; a machine set up otherwise (the GPU machines, which
+# scripts/deps.sh installs scikit-build-core into .venv (MEGAMOE_TORCH=ON); a machine set up otherwise (the GPU machines, which
 # have no network) skips this test, except in CI (CI=true), where a skip would hide a missing step.
 if ! "$python" -c "import scikit_build_core" 2>/dev/null; then
-  echo "pip_wheel: $python has no scikit-build-core (scripts/deps.sh installs it)"
+  echo "pip_wheel: $python has no scikit-build-core (MEGAMOE_TORCH=ON scripts/deps.sh installs it into .venv)"
   [ "${CI:-}" = true ] && exit 1
   exit 77
 fi
