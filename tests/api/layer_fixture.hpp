@@ -182,6 +182,7 @@ inline Inputs take_rows(const Inputs& in, const MoeSpec& spec, const std::vector
 }
 
 struct Comparison {
+  size_t values;  // compared
   double rel_l2;
   double max_normalized;  // max |d - r| / (|r| + rms(r))
   long non_finite;
@@ -191,7 +192,7 @@ inline Comparison compare(const std::vector<bf16_t>& device, const std::vector<d
   double diff = 0, norm = 0;
   for (size_t i = 0; i < reference.size(); ++i) norm += reference[i] * reference[i];
   const double rms = std::sqrt(norm / reference.size());
-  Comparison c{0, 0, 0};
+  Comparison c{reference.size(), 0, 0, 0};
   for (size_t i = 0; i < reference.size(); ++i) {
     const double d = device[i].to_float();
     if (!std::isfinite(d)) {

@@ -50,11 +50,14 @@ using test::take_rows;
 // (and block amaxes) across E4M3 rounding boundaries, each a 2^-4 relative step; max normalized
 // error seen up to 0.08, against 6e-2 rel. L2 for the unquantized comparison. Seen on H200:
 // rel. L2 2e-3 to 5e-3 on the named workloads, up to 1.4e-2 on the
-// small shape (I = 256: two quantization blocks per token, so one moved amax weighs more).
-// A wrong scale or a lost K block costs O(1).
+// small shape (I = 256: two quantization blocks per token, so one moved amax weighs more). Over a
+// single token of the small shape (256 values) the statistic has a longer tail: one seed
+// (1358785979, small_fp8_block_T1_softmax) gives 2.32e-2 on the v1 code before and after the
+// options refactor alike, while 300 fresh seeds of that case stayed under 2e-2; comparisons of
+// fewer than 1024 values get 3e-2. A wrong scale or a lost K block costs O(1).
 void expect_tight(Precision precision, const Comparison& c) {
   const bool fp8 = precision == Precision::fp8_block;
-  EXPECT_LT(c.rel_l2, fp8 ? 2e-2 : 4e-3);
+  EXPECT_LT(c.rel_l2, fp8 ? (c.values < 1024 ? 3e-2 : 2e-2) : 4e-3);
   EXPECT_LT(c.max_normalized, fp8 ? 0.15 : 2e-2);
 }
 

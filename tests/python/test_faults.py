@@ -104,14 +104,16 @@ def test_absent_devices_are_refused_by_name(hopper):
     absent = torch.cuda.device_count()
     with pytest.raises(ValueError, match=f"device cuda:{absent} does not exist: this process sees {absent} CUDA"):
         megamoe.prepare_weights(p.w13, p.w2, top_k=8, precision="bf16", device=f"cuda:{absent}")
-    empty, scales = torch.empty(0, dtype=torch.uint8), torch.empty(0)
     for index in (absent, -2):
         with pytest.raises(ValueError, match=f"device cuda:{index} does not exist"):
             torch.ops.megamoe.check_device(index)
     assert torch.ops.megamoe.check_device(-1) == torch.cuda.current_device()
+    # The op called directly checks the device after its other arguments (packed bf16 weights of
+    # 4 experts, H = I = 128).
+    w13, w2, scales = torch.zeros(4, 256, 256, dtype=torch.uint8), torch.zeros(4, 128, 256, dtype=torch.uint8), torch.empty(0)
     with pytest.raises(ValueError, match="does not exist"):
-        torch.ops.megamoe.create_layer(empty, scales, empty, scales, 4, 128, 128, 2, "bf16", "fp32", "softmax", False, 1,
-                                       1, 1.0, None, 16, 0, "auto", 0, absent)
+        torch.ops.megamoe.create_layer(w13, scales, w2, scales, 4, 128, 128, 2, "bf16", "fp32", "softmax", False, 1, 1,
+                                       1.0, None, 16, 0, "auto", 0, absent)
 
 
 @pytest.mark.gpu

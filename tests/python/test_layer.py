@@ -311,12 +311,16 @@ def test_bad_calls_raise_before_any_kernel(hopper):
         megamoe.fused_moe(x, p.weights, logits, expert_map=torch.zeros(2 * E, dtype=torch.int32, device=hopper))
     # The ops themselves check as well (an op called without the Python layer).
     small = megamoe.prepare_weights(p.w13, p.w2, top_k=p.top_k, precision="bf16", max_tokens=4)
+    softmax = megamoe.routing.op_arguments(megamoe.SoftmaxRouting())
     with pytest.raises(ValueError, match="max_tokens"):
-        torch.ops.megamoe.forward(small._handle, x, logits, None, None, True)
+        torch.ops.megamoe.forward(small._handle, x, logits, None, None, True, *softmax)
     with pytest.raises(TypeError, match="BFloat16"):
-        torch.ops.megamoe.forward(p.weights._handle, x.half(), logits, None, None, True)
+        torch.ops.megamoe.forward(p.weights._handle, x.half(), logits, None, None, True, *softmax)
     with pytest.raises(ValueError, match="no layer with handle"):
-        torch.ops.megamoe.forward(10**9, x, logits, None, None, True)
+        torch.ops.megamoe.forward(10**9, x, logits, None, None, True, *softmax)
+    with pytest.raises(ValueError, match="precomputed routing takes topk_ids"):
+        torch.ops.megamoe.forward(p.weights._handle, x, logits, None, None, True,
+                                  *megamoe.routing.op_arguments(megamoe.PrecomputedRouting()))
     with pytest.raises(NotImplementedError, match="top_k"):
         megamoe.prepare_weights(p.w13, p.w2, top_k=64, precision="bf16", max_tokens=4)
     # Nothing above left a kernel behind that failed.
