@@ -1,0 +1,89 @@
+// Weight producer role of the swapAB grouped GEMM (one lane of the producer warpgroup's warp 0):
+// claims the tiles (GroupedTileScheduler), hands each to the other producer roles
+// (pipeline/tile_queue.cuh) and tags each tile's first stage with it, then streams the tile's
+// weight blocks into the stage ring by TMA. Weights depend on no earlier kernel, so the first
+// tile's first stages stream in before the dependency wait, overlapping the previous kernel's
+// tail; the last stage it fills carries the end tag (expert -1) and no bytes.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernels/mma/grouped_gemm_config.cuh"
+#include "kernels/pipeline/pipeline_state.cuh"
+#include "kernels/pipeline/tile_queue.cuh"
+#include "kernels/ptx/grid_dependency.cuh"
+#include "kernels/ptx/mbarrier.cuh"
+
+namespace megamoe::kernels {
+
+template <class Config, class Params>
+__device__ __forceinline__ void weight_producer(const Params& p, typename Config::SharedStorage& smem, int k_blocks) {
+  using namespace cute;
+  constexpr int kStages = Config::kStages;
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (BM, BK, S)
+  Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k, p.num_experts));
+  Tensor gA = local_tile(mA, typename Config::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,E)
+  // (Named tensors rather than structured bindings: the loader below captures them.)
+  const auto a_slices = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+  Tensor tAgA = get<0>(a_slices);
+  Tensor tAsA = get<1>(a_slices);
+  // A tile's first stage carries its tag, written before the stage's first arrival, which
+  // orders it before the consumers' wait (they read the tag only where a tile starts).
+  // The weights of an expert with one token tile are read once in the forward: they go into
+  // L2 first in line for eviction, and what is read again (the gathered tokens, FC1's output,
+  // the slot rows the combine reads) stays. An expert with more token tiles has them running
+  // side by side on other CTAs, so even its last tile's loads may come before another tile's
+  // reads of the same rows (with the hint there, 2048 tokens lost ~9 us).
+  auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
+    if (kb == 0) smem.stage_tile[stage] = tile;
+    ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::stage_tx_bytes(Config::tile_subtiles(tile)));
+    const auto hint = tile.expert_token_tiles == 1 ? TMA::CacheHintSm90::EVICT_FIRST : TMA::CacheHintSm90::EVICT_NORMAL;
+    copy(p.tma_a.with(smem.full[stage], 0, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
+  };
+  TileQueueState<Config> queue;
+  auto hand_over = [&](const GroupedTile& tile) { hand_over_tile<Config>(smem, queue, tile); };
+
+  // Weights and routing results do not depend on the previous kernel: the routing was
+  // complete before this grid could launch (the router and the gather each wait for their
+  // predecessor before releasing the next kernel, and this kernel releases its successor only
+  // after every CTA has started). So the first tile's first kStages weight blocks stream in
+  // before the dependency wait, overlapping the previous kernel's tail (FC1 waits for the
+  // whole previous grid after them; FC2 only per expert, in the token producer).
+  const int num_tiles = p.scheduler.num_tiles();
+  int linear = blockIdx.x;
+  int prefetched = 0;
+  GroupedTile tile{};
+  if (linear < num_tiles) {
+    tile = p.scheduler.tile(linear);
+    hand_over(tile);
+    for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(tile, prefetched, prefetched);
+  }
+  if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
+  pipeline::PipelineState<kStages> state;
+  int issued = 0;
+  while (linear < num_tiles) {
+    // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
+    const int next = p.scheduler.claim_next_tile();
+    for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
+      if (issued >= prefetched) {
+        ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
+        load_weights(tile, kb, state.stage);
+      }
+      state.advance();
+    }
+    linear = next;
+    if (linear < num_tiles) {
+      tile = p.scheduler.tile(linear);
+      hand_over(tile);
+    }
+  }
+  GroupedTile end{};
+  end.expert = -1;
+  hand_over(end);
+  // The end tag: a stage with no bytes, full after this producer's arrivals alone.
+  ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
+  smem.stage_tile[state.stage].expert = -1;
+  for (uint32_t a = 0; a < Config::kFullArrivals; ++a) ptx::mbarrier_arrive(&smem.full[state.stage]);
+}
+
+}  // namespace megamoe::kernels
