@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "cli_args.hpp"
+
 namespace {
 
 constexpr int kHangExitCode = 124;
@@ -55,10 +57,21 @@ Options parse(int argc, char** argv) {
       ++i;
       break;
     }
-    if (arg == "-n" && i + 1 < argc) {
-      o.ranks = std::atoi(argv[++i]);
-    } else if (arg == "--timeout" && i + 1 < argc) {
-      o.timeout_s = std::atof(argv[++i]);
+    if ((arg == "-n" || arg == "--timeout") && i + 1 >= argc) usage(arg + " needs a value");
+    if (arg == "-n") {
+      try {
+        o.ranks = static_cast<int>(
+            megamoe::bench::cli::parse_integer("-n", argv[++i], 1, 1024, "a rank count between 1 and 1024"));
+      } catch (const megamoe::bench::cli::UsageError& e) {
+        usage(e.what());
+      }
+    } else if (arg == "--timeout") {
+      const std::string text = argv[++i];
+      char* end = nullptr;
+      o.timeout_s = std::strtod(text.c_str(), &end);
+      if (text.empty() || *end != '\0' || !(o.timeout_s >= 0)) {
+        usage("--timeout needs a number of seconds >= 0, got '" + text + "'");
+      }
     } else if (arg == "--isolate-gpus") {
       o.isolate_gpus = true;
     } else {
@@ -66,8 +79,7 @@ Options parse(int argc, char** argv) {
     }
   }
   for (; i < argc; ++i) o.command.emplace_back(argv[i]);
-  if (o.ranks < 1 || o.ranks > 1024) usage("-n needs a rank count between 1 and 1024");
-  if (o.timeout_s < 0) usage("--timeout must be >= 0");
+  if (o.ranks == 0) usage("-n RANKS is required");
   if (o.command.empty()) usage("no program given after --");
   return o;
 }
