@@ -49,14 +49,13 @@ class MoeLayer {
 
   const MoeSpec& spec() const { return spec_; }
   int max_tokens() const { return max_tokens_; }
-  const MoeLayerOptions& options() const { return options_; }
+  const MoeLayerOptions& options() const;
   size_t workspace_bytes() const;
 
  private:
   struct Impl;
   MoeSpec spec_;
   int max_tokens_;
-  MoeLayerOptions options_;
   Impl* impl_;
 };
 

@@ -278,22 +278,38 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
   });
 }
 
+// A layer's description as the C++ API takes it, checked.
+struct CheckedLayer {
+  MoeSpec spec;
+  MoeLayerOptions options;
+};
+
 // Every check of a layer's description (the spec's shapes and routing, max_tokens and the
 // options), before weights are packed anywhere: the one place they are made for both kinds of
 // layer. The device has its own check (checked_device, the op check_device).
+CheckedLayer checked_layer(int64_t num_experts, int64_t hidden, int64_t intermediate, int64_t top_k,
+                           const std::string& precision, const std::string& scale_format, const std::string& routing,
+                           bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
+                           const std::optional<at::Tensor>& bias, int64_t max_tokens, int64_t token_tile,
+                           const std::string& fc1_token_rows, int64_t num_sms) {
+  CheckedLayer layer{spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
+                               renormalize, n_group, topk_group, routed_scaling_factor, bias),
+                     options_from(token_tile, fc1_token_rows, num_sms)};
+  translating_errors([&] {
+    validate(layer.spec);
+    validate_max_tokens(max_tokens);
+    validate(layer.options, layer.spec);
+  });
+  return layer;
+}
+
 void check_layer(int64_t num_experts, int64_t hidden, int64_t intermediate, int64_t top_k,
                  const std::string& precision, const std::string& scale_format, const std::string& routing,
                  bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                  const std::optional<at::Tensor>& bias, int64_t max_tokens, int64_t token_tile,
                  const std::string& fc1_token_rows, int64_t num_sms) {
-  const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
-                                 renormalize, n_group, topk_group, routed_scaling_factor, bias);
-  const MoeLayerOptions options = options_from(token_tile, fc1_token_rows, num_sms);
-  translating_errors([&] {
-    validate(spec);
-    validate_max_tokens(max_tokens);
-    validate(options, spec);
-  });
+  checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, routing, renormalize, n_group,
+                topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms);
 }
 
 int64_t check_device(int64_t device_index) { return checked_device(device_index); }
@@ -333,17 +349,15 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const 
                      const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
                      double routed_scaling_factor, const std::optional<at::Tensor>& bias, int64_t max_tokens,
                      int64_t token_tile, const std::string& fc1_token_rows, int64_t num_sms, int64_t device_index) {
-  check_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, routing, renormalize, n_group,
-              topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms);
-  const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
-                                 renormalize, n_group, topk_group, routed_scaling_factor, bias);
-  const PackedWeightsView view = packed_view(spec, spec.num_experts, w13, w13_scales, w2, w2_scales);
+  const CheckedLayer layer =
+      checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, routing, renormalize, n_group,
+                    topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms);
+  const PackedWeightsView view = packed_view(layer.spec, layer.spec.num_experts, w13, w13_scales, w2, w2_scales);
   const c10::DeviceIndex device = checked_device(device_index);
   return translating_errors([&] {
     c10::cuda::CUDAGuard guard(device);
     wait_for_packing(w13);
-    RegisteredLayer entry{std::make_unique<MoeLayer>(spec, view, static_cast<int>(max_tokens),
-                                                     options_from(token_tile, fc1_token_rows, num_sms)),
+    RegisteredLayer entry{std::make_unique<MoeLayer>(layer.spec, view, static_cast<int>(max_tokens), layer.options),
                           device};
     return registry().add(std::move(entry));
   });
@@ -432,15 +446,14 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
                         int64_t top_k, const std::string& precision, const std::string& scale_format,
                         int64_t max_tokens, const std::string& rendezvous_dir, int64_t rank, int64_t world_size,
                         int64_t device_index) {
-  check_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed", false, 1, 1, 1.0,
-              std::nullopt, max_tokens, 0, "auto", 0);
+  const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
+                                     false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0)
+                           .spec;
   checked_int(world_size, "world_size", 1);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
                     ")");
   TORCH_CHECK_VALUE(num_experts % world_size == 0, "megamoe: num_experts=", num_experts,
                     " must be a multiple of the world size ", world_size, " (each rank holds E / world experts)");
-  const MoeSpec spec = spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
-                                 false, 1, 1, 1.0, std::nullopt);
   const PackedWeightsView view =
       packed_view(spec, static_cast<int>(num_experts / world_size), w13, w13_scales, w2, w2_scales);
   const c10::DeviceIndex device = checked_device(device_index);

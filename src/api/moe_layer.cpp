@@ -166,7 +166,7 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeights& weights, int max_to
 
 MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int max_tokens,
                    const MoeLayerOptions& options)
-    : spec_(spec), max_tokens_(max_tokens), options_(options), impl_(nullptr) {
+    : spec_(spec), max_tokens_(max_tokens), impl_(nullptr) {
   validate(spec);
   validate(options, spec);
   validate_packed(spec, weights);
@@ -225,6 +225,8 @@ MoeLayer::~MoeLayer() { delete impl_; }
 
 size_t MoeLayer::workspace_bytes() const { return impl_->plan.workspace.total_bytes; }
 
+const MoeLayerOptions& MoeLayer::options() const { return impl_->plan.options; }
+
 namespace {
 
 // The rows a forward's tiles are chosen for: the caller's expectation of the device count, or T.
@@ -244,7 +246,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   kernels::MoeLayerParams params = impl_->params;
   const auto* grouped = std::get_if<DeepseekGrouped>(&routing);
   set_routing_params(params, routing, grouped ? impl_->bias_buffer(grouped->e_score_correction_bias, stream) : nullptr);
-  const CombineMode mode = combine.value_or(options_.combine);
+  const CombineMode mode = combine.value_or(impl_->plan.options.combine);
   const plan::ForwardPlan plan = plan::plan_forward(spec_, impl_->plan, planned_tokens(inputs), mode, impl_->facts,
                                                     plan::PlanDetail::decisions);
   const kernels::MoeLaunchChoices choices{plan.token_tile,     plan.fc1_copies_token_rows,
@@ -264,7 +266,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
 std::string MoeLayer::describe_plan(int tokens, std::optional<CombineMode> combine) const {
   std::ostringstream os;
   os << spec_ << "\n" << impl_->plan << "\n"
-     << plan::plan_forward(spec_, impl_->plan, tokens, combine.value_or(options_.combine), impl_->facts);
+     << plan::plan_forward(spec_, impl_->plan, tokens, combine.value_or(impl_->plan.options.combine), impl_->facts);
   return os.str();
 }
 

@@ -43,6 +43,11 @@ double mean_rows_per_expert(const MoeSpec& spec, int tokens) {
 // Poisson-like: the deviation is the mean's square root).
 double rows_to_cover(double mean_rows) { return mean_rows + kTokenTileSpread * std::sqrt(mean_rows); }
 
+// fc1_copies_token_rows' rule, from the mean rows per touched expert.
+bool copies_rows_for(const MoeSpec& spec, double mean_rows) {
+  return spec.precision == Precision::fp8_block && mean_rows <= kMaxRowsPerExpertForRowCopy;
+}
+
 int token_tile_for_rows(double mean_rows) {
   return std::clamp(next_pow2(static_cast<int>(std::ceil(rows_to_cover(mean_rows)))), kMinTokenTile,
                     layout::kGemmMaxTokenTile);
@@ -102,7 +107,7 @@ int choose_token_tile(const MoeSpec& spec, int tokens) {
 }
 
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens) {
-  return spec.precision == Precision::fp8_block && mean_rows_per_expert(spec, tokens) <= kMaxRowsPerExpertForRowCopy;
+  return copies_rows_for(spec, mean_rows_per_expert(spec, tokens));
 }
 
 DeviceFacts DeviceFacts::h200_measured() {
@@ -138,7 +143,6 @@ LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions&
   LayerPlan plan;
   plan.max_tokens = max_tokens;
   plan.options = options;
-  plan.device_sms = facts.num_sms;
   // Each expert's pool segment is padded to the widest token tile a call may take: the option's,
   // or the planner's at max_tokens (the tile grows with the token count).
   const int row_padding = options.token_tile != 0 ? options.token_tile : choose_token_tile(spec, max_tokens);
@@ -168,7 +172,7 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   }
   const bool fp8 = spec.precision == Precision::fp8_block;
   switch (o.fc1_token_rows) {
-    case Fc1TokenRows::automatic: p.fc1_copies_token_rows = fc1_copies_token_rows(spec, tokens); break;
+    case Fc1TokenRows::automatic: p.fc1_copies_token_rows = copies_rows_for(spec, mean_rows); break;
     case Fc1TokenRows::pool: p.fc1_copies_token_rows = false; break;
     case Fc1TokenRows::row_copy: p.fc1_copies_token_rows = fp8; break;
   }

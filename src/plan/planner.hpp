@@ -53,7 +53,6 @@ bool fc1_copies_token_rows(const MoeSpec& spec, int tokens);
 struct LayerPlan {
   int max_tokens = 0;
   MoeLayerOptions options;
-  int device_sms = 0;
   layout::MoeWorkspaceLayout workspace;
 };
 
