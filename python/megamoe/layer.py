@@ -25,7 +25,6 @@ from megamoe.routing import (
 )
 
 PRECISIONS = ("bf16", "fp8_block")
-FC1_TOKEN_ROWS = ("auto", "pool", "row_copy")
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 _PRECOMPUTED = PrecomputedRouting()
 
