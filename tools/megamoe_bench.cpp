@@ -43,7 +43,7 @@ void print_usage() {
       "                     [--precision bf16|fp8_block] [--scales fp32|ue8m0]\n"
       "                     [--routing auto|softmax|grouped|precomputed] [--experts N] [--seed S]\n"
       "                     [--token-tile auto|16|32|64] [--fc1-token-rows auto|pool|row_copy]\n"
-      "                     [--combine deterministic|fast] [--num-sms N]\n"
+      "                     [--combine deterministic|fast] [--num-sms N] [--launch auto|per_stage|single_kernel]\n"
       "                     [--json PATH] [--cpu] [--breakdown] [--warm-l2] [--print-plan]\n"
       "Options take their value as --flag value or --flag=value.\n"
       "  --workload        named workload (default qwen35-a3b)\n"
@@ -58,6 +58,7 @@ void print_usage() {
       "  --fc1-token-rows  MoeLayerOptions::fc1_token_rows: where fp8 FC1 reads its rows (default auto)\n"
       "  --combine         MoeLayerOptions::combine, the forward's combine (default deterministic)\n"
       "  --num-sms         MoeLayerOptions::num_sms: CTAs of the GEMMs (default 0, every SM)\n"
+      "  --launch          MoeLayerOptions::launch: five kernels or one (default auto, the planner's)\n"
       "  --json PATH       also write the measured figures as JSON (one record per token count)\n"
       "  --cpu             run the CPU reference even when a Hopper GPU is present\n"
       "  --breakdown       GPU: also time the forward's CUDA graph cut after each node (where time goes)\n"
@@ -78,6 +79,9 @@ const Choices<std::string> kRoutings = {
     {"auto", "auto"}, {"softmax", "softmax"}, {"grouped", "grouped"}, {"precomputed", "precomputed"}};
 const Choices<Fc1TokenRows> kFc1TokenRows = {
     {"auto", Fc1TokenRows::automatic}, {"pool", Fc1TokenRows::pool}, {"row_copy", Fc1TokenRows::row_copy}};
+const Choices<ForwardLaunch> kLaunches = {{"auto", ForwardLaunch::automatic},
+                                          {"per_stage", ForwardLaunch::per_stage},
+                                          {"single_kernel", ForwardLaunch::single_kernel}};
 const Choices<CombineMode> kCombineModes = {{"deterministic", CombineMode::deterministic},
                                             {"fast", CombineMode::fast}};
 
@@ -123,6 +127,7 @@ Options parse(int argc, char** argv) {
                    [&](Value v) { o.layer.fc1_token_rows = parse_choice("--fc1-token-rows", v, kFc1TokenRows); }),
       value_option("--combine", [&](Value v) { o.layer.combine = parse_choice("--combine", v, kCombineModes); }),
       value_option("--num-sms", [&](Value v) { o.layer.num_sms = parse_option_int("--num-sms", v, "an integer"); }),
+      value_option("--launch", [&](Value v) { o.layer.launch = parse_choice("--launch", v, kLaunches); }),
   });
   return o;
 }
@@ -160,11 +165,13 @@ Json options_json(const MoeLayerOptions& options) {
       .set("token_tile", options.token_tile)
       .set("fc1_token_rows", to_string(options.fc1_token_rows))
       .set("combine", to_string(options.combine))
-      .set("num_sms", options.num_sms);
+      .set("num_sms", options.num_sms)
+      .set("launch", to_string(options.launch));
 }
 
 Json& set_plan_decisions(Json& record, const plan::ForwardPlan& plan) {
   return record.set("token_tile", plan.token_tile)
+      .set("single_kernel", plan.single_kernel)
       .set("fc1_copies_token_rows", plan.fc1_copies_token_rows)
       .set("combine", to_string(plan.combine))
       .set("grid", plan.grid);

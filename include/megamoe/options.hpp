@@ -22,6 +22,14 @@ enum class Fc1TokenRows {
   row_copy,   // copied by FC1 from one quantized row per token (fp8_block only)
 };
 
+// How a forward is launched (docs/design.md#single-kernel-forward). Both give the same output bit
+// for bit; they differ in speed only.
+enum class ForwardLaunch {
+  automatic,      // the planner's choice per call
+  per_stage,      // five kernels: router, gather, FC1, FC2, combine
+  single_kernel,  // one persistent kernel; FC1 reads the pool, token tiles of 16 or 32
+};
+
 struct MoeLayerOptions {
   // Tokens one GEMM tile takes per expert: 16, 32 or 64 for every call, or 0 for the planner's
   // choice per call (docs/decisions.md#token-tile). The output does not depend on it.
@@ -32,6 +40,7 @@ struct MoeLayerOptions {
   // Persistent CTAs of the GEMMs, at most one per SM: 0 for every SM of the device, or fewer to
   // leave SMs to work on other streams (communication kernels beside the layer).
   int num_sms = 0;
+  ForwardLaunch launch = ForwardLaunch::automatic;
 };
 
 // Throws megamoe::Error(invalid_argument) naming the field and what it takes.
@@ -45,6 +54,7 @@ void validate_max_tokens(long long max_tokens);
 
 const char* to_string(CombineMode mode);
 const char* to_string(Fc1TokenRows rows);
+const char* to_string(ForwardLaunch launch);
 std::ostream& operator<<(std::ostream& os, const MoeLayerOptions& options);
 
 }  // namespace megamoe

@@ -104,7 +104,7 @@ void set_routing_params(kernels::MoeLayerParams& p, const Routing& routing, cons
 }
 
 // A distinct set of launch choices, printed once under MEGAMOE_PRINT_CONFIGS=1.
-using ChoiceKey = std::tuple<int, bool, bool, int>;
+using ChoiceKey = std::tuple<int, bool, bool, bool, int>;
 
 }  // namespace
 
@@ -249,12 +249,17 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   const CombineMode mode = combine.value_or(impl_->plan.options.combine);
   const plan::ForwardPlan plan = plan::plan_forward(spec_, impl_->plan, planned_tokens(inputs), mode, impl_->facts,
                                                     plan::PlanDetail::decisions);
-  const kernels::MoeLaunchChoices choices{plan.token_tile,     plan.fc1_copies_token_rows,
-                                          mode == CombineMode::deterministic, plan.grid,
-                                          plan.fc1.stages,     plan.fc2.stages};
-  if (print_configs() &&
-      impl_->printed.insert({choices.token_tile, choices.fc1_copies_token_rows, choices.deterministic, choices.grid})
-          .second) {
+  const kernels::MoeLaunchChoices choices{plan.token_tile,
+                                          plan.fc1_copies_token_rows,
+                                          mode == CombineMode::deterministic,
+                                          plan.single_kernel,
+                                          plan.grid,
+                                          plan.fc1.stages,
+                                          plan.fc2.stages};
+  if (print_configs() && impl_->printed
+                             .insert({choices.token_tile, choices.fc1_copies_token_rows, choices.deterministic,
+                                      choices.single_kernel, choices.grid})
+                             .second) {
     std::cerr << "megamoe: " << spec_ << "\n  " << impl_->plan << "\n  "
               << plan::plan_forward(spec_, impl_->plan, plan.tokens, mode, impl_->facts) << "\n";
   }

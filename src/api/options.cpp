@@ -18,6 +18,17 @@ void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
                 std::string("options.fc1_token_rows=row_copy copies x's fp8 rows: it needs precision fp8_block, not ") +
                     to_string(spec.precision));
   }
+  if (options.launch == ForwardLaunch::single_kernel) {
+    if (options.fc1_token_rows == Fc1TokenRows::row_copy) {
+      throw Error(ErrorCode::invalid_argument,
+                  "options.launch=single_kernel reads FC1's rows from the pool: it takes fc1_token_rows=auto or pool, "
+                  "not row_copy");
+    }
+    if (options.token_tile == 64) {
+      throw Error(ErrorCode::invalid_argument,
+                  "options.launch=single_kernel takes token tiles of 16 or 32 (or 0), not 64");
+    }
+  }
   if (options.num_sms < 0) {
     throw Error(ErrorCode::invalid_argument, "options.num_sms=" + std::to_string(options.num_sms) +
                                                  " must be >= 0 (0: every SM of the device)");
@@ -42,6 +53,15 @@ const char* to_string(Fc1TokenRows rows) {
   return "?";
 }
 
+const char* to_string(ForwardLaunch launch) {
+  switch (launch) {
+    case ForwardLaunch::automatic: return "auto";
+    case ForwardLaunch::per_stage: return "per_stage";
+    case ForwardLaunch::single_kernel: return "single_kernel";
+  }
+  return "?";
+}
+
 std::ostream& operator<<(std::ostream& os, const MoeLayerOptions& o) {
   os << "MoeLayerOptions{token_tile=";
   if (o.token_tile == 0) {
@@ -55,7 +75,7 @@ std::ostream& operator<<(std::ostream& os, const MoeLayerOptions& o) {
   } else {
     os << o.num_sms;
   }
-  return os << "}";
+  return os << ", launch=" << to_string(o.launch) << "}";
 }
 
 }  // namespace megamoe

@@ -23,9 +23,9 @@ int next_pow2(int v) {
 
 long long ceil_div(long long a, long long b) { return (a + b - 1) / b; }
 
-std::string format(const char* fmt, long long a, long long b = 0, long long c = 0) {
+std::string format(const char* fmt, long long a, long long b = 0, long long c = 0, long long d = 0) {
   char buffer[256];
-  std::snprintf(buffer, sizeof buffer, fmt, a, b, c);
+  std::snprintf(buffer, sizeof buffer, fmt, a, b, c, d);
   return buffer;
 }
 
@@ -165,6 +165,16 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   p.tokens = tokens;
   p.expected_rows_per_expert = static_cast<int>(std::ceil(mean_rows));
   p.token_tile = o.token_tile != 0 ? o.token_tile : token_tile_for_rows(mean_rows);
+  switch (o.launch) {
+    case ForwardLaunch::automatic:
+      p.single_kernel = p.token_tile <= kMaxSingleKernelTokenTile && tokens <= kMaxSingleKernelTokens;
+      break;
+    case ForwardLaunch::per_stage: p.single_kernel = false; break;
+    case ForwardLaunch::single_kernel:
+      p.single_kernel = true;
+      p.token_tile = std::min(p.token_tile, kMaxSingleKernelTokenTile);  // validate() refused an explicit 64
+      break;
+  }
   if (p.token_tile > layer.workspace.row_padding) {
     throw Error(ErrorCode::unsupported, format("internal: token tile %lld exceeds the workspace padding %lld "
                                                "(planner bug)",
@@ -172,7 +182,7 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   }
   const bool fp8 = spec.precision == Precision::fp8_block;
   switch (o.fc1_token_rows) {
-    case Fc1TokenRows::automatic: p.fc1_copies_token_rows = copies_rows_for(spec, mean_rows); break;
+    case Fc1TokenRows::automatic: p.fc1_copies_token_rows = !p.single_kernel && copies_rows_for(spec, mean_rows); break;
     case Fc1TokenRows::pool: p.fc1_copies_token_rows = false; break;
     case Fc1TokenRows::row_copy: p.fc1_copies_token_rows = fp8; break;
   }
@@ -190,8 +200,28 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
                                p.token_tile, p.expected_rows_per_expert,
                                static_cast<long long>(std::ceil(rows_to_cover(mean_rows)))));
   }
+  if (o.launch != ForwardLaunch::automatic) {
+    p.reasons.push_back(std::string(p.single_kernel ? "one persistent kernel" : "five kernels") +
+                        ": options.launch=" + to_string(o.launch) +
+                        (p.single_kernel && o.token_tile == 0 ? format(" (token tile at most %lld)",
+                                                                        static_cast<long long>(kMaxSingleKernelTokenTile))
+                                                              : std::string()));
+  } else if (p.single_kernel) {
+    p.reasons.push_back(format("one persistent kernel: %lld tokens <= %lld and token tile %lld <= %lld", tokens,
+                               static_cast<long long>(kMaxSingleKernelTokens), p.token_tile,
+                               static_cast<long long>(kMaxSingleKernelTokenTile)));
+  } else if (kMaxSingleKernelTokens == 0) {
+    p.reasons.push_back("five kernels: the single kernel is opt-in (options.launch=single_kernel), not yet faster");
+  } else {
+    p.reasons.push_back(format("five kernels: the single kernel takes at most %lld tokens and token tiles of at "
+                               "most %lld",
+                               static_cast<long long>(kMaxSingleKernelTokens),
+                               static_cast<long long>(kMaxSingleKernelTokenTile)));
+  }
   if (!fp8) {
     p.reasons.push_back("FC1 reads the gathered pool: rows are copied from x's fp8 copy only");
+  } else if (p.single_kernel) {
+    p.reasons.push_back("FC1 reads the gathered pool: the single kernel's FC1 loads rows by TMA");
   } else if (o.fc1_token_rows != Fc1TokenRows::automatic) {
     p.reasons.push_back(std::string("FC1 ") + (p.fc1_copies_token_rows ? "copies its token rows" : "reads the pool") +
                         ": options.fc1_token_rows=" + to_string(o.fc1_token_rows));
@@ -238,8 +268,8 @@ std::ostream& operator<<(std::ostream& os, const LayerPlan& p) {
 }
 
 std::ostream& operator<<(std::ostream& os, const ForwardPlan& p) {
-  os << "forward of " << p.tokens << " tokens (~" << p.expected_rows_per_expert << " rows per touched expert): token tile "
-     << p.token_tile << ", FC1 " << (p.fc1_copies_token_rows ? "copies token rows" : "reads the pool") << ", combine "
+  os << "forward of " << p.tokens << " tokens (~" << p.expected_rows_per_expert << " rows per touched expert): "
+     << (p.single_kernel ? "one kernel" : "five kernels") << ", token tile " << p.token_tile << ", FC1 " << (p.fc1_copies_token_rows ? "copies token rows" : "reads the pool") << ", combine "
      << to_string(p.combine) << ", grid " << p.grid;
   for (const std::string& reason : p.reasons) os << "\n    - " << reason;
   return os << "\n  " << p.fc1 << "\n  " << p.fc2;

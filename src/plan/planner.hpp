@@ -48,6 +48,14 @@ int choose_token_tile(const MoeSpec& spec, int tokens);
 inline constexpr double kMaxRowsPerExpertForRowCopy = 40;
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens);
 
+// Whether a forward runs as one persistent kernel (kernels/impls/sm90_moe_single_kernel.cuh)
+// instead of five: options.launch names it, or under options.launch=auto where the planned token
+// tile is at most kMaxSingleKernelTokenTile (FC2 spills at 64 inside that kernel) and the call has
+// at most kMaxSingleKernelTokens tokens. That is none today: the single kernel was slower than the
+// five in every bucket measured (docs/design.md#single-kernel-forward).
+inline constexpr int kMaxSingleKernelTokenTile = 32;
+inline constexpr int kMaxSingleKernelTokens = 0;
+
 // The layer's plan, fixed when it is built: its options and the workspace for up to max_tokens
 // tokens, padded for the widest token tile any call may take.
 struct LayerPlan {
@@ -62,6 +70,7 @@ struct ForwardPlan {
   int tokens = 0;                       // the rows the tiles were chosen for
   int expected_rows_per_expert = 0;     // under uniform routing
   int token_tile = 0;                   // 16, 32 or 64, for FC1 and FC2
+  bool single_kernel = false;           // one persistent launch, else five
   bool fc1_copies_token_rows = false;
   CombineMode combine = CombineMode::deterministic;
   int grid = 0;                         // persistent CTAs of each GEMM

@@ -53,6 +53,7 @@ struct LayerFixture {
   ref::RandomWeights weights;
   PackedWeights packed;
   std::unique_ptr<MoeLayer> layer;
+  std::unique_ptr<MoeLayer> single_kernel_layer;  // the same weights, options.launch = single_kernel
 };
 
 inline constexpr int kMaxTokens = 4096;
@@ -96,6 +97,8 @@ inline LayerFixture& fixture_for(const Case& c, uint64_t seed) {
     f->weights = ref::make_random_weights(spec, seed);
     f->packed = prepare_weights(spec, f->weights.view());
     f->layer = std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens);
+    f->single_kernel_layer =
+        std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens, MoeLayerOptions{.launch = ForwardLaunch::single_kernel});
     cached = std::move(f);
     cached_key = key.str();
   }
@@ -205,6 +208,43 @@ inline Comparison compare(const std::vector<bf16_t>& device, const std::vector<d
   c.rel_l2 = std::sqrt(diff / std::max(norm, 1e-300));
   return c;
 }
+
+// One call's device buffers, uploaded once (the output poisoned).
+struct DeviceCall {
+  test::DeviceBuffer<bf16_t> x, y;
+  test::DeviceBuffer<float> logits;
+  int tokens;
+  DeviceCall(const MoeSpec& spec, const Inputs& in, int t)
+      : x(in.x.size()), y(static_cast<size_t>(t) * spec.hidden), logits(in.logits.size()), tokens(t) {
+    x.upload(in.x);
+    logits.upload(in.logits);
+    y.poison();
+  }
+  MoeInputs inputs() const { return MoeInputs{tokens, x.get(), logits.get(), nullptr, nullptr}; }
+};
+
+// One call's device buffers with precomputed routing and a device token count (`valid`), uploaded
+// once; the caller poisons y before each forward.
+struct PrecomputedCall {
+  test::DeviceBuffer<bf16_t> x, y;
+  test::DeviceBuffer<float> weights;
+  test::DeviceBuffer<int32_t> ids, valid;
+  int tokens;
+  PrecomputedCall(const MoeSpec& spec, const Inputs& in, int t)
+      : x(in.x.size()), y(static_cast<size_t>(t) * spec.hidden), weights(in.weights.size()), ids(in.ids.size()),
+        valid(1), tokens(t) {
+    x.upload(in.x);
+    ids.upload(in.ids);
+    weights.upload(in.weights);
+  }
+  // The call with `count` real rows on the device.
+  MoeInputs inputs(int count) {
+    valid.upload(std::vector<int32_t>{count});
+    MoeInputs call{tokens, x.get(), nullptr, ids.get(), weights.get()};
+    call.num_valid_tokens = valid.get();
+    return call;
+  }
+};
 
 // y of one forward of `tokens` rows of `in` on `layer` (the layer's routing, or `routing`).
 inline std::vector<bf16_t> run_device(MoeLayer& layer, const MoeSpec& spec, const Inputs& in, int tokens,

@@ -1,5 +1,6 @@
 // MoeLayer on a Hopper GPU against the CPU reference: fp8_block tightly against the
-// quantization-emulating fp64 reference and loosely against unquantized math, bf16 against fp64.
+// quantization-emulating fp64 reference and loosely against unquantized math, bf16 against fp64;
+// each case also through the single-kernel forward, against the five kernels' bits.
 // Outputs are poisoned (NaN) before every run; inputs are fresh random data.
 #include "megamoe/layer.hpp"
 
@@ -95,6 +96,19 @@ TEST_P(MoeLayerVsReference, MatchesCpuReference) {
   EXPECT_LT(loose.rel_l2, c.precision == Precision::fp8_block ? 0.1 : 1e-2);
   RecordProperty("rel_l2_vs_reference", std::to_string(tight.rel_l2));
   RecordProperty("rel_l2_vs_unquantized", std::to_string(loose.rel_l2));
+
+  // The single-kernel forward: the same bits as the five kernels where the combine is
+  // deterministic, the same bounds where it is not.
+  SCOPED_TRACE("single-kernel forward");
+  const std::vector<bf16_t> single = run_device(*f.single_kernel_layer, f.spec, in, c.tokens, c.combine);
+  EXPECT_EQ(f.single_kernel_layer->take_invalid_routing_ids(nullptr), 0);
+  if (c.combine == CombineMode::deterministic) {
+    EXPECT_EQ(std::memcmp(single.data(), y.data(), y.size() * sizeof(bf16_t)), 0);
+  } else {
+    const Comparison single_tight = compare(take_rows(single, f.spec.hidden, rows), ref.y);
+    EXPECT_EQ(single_tight.non_finite, 0);
+    expect_tight(c.precision, single_tight);
+  }
 }
 
 std::vector<Case> cases() {
@@ -369,20 +383,12 @@ void expect_only_valid_rows_computed(test::SeededRng& rng, const Case& c) {
   LayerFixture& f = fixture_for(c, rng.seed());
   const int H = f.spec.hidden;
   const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
-  test::DeviceBuffer<bf16_t> x(in.x.size()), y(static_cast<size_t>(c.tokens) * H);
-  test::DeviceBuffer<float> weights(in.weights.size());
-  test::DeviceBuffer<int32_t> ids(in.ids.size()), valid(1);
-  x.upload(in.x);
-  ids.upload(in.ids);
-  weights.upload(in.weights);
+  test::PrecomputedCall device_call(f.spec, in, c.tokens);
   for (const int count : {rng.integer(1, c.tokens - 1), 0, c.tokens + 5}) {
-    valid.upload(std::vector<int32_t>{count});
-    y.poison();
-    MoeInputs call{c.tokens, x.get(), nullptr, ids.get(), weights.get()};
-    call.num_valid_tokens = valid.get();
-    f.layer->forward(nullptr, call, MoeOutputs{y.get()});
+    device_call.y.poison();
+    f.layer->forward(nullptr, device_call.inputs(count), MoeOutputs{device_call.y.get()});
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<bf16_t> got = y.download();
+    const std::vector<bf16_t> got = device_call.y.download();
     const int rows = std::min(count, c.tokens);
     if (rows > 0) {
       std::vector<bf16_t> want(static_cast<size_t>(rows) * H);

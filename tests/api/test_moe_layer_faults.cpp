@@ -27,19 +27,7 @@ using test::LayerFixture;
 using test::RoutingKind;
 using test::Skew;
 
-// One call's device buffers, uploaded once.
-struct DeviceCall {
-  test::DeviceBuffer<bf16_t> x, y;
-  test::DeviceBuffer<float> logits;
-  int tokens;
-  DeviceCall(const MoeSpec& spec, const Inputs& in, int t)
-      : x(in.x.size()), y(static_cast<size_t>(t) * spec.hidden), logits(in.logits.size()), tokens(t) {
-    x.upload(in.x);
-    logits.upload(in.logits);
-    y.poison();
-  }
-  MoeInputs inputs() const { return MoeInputs{tokens, x.get(), logits.get(), nullptr, nullptr}; }
-};
+using test::DeviceCall;
 
 // The small fp8 layer with softmax routing most of these tests run.
 LayerFixture& small_layer(test::SeededRng& rng) {

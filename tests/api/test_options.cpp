@@ -37,6 +37,7 @@ TEST(Options, DefaultsLeaveEveryChoiceToThePlanner) {
   EXPECT_EQ(o.fc1_token_rows, Fc1TokenRows::automatic);
   EXPECT_EQ(o.combine, CombineMode::deterministic);
   EXPECT_EQ(o.num_sms, 0);
+  EXPECT_EQ(o.launch, ForwardLaunch::automatic);
   EXPECT_EQ(rejection(o), "");
   EXPECT_EQ(rejection(o, Precision::bf16), "");
 }
@@ -63,14 +64,29 @@ TEST(Options, NumSmsIsACountOrZero) {
   EXPECT_NE(rejection({.num_sms = -1}).find("options.num_sms=-1"), std::string::npos);
 }
 
+TEST(Options, TheSingleKernelTakesPoolRowsAndNarrowTiles) {
+  for (ForwardLaunch launch : {ForwardLaunch::automatic, ForwardLaunch::per_stage, ForwardLaunch::single_kernel}) {
+    EXPECT_EQ(rejection({.launch = launch}), "");
+    EXPECT_EQ(rejection({.launch = launch}, Precision::bf16), "");
+    EXPECT_EQ(rejection({.token_tile = 32, .fc1_token_rows = Fc1TokenRows::pool, .launch = launch}), "");
+  }
+  const std::string row_copy = rejection({.fc1_token_rows = Fc1TokenRows::row_copy, .launch = ForwardLaunch::single_kernel});
+  EXPECT_NE(row_copy.find("options.launch=single_kernel reads FC1's rows from the pool"), std::string::npos) << row_copy;
+  const std::string wide = rejection({.token_tile = 64, .launch = ForwardLaunch::single_kernel});
+  EXPECT_NE(wide.find("token tiles of 16 or 32"), std::string::npos) << wide;
+  EXPECT_EQ(rejection({.token_tile = 64, .launch = ForwardLaunch::per_stage}), "");
+}
+
 TEST(Options, PrintEveryField) {
   std::ostringstream os;
   os << MoeLayerOptions{.token_tile = 32, .fc1_token_rows = Fc1TokenRows::pool, .combine = CombineMode::fast,
-                        .num_sms = 100};
-  EXPECT_EQ(os.str(), "MoeLayerOptions{token_tile=32, fc1_token_rows=pool, combine=fast, num_sms=100}");
+                        .num_sms = 100, .launch = ForwardLaunch::single_kernel};
+  EXPECT_EQ(os.str(),
+            "MoeLayerOptions{token_tile=32, fc1_token_rows=pool, combine=fast, num_sms=100, launch=single_kernel}");
   std::ostringstream defaults;
   defaults << MoeLayerOptions{};
-  EXPECT_EQ(defaults.str(), "MoeLayerOptions{token_tile=auto, fc1_token_rows=auto, combine=deterministic, num_sms=all}");
+  EXPECT_EQ(defaults.str(),
+            "MoeLayerOptions{token_tile=auto, fc1_token_rows=auto, combine=deterministic, num_sms=all, launch=auto}");
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -124,6 +125,7 @@ TEST(Planner, TheExplainedPlanHoldsTheLaunchedDecisions) {
         EXPECT_EQ(launched.fc1_copies_token_rows, printed.fc1_copies_token_rows);
         EXPECT_EQ(launched.combine, printed.combine);
         EXPECT_EQ(launched.grid, printed.grid);
+        EXPECT_EQ(launched.single_kernel, printed.single_kernel);
         EXPECT_EQ(launched.fc1.stages, printed.fc1.stages);
         EXPECT_EQ(launched.fc2.stages, printed.fc2.stages);
       }
@@ -153,6 +155,29 @@ TEST(Planner, OptionsReplaceThePlannersChoices) {
   }
   EXPECT_FALSE(forward_plan(spec, 1, 8192, {.fc1_token_rows = Fc1TokenRows::pool}).fc1_copies_token_rows);
   EXPECT_EQ(forward_plan(spec, 1, 8192, {.num_sms = 1000}).grid, 132) << "never more CTAs than SMs";
+}
+
+// The single kernel runs where options.launch names it, with its token tile capped at 32 and FC1
+// reading the pool; under auto it runs where kMaxSingleKernelTokens lets it (today nowhere: it
+// was slower than the five kernels in every bucket measured, docs/design.md#single-kernel-forward).
+TEST(Planner, TheSingleKernelRunsWhereTheOptionOrTheRuleSaysSo) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  for (int tokens : {1, 16, 128, 2048, 8192}) {
+    SCOPED_TRACE(tokens);
+    const ForwardPlan automatic = forward_plan(spec, tokens, 8192);
+    EXPECT_EQ(automatic.single_kernel,
+              tokens <= kMaxSingleKernelTokens && automatic.token_tile <= kMaxSingleKernelTokenTile);
+    EXPECT_FALSE(forward_plan(spec, tokens, 8192, {.launch = ForwardLaunch::per_stage}).single_kernel);
+    const ForwardPlan single = forward_plan(spec, tokens, 8192, {.launch = ForwardLaunch::single_kernel});
+    EXPECT_TRUE(single.single_kernel);
+    EXPECT_LE(single.token_tile, kMaxSingleKernelTokenTile);
+    EXPECT_EQ(single.token_tile, std::min(automatic.token_tile, kMaxSingleKernelTokenTile));
+    EXPECT_FALSE(single.fc1_copies_token_rows);
+    std::ostringstream os;
+    os << single;
+    EXPECT_NE(os.str().find("one kernel"), std::string::npos) << os.str();
+    EXPECT_NE(os.str().find("options.launch=single_kernel"), std::string::npos) << os.str();
+  }
 }
 
 // A layer whose option fixes the token tile pads its pool for that tile, not the planner's.

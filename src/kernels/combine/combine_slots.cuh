@@ -27,27 +27,15 @@ struct CombineParams {
   __nv_bfloat16* y;               // [T, H]
 };
 
+// Output vector `index` (token index / (H/8), channels 8 x the rest); past the valid tokens, nothing.
 template <bool kDeterministic>
-__global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
+__device__ __forceinline__ void combine_vector(const CombineParams& p, long index, int valid) {
   constexpr int kVector = Bf16x8Sum::kChannels;
   const int vectors_per_token = p.hidden / kVector;
-  const long index = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= static_cast<long>(valid) * vectors_per_token) return;
   const int token = static_cast<int>(index / vectors_per_token);
   const int column = static_cast<int>(index % vectors_per_token) * kVector;
   const size_t first_slot = static_cast<size_t>(token) * p.top_k;
-  // The routing is complete before this grid can launch (the gather released its successors only
-  // after waiting for the router), so the token's ids and weights come into L1 while FC2 finishes:
-  // after the wait only the slot rows are a round trip away.
-  if (kDeterministic && token < p.num_tokens) {
-    ptx::prefetch_l1(p.routed_ids + first_slot);
-    ptx::prefetch_l1(p.routed_ids + first_slot + p.top_k - 1);
-    ptx::prefetch_l1(p.routed_weights + first_slot);
-    ptx::prefetch_l1(p.routed_weights + first_slot + p.top_k - 1);
-  }
-  ptx::wait_for_prerequisite_grids();
-  ptx::allow_dependent_launch();
-  if (index >= static_cast<long>(valid_tokens(p.num_tokens, p.num_valid_tokens)) * vectors_per_token) return;
-
   Bf16x8Sum sum;
   if constexpr (kDeterministic) {
     sum.add_rows<8>(p.top_k, [&](int j, const uint4*& row, float& weight) {
@@ -62,6 +50,26 @@ __global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
     s[0] = lo.x, s[1] = lo.y, s[2] = lo.z, s[3] = lo.w, s[4] = hi.x, s[5] = hi.y, s[6] = hi.z, s[7] = hi.w;
   }
   reinterpret_cast<uint4*>(p.y + static_cast<size_t>(token) * p.hidden + column)[0] = sum.rounded();
+}
+
+template <bool kDeterministic>
+__global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
+  const int vectors_per_token = p.hidden / Bf16x8Sum::kChannels;
+  const long index = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int token = static_cast<int>(index / vectors_per_token);
+  const size_t first_slot = static_cast<size_t>(token) * p.top_k;
+  // The routing is complete before this grid can launch (the gather released its successors only
+  // after waiting for the router), so the token's ids and weights come into L1 while FC2 finishes:
+  // after the wait only the slot rows are a round trip away.
+  if (kDeterministic && token < p.num_tokens) {
+    ptx::prefetch_l1(p.routed_ids + first_slot);
+    ptx::prefetch_l1(p.routed_ids + first_slot + p.top_k - 1);
+    ptx::prefetch_l1(p.routed_weights + first_slot);
+    ptx::prefetch_l1(p.routed_weights + first_slot + p.top_k - 1);
+  }
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
+  combine_vector<kDeterministic>(p, index, valid_tokens(p.num_tokens, p.num_valid_tokens));
 }
 
 }  // namespace megamoe::kernels

@@ -54,12 +54,45 @@ __device__ __forceinline__ ProducerRole producer_role() {
   return ProducerRole::tokens;
 }
 
+// The stage ring's and the tile queue's barriers, by one thread before the block's first barrier;
+// the single-kernel forward sets them up again between its two GEMMs, when nothing waits on them.
+template <class Config>
+__device__ __forceinline__ void init_gemm_barriers(typename Config::SharedStorage& smem) {
+  for (int s = 0; s < Config::kStages; ++s) {
+    ptx::mbarrier_init(&smem.full[s], Config::kFullArrivals);
+    ptx::mbarrier_init(&smem.empty[s], layout::kGemmConsumerWarps * Config::kEmptyArrivalsPerWarp);
+  }
+  for (int q = 0; q < Config::kTileQueue; ++q) {
+    ptx::mbarrier_init(&smem.queue_full[q], 1);
+    ptx::mbarrier_init(&smem.queue_empty[q], Config::kTileFollowers);
+  }
+  ptx::fence_barrier_init();
+}
+
+// The producer warpgroup's threads after their register decrease: each runs its role to the end
+// of the GEMM's tiles.
+// Lane 0 of three warps fills the stages: warp 0 the weight block (and the tile tags), warp 1
+// the token block, warp 2 (fp8) the weight block's scales. One thread's chain of instructions
+// per stage bounds how fast a CTA turns its stages over (a longer chain slowed the GEMMs at
+// every batch size: docs/decisions.md#producer-threads); split, each chain is a fraction as long.
+// All wait for the same empty barriers; a stage is full after every part's arrival and bytes,
+// in any order (its transaction count may go below zero until the weight part's expect_tx).
+// The weight producer claims the tiles and hands them to the others through a queue.
+template <class Config, class Params>
+__device__ __forceinline__ void producer_roles(const Params& p, typename Config::SharedStorage& smem, int k_blocks) {
+  switch (producer_role<Config>()) {
+    case ProducerRole::weights: return weight_producer<Config>(p, smem, k_blocks);
+    case ProducerRole::weight_scales: return weight_scale_producer<Config>(p, smem, k_blocks);
+    case ProducerRole::tokens: return token_producer<Config>(p, smem, k_blocks);
+    case ProducerRole::idle: return;
+  }
+}
+
 template <class Config, class Params>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     sm90_grouped_gemm_swapab_kernel(CUTE_GRID_CONSTANT const Params p) {
   using namespace cute;
   using SharedStorage = typename Config::SharedStorage;
-  constexpr int kStages = Config::kStages;
   // The swizzled stages need 1 KiB alignment. Declared rather than computed from the address at
   // run time: a computed offset made every shared-memory address of the producer's per-stage chain
   // a few instructions longer (the compiler rematerializes it under the producer's register cap).
@@ -71,15 +104,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     if (ptx::smem_address(smem_raw) % 1024 != 0) __trap();
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&smem.full[s], Config::kFullArrivals);
-      ptx::mbarrier_init(&smem.empty[s], layout::kGemmConsumerWarps * Config::kEmptyArrivalsPerWarp);
-    }
-    for (int q = 0; q < Config::kTileQueue; ++q) {
-      ptx::mbarrier_init(&smem.queue_full[q], 1);
-      ptx::mbarrier_init(&smem.queue_empty[q], Config::kTileFollowers);
-    }
-    ptx::fence_barrier_init();
+    init_gemm_barriers<Config>(smem);
     cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
   }
@@ -90,31 +115,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   if (threadIdx.x < 32) p.scheduler.prefetch_to_l1(threadIdx.x);
 
   const int k_blocks = p.k / Config::kBlockK;
-
   if (warpgroup == 0) {
-    // ---------------------------------------------------------------- producers
-    // Lane 0 of three warps fills the stages: warp 0 the weight block (and the tile tags), warp 1
-    // the token block, warp 2 (fp8) the weight block's scales. One thread's chain of instructions
-    // per stage bounds how fast a CTA turns its stages over (a longer chain slowed the GEMMs at
-    // every batch size: docs/decisions.md#producer-threads); split, each chain is a fraction as long.
-    // All wait for the same empty barriers; a stage is full after every part's arrival and bytes,
-    // in any order (its transaction count may go below zero until the weight part's expect_tx).
-    // The weight producer claims the tiles and hands them to the others through a queue.
     ptx::setmaxnreg_decrease<kProducerRegisters>();
-    const ProducerRole role = producer_role<Config>();
-    if (role == ProducerRole::idle) return;
-    if (role == ProducerRole::weights) {
-      weight_producer<Config>(p, smem, k_blocks);
-      return;
-    }
-    if (role == ProducerRole::weight_scales) {
-      weight_scale_producer<Config>(p, smem, k_blocks);
-      return;
-    }
-    token_producer<Config>(p, smem, k_blocks);
+    producer_roles<Config>(p, smem, k_blocks);
     return;
   }
-  // ------------------------------------------------------------------ consumers
+  // The math warpgroups read the previous kernel's output only through the stages. FC1's wait all
+  // the same, so that no write of FC1 can overtake a read of the gather; FC2's writes (slot rows or
+  // the accumulator) are read by no kernel before it in this forward, and its reads of the gather's
+  // slot table follow the producer's acquire of FC1's tiles (the last arrival on each stage).
+  if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
+  ptx::setmaxnreg_increase<kConsumerRegisters>();
   math_warpgroups<Config>(p, smem, k_blocks);
 }
 

@@ -1,7 +1,8 @@
-// Host launchers of the single-GPU MoE forward (sm_90a): the kernel sequence
+// Host launchers of the single-GPU MoE forward (sm_90a): either the per-stage kernel sequence
 //   route_and_count (its last block scans the expert segments) -> gather_quantize
 //   -> FC1 grouped GEMM (SwiGLU) -> FC2 grouped GEMM -> combine
-// on one stream, with no host synchronization (CUDA-graph capturable).
+// or all of it in one persistent kernel (impls/sm90_moe_single_kernel.cuh), on one stream, with
+// no host synchronization (CUDA-graph capturable).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -43,7 +44,8 @@ struct MoeLaunchChoices {
   int token_tile;              // 16, 32 or 64
   bool fc1_copies_token_rows;  // fp8: the gather writes a row per token, FC1 copies its rows from it
   bool deterministic;          // slot store + ordered combine, else atomic combine
-  int grid;                    // persistent CTAs of the GEMMs
+  bool single_kernel;          // the whole forward in one launch (pool rows only), else five
+  int grid;                    // persistent CTAs of the GEMMs (of the single kernel)
   int fc1_stages;
   int fc2_stages;
 };
@@ -61,5 +63,9 @@ struct MoeCall {
 
 void launch_moe_forward(const MoeLayerParams& layer, const MoeLaunchChoices& choices, const MoeCall& call,
                         cudaStream_t stream);
+
+// The single-kernel part of launch_moe_forward (sm90_moe_single_kernel.cu).
+void launch_single_kernel_forward(const MoeLayerParams& layer, const MoeLaunchChoices& choices, const MoeCall& call,
+                                  cudaStream_t stream);
 
 }  // namespace megamoe::kernels

@@ -10,6 +10,7 @@
 namespace megamoe::layout {
 
 inline constexpr size_t kRegionAlignment = 128;
+inline constexpr int kForwardCounterSlots = 8;  // the single-kernel forward's (scheduler/forward_items.cuh)
 
 MEGAMOE_HOST_DEVICE constexpr size_t align_up(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
@@ -48,6 +49,8 @@ struct MoeWorkspaceLayout {
   size_t slot_outputs = 0;       // bf16 [T*k, H] expert outputs for the deterministic combine
   size_t y_accumulator = 0;      // fp32 [T, H] atomically accumulated output (fast combine)
   size_t error_flags = 0;        // int32 [4]: [0] invalid routing ids seen, reported after forward
+  size_t forward_counters = 0;   // uint32 [kForwardCounterSlots]: the single-kernel forward's hand-offs,
+                                 // zero between forwards
   size_t total_bytes = 0;
 
   template <class T>
@@ -102,6 +105,7 @@ struct MoeWorkspaceLayout {
     l.slot_outputs = take(slots * hidden * sizeof(uint16_t));
     l.y_accumulator = take(static_cast<size_t>(max_tokens) * hidden * sizeof(float));
     l.error_flags = take(sizeof(int32_t) * 4);
+    l.forward_counters = take(sizeof(uint32_t) * kForwardCounterSlots);
     l.total_bytes = cursor;
     return l;
   }

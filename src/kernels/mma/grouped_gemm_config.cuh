@@ -179,6 +179,12 @@ struct GroupedGemmParams {
   uint32_t* fc1_tiles_done;      // [E+1]: fc1 adds one per stored tile (its expert's, all); fc2 waits
   int fc1_channel_blocks;        // fc1 tiles per token tile of an expert
   QuantizedTokenRows token_rows; // fc1 with a row-copying token role: what it copies
+  // Inside the single-kernel forward, which has no earlier grid to wait for: fc1's token producer
+  // waits until tokens_ready reaches tokens_ready_count (the gather's items), and fc2 adds one
+  // to tiles_stored per stored tile (the combine waits for all). Null in the per-stage forward.
+  const uint32_t* tokens_ready;
+  uint32_t tokens_ready_count;
+  uint32_t* tiles_stored;
 };
 
 }  // namespace megamoe::kernels

@@ -1,4 +1,5 @@
-// Math role of the swapAB grouped GEMM (the math warpgroups): the wgmma mainloop over each tile's
+// Math role of the swapAB grouped GEMM (the math warpgroups, after their register increase and,
+// for FC1, the dependency wait: see the kernels): the wgmma mainloop over each tile's
 // stages, with the per-K-block FP8 scale promotion into fp32 accumulators, then the tile's
 // epilogue in registers (FC1: SwiGLU + requantization, epilogue/fc1_swiglu.cuh, and the FC1 tile's
 // publication for FC2; FC2: slot store or atomic combine, epilogue/fc2_combine.cuh). The tiles
@@ -24,13 +25,6 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
   using namespace cute;
   constexpr int kStages = Config::kStages;
   Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (BM, BK, S)
-  // The math warpgroups read the previous kernel's output only through the stages. FC1's wait all
-  // the same, so that no write of FC1 can overtake a read of the gather; FC2's writes (slot rows or
-  // the accumulator) are read by no kernel before it in this forward, and its reads of the gather's
-  // slot table follow the producer's acquire of FC1's tiles (the last arrival on each stage).
-  if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
-  // ------------------------------------------------------------------ consumers
-  ptx::setmaxnreg_increase<kConsumerRegisters>();
   const int consumer_thread = threadIdx.x - 128;
   const int lane = consumer_thread % 32;
   pipeline::PipelineState<kStages> state;
@@ -145,6 +139,10 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
                        Config::kConsumerThreads, consumer_thread);
     } else {
       gemm_detail::fc2_epilogue<Columns>(p, tile, acc, base_row, base_col, slots);
+      if (p.tiles_stored != nullptr) {
+        publish_stored_tile(p.tiles_stored, static_cast<uint32_t>(NamedBarrier::kTileStored), Config::kConsumerThreads,
+                            consumer_thread);
+      }
     }
   };
 

@@ -80,44 +80,58 @@ __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, in
   }
 }
 
-template <bool kFp8>
-__global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(GatherParams p) {
-  __shared__ int32_t slot_rows[kMaxTopK];
-  const int token = blockIdx.x;
+// Slot j of `token`: its pool row (-1: unused), which the pool slot table then names.
+__device__ __forceinline__ int place_slot(const GatherParams& p, int token, int j) {
+  const size_t slot = static_cast<size_t>(token) * p.top_k + j;
+  const int expert = p.routed_ids[slot];
+  if (expert < 0) return -1;
+  const int row = p.expert_offsets[expert] + p.slot_rank[slot];
+  p.pool_slot[row] = static_cast<int32_t>(slot);
+  return row;
+}
+
+// One token by a whole block of kThreads threads, one 8-channel chunk per thread at a time, one load
+// ahead (every thread calls it; `slot_rows` is kMaxTopK ints of the block's shared memory). `wait`
+// runs between the first load of x and the first read of the routing: the per-stage kernel's
+// dependency wait.
+template <bool kFp8, int kThreads, class Wait>
+__device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int token, int32_t* slot_rows, Wait wait) {
   const int chunks = p.hidden / kGatherChunkElements;
   const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(token) * p.hidden);
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  // x is the caller's input: no kernel of this forward writes it, and this grid cannot start before
-  // the router released it, which the router does only after waiting for the caller's kernels. So
-  // the first chunk may load before this grid's own dependency wait.
   int chunk = threadIdx.x;
   uint4 raw = chunk < chunks ? source[chunk] : zero;
-  ptx::wait_for_prerequisite_grids();
-  ptx::allow_dependent_launch();
-  if (token >= valid_tokens(p.num_tokens, p.num_valid_tokens)) return;  // padding: the router left it unrouted
-
-  // Thread j < k looks up slot j's pool row (-1: unused) while the first chunk is on its way.
+  if (!wait()) return;
+  // Thread j < k looks up slot j's pool row while the first chunk is on its way.
   if (threadIdx.x < p.top_k) {
-    const size_t slot = static_cast<size_t>(token) * p.top_k + threadIdx.x;
-    const int expert = p.routed_ids[slot];
-    int row = -1;
-    if (expert >= 0) {
-      row = p.expert_offsets[expert] + p.slot_rank[slot];
-      p.pool_slot[row] = static_cast<int32_t>(slot);
-    }
+    const int row = place_slot(p, token, threadIdx.x);
     slot_rows[threadIdx.x] = p.rows_by_token ? token : row;
   }
   __syncthreads();
   const int num_rows = p.rows_by_token ? 1 : p.top_k;
-
   // Block-uniform trip count, so every lane reaches the shuffles of each chunk.
-  for (int first = 0; first < chunks; first += kGatherThreads) {
-    const int next = chunk + kGatherThreads;
+  for (int first = 0; first < chunks; first += kThreads) {
+    const int next = chunk + kThreads;
     const uint4 next_raw = next < chunks ? source[next] : zero;
     write_chunk<kFp8>(p, raw, chunk, chunk < chunks, slot_rows, num_rows);
     chunk = next;
     raw = next_raw;
   }
+  __syncthreads();  // the next token rewrites slot_rows
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(GatherParams p) {
+  __shared__ int32_t slot_rows[kMaxTopK];
+  const int token = blockIdx.x;
+  // x is the caller's input: no kernel of this forward writes it, and this grid cannot start before
+  // the router released it, which the router does only after waiting for the caller's kernels. So
+  // the first chunk may load before this grid's own dependency wait.
+  gather_token_by_block<kFp8, kGatherThreads>(p, token, slot_rows, [&] {
+    ptx::wait_for_prerequisite_grids();
+    ptx::allow_dependent_launch();
+    return token < valid_tokens(p.num_tokens, p.num_valid_tokens);  // padding: the router left it unrouted
+  });
 }
 
 }  // namespace megamoe::kernels

@@ -18,6 +18,7 @@
 #include "kernels/pipeline/tile_queue.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mbarrier.cuh"
+#include "kernels/ptx/memory.cuh"
 
 namespace megamoe::kernels {
 
@@ -64,8 +65,16 @@ __device__ __forceinline__ void token_producer(const Params& p, typename Config:
     ptx::mbarrier_arrive(&smem.full[stage]);
   };
   // The token blocks are the previous kernel's output: for FC1 they wait for the whole previous
-  // grid, for FC2 per tile for the tile's expert.
-  if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
+  // grid (in the single-kernel forward, for the gather's items), for FC2 per tile for the tile's
+  // expert.
+  if constexpr (!Config::kWaitsForFc1) {
+    if (p.tokens_ready != nullptr) {
+      ptx::wait_until([&] { return ptx::ld_acquire_gpu(p.tokens_ready) >= p.tokens_ready_count; });
+      ptx::fence_proxy_async_global();  // the gather's generic stores, read here by TMA
+    } else {
+      ptx::wait_for_prerequisite_grids();
+    }
+  }
   Fc1Progress fc1{p.fc1_tiles_done, p.num_experts,
                    static_cast<uint32_t>(p.fc1_channel_blocks * p.scheduler.token_tiles())};
   pipeline::PipelineState<kStages> state;

@@ -50,7 +50,7 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   // before the dependency wait, overlapping the previous kernel's tail (FC1 waits for the
   // whole previous grid after them; FC2 only per expert, in the token producer).
   const int num_tiles = p.scheduler.num_tiles();
-  int linear = blockIdx.x;
+  int linear = p.scheduler.first_tile();
   int prefetched = 0;
   GroupedTile tile{};
   if (linear < num_tiles) {

@@ -15,6 +15,12 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arriva
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(barrier)), "r"(arrivals));
 }
 
+// Ends a barrier's life, so that its memory may be initialized again (PTX requires it before an
+// mbarrier.init of a location that holds a valid barrier).
+__device__ __forceinline__ void mbarrier_inval(uint64_t* barrier) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_address(barrier)) : "memory");
+}
+
 // Makes barrier initialization visible to the async proxy (TMA) and the other threads.
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

@@ -1,10 +1,12 @@
 // The one scheduler of the grouped GEMMs: every role of a CTA walks the same tile sequence, in
 // the numbering of tile_numbering.hpp.
 //
-// CTA b takes tile b first; after that each CTA claims the next unclaimed tile when it starts one
-// (a global counter), so a CTA that started late (an SM still busy with the previous kernel) or
-// streams slowly takes fewer tiles, instead of a fixed round robin in which the CTA with one
-// tile more, or the slowest, sets the end of the whole grid.
+// CTA b takes tile b first (where b < first_wave); after that each CTA claims the next unclaimed
+// tile when it starts one (a global counter), so a CTA that started late (an SM still busy with the
+// previous kernel) or streams slowly takes fewer tiles, instead of a fixed round robin in which the
+// CTA with one tile more, or the slowest, sets the end of the whole grid. The single-kernel forward
+// claims every tile (first_wave 0): there a tile that other tiles wait for must belong to a CTA
+// that is running, never to one that has not started (docs/design.md#single-kernel-forward).
 #pragma once
 
 #include <cstdint>
@@ -41,6 +43,7 @@ struct GroupedTileScheduler {
   int channel_blocks;
   int token_tile_rows;
   uint32_t* tiles_claimed;           // [1] tiles claimed past the first wave; zeroed by the routing scan
+  int first_wave;                    // tiles taken by CTA index, without a claim (the grid, or 0)
 
   // One warp starts every line of the per-expert arrays into this SM's L1 at once, so that tile()
   // reads its expert's entries from L1 (the only tile of a tiny batch waits for them before its
@@ -60,9 +63,12 @@ struct GroupedTileScheduler {
   __device__ __forceinline__ int token_tiles() const { return token_tile_prefix[num_experts]; }
   __device__ __forceinline__ int num_tiles() const { return token_tiles() * channel_blocks; }
 
-  // The tile this CTA takes after its current one (may be >= num_tiles(): none left).
+  // The tile this CTA takes first, and after its current one (may be >= num_tiles(): none left).
+  __device__ __forceinline__ int first_tile() const {
+    return static_cast<int>(blockIdx.x) < first_wave ? static_cast<int>(blockIdx.x) : claim_next_tile();
+  }
   __device__ __forceinline__ int claim_next_tile() const {
-    return static_cast<int>(gridDim.x + atomicAdd(tiles_claimed, 1u));
+    return first_wave + static_cast<int>(atomicAdd(tiles_claimed, 1u));
   }
 
   __device__ __forceinline__ GroupedTile tile(int linear) const {
@@ -83,13 +89,13 @@ struct GemmTileCounters {
 // expert_segment() pads them). It moves the counters to expert_rows and leaves them
 // zero, so each forward (and each graph replay, whole or cut short) starts from zero without a
 // memset, and zeroes the GEMMs' counters. Global counters are read from L2 (other blocks' atomics
-// wrote them); kSharedCounts: the counters are this block's shared memory.
+// wrote them); kSharedCounts: the counters are this block's shared memory. `sums` is kThreads
+// entries of the block's shared memory (tiles, padded rows).
 template <int kThreads, bool kSharedCounts = false>
 __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int num_experts, int token_tile_rows,
                                                      int32_t* expert_rows, int32_t* expert_offsets,
                                                      int32_t* token_tile_prefix, int32_t* token_tile_expert,
-                                                     const GemmTileCounters& gemm) {
-  __shared__ int2 sums[kThreads];  // (tiles, padded rows)
+                                                     const GemmTileCounters& gemm, int2* sums) {
   int2 carry = make_int2(0, 0);
   for (int base = 0; base < num_experts; base += kThreads) {
     const int e = base + threadIdx.x;

@@ -1,0 +1,74 @@
+// Host launcher of the single-kernel forward (impls/sm90_moe_single_kernel.cuh).
+#include <type_traits>
+
+#include "kernels/cuda_check.hpp"
+#include "kernels/impls/sm90_forward_params.cuh"
+#include "kernels/impls/sm90_moe_forward.hpp"
+#include "kernels/impls/sm90_moe_single_kernel.cuh"
+#include "kernels/launch.hpp"
+
+namespace megamoe::kernels {
+namespace {
+
+template <class Element, int kTokenTile, GemmOp kFc2Op>
+void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, cudaStream_t stream) {
+  using Fc1Config = GroupedGemmConfig<Element, kTokenTile, GemmOp::fc1_swiglu>;
+  using Fc2Config = GroupedGemmConfig<Element, kTokenTile, kFc2Op>;
+  check_planned_stages<Fc1Config>(c.fc1_stages);
+  check_planned_stages<Fc2Config>(c.fc2_stages);
+  const layout::MoeWorkspaceLayout& w = f.workspace_layout;
+  const RoutingParams routing = make_routing_params(f, c, call);
+  const GatherParams gather = make_gather_params(f, c, call, routing);
+  const GemmArguments fc1 = fc1_arguments(f, gather);
+  const GemmArguments fc2 = fc2_arguments(f, fc1);
+  // Every tile is claimed (first_wave 0): see scheduler/forward_items.cuh.
+  auto fc1_params = make_gemm_params<Fc1Config>(f, fc1, 0);
+  auto fc2_params = make_gemm_params<Fc2Config>(f, fc2, 0);
+  using Params = SingleKernelParams<decltype(fc1_params), decltype(fc2_params)>;
+  Params p{};
+  p.front.routing = routing;
+  p.front.gather = gather;
+  p.front.items = make_forward_items(w.at<uint32_t>(f.workspace, w.forward_counters), call.num_tokens, f.hidden, c.grid);
+  fc1_params.tokens_ready = p.front.items.counter(kGatheredItems);
+  fc1_params.tokens_ready_count = p.front.items.gathered_when_ready();
+  fc2_params.tiles_stored = p.front.items.counter(kFc2TilesStored);
+  p.fc1 = fc1_params;
+  p.fc2 = fc2_params;
+  p.combine = make_combine_params(f, call, routing);
+  using Layout = SingleKernelLayout<Fc1Config, Fc2Config>;
+  constexpr auto kernel = &sm90_moe_single_kernel<Fc1Config, Fc2Config, Params>;
+  allow_dynamic_smem<kernel>(Layout::kSmemBytes);
+  launch_overlapping_previous(kernel, c.grid, kFrontThreads, Layout::kSmemBytes, stream, "sm90_moe_single_kernel", p);
+}
+
+template <class Element, int kTokenTile>
+void dispatch_combine(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, cudaStream_t stream) {
+  if (c.deterministic) return launch_single<Element, kTokenTile, GemmOp::fc2_slot_store>(f, c, call, stream);
+  launch_single<Element, kTokenTile, GemmOp::fc2_atomic_combine>(f, c, call, stream);
+}
+
+template <class Element>
+void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, cudaStream_t stream) {
+  switch (c.token_tile) {
+    case 16: return dispatch_combine<Element, 16>(f, c, call, stream);
+    case 32: return dispatch_combine<Element, 32>(f, c, call, stream);
+    // 64-token tiles spill FC2's accumulators here (the planner keeps them to five launches).
+    default: throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes token tiles of 16 or 32");
+  }
+}
+
+}  // namespace
+
+void launch_single_kernel_forward(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call,
+                                  cudaStream_t stream) {
+  if (c.fc1_copies_token_rows) {
+    throw Error(ErrorCode::unsupported, "internal: the single-kernel forward reads FC1's rows from the pool");
+  }
+  if (f.fp8) {
+    dispatch_token_tile<cutlass::float_e4m3_t>(f, c, call, stream);
+  } else {
+    dispatch_token_tile<cutlass::bfloat16_t>(f, c, call, stream);
+  }
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,135 @@
+// The single-kernel forward (sm_90a, docs/design.md#single-kernel-forward): routing, gather, FC1,
+// FC2 and the combine in one persistent launch of the swapAB GEMM's block (one CTA per SM), each
+// CTA claiming its work in dependency order (scheduler/forward_items.cuh):
+//   whole CTA            front role: route and gather items (routing/front_items.cuh)
+//   producer warpgroup   FC1's producer roles, then FC2's (impls/sm90_grouped_gemm_swapab.cuh)
+//   math warpgroups      FC1's mainloop and epilogue, then FC2's (mma/swapab_mainloop.cuh), then
+//                        combine items (combine/combine_items.cuh)
+// Between its FC1 and FC2 tiles a CTA joins all of its threads and sets its stage ring up again
+// (the two GEMMs share one ring layout); FC2 tiles wait per expert for FC1's, as between the
+// per-stage kernels, and the combine for every FC2 tile. The last CTA to finish zeroes the counters.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/combine/combine_items.cuh"
+#include "kernels/impls/sm90_grouped_gemm_swapab.cuh"
+#include "kernels/ptx/grid_dependency.cuh"
+#include "kernels/ptx/mbarrier.cuh"
+#include "kernels/routing/front_items.cuh"
+#include "kernels/scheduler/forward_items.cuh"
+
+namespace megamoe::kernels {
+
+template <class Fc1Params, class Fc2Params>
+struct SingleKernelParams {
+  FrontParams front;
+  Fc1Params fc1;
+  Fc2Params fc2;
+  CombineParams combine;
+};
+
+// What the block keeps in shared memory past the GEMM's stages, whose contents the front role's
+// scratch replaces while it runs.
+struct SingleKernelTail {
+  int combine_ticket;
+};
+
+template <class Fc1Config, class Fc2Config>
+struct SingleKernelLayout {
+  static_assert(sizeof(typename Fc1Config::SharedStorage) == sizeof(typename Fc2Config::SharedStorage) &&
+                    Fc1Config::kStages == Fc2Config::kStages && Fc1Config::kFullArrivals == Fc2Config::kFullArrivals &&
+                    Fc1Config::kEmptyArrivalsPerWarp == Fc2Config::kEmptyArrivalsPerWarp &&
+                    Fc1Config::kTileFollowers == Fc2Config::kTileFollowers && Fc1Config::kThreads == kFrontThreads,
+                "FC1 and FC2 share one block and one stage ring");
+  static_assert(sizeof(FrontScratch) <= sizeof(Fc1Config::SharedStorage::a),
+                "the front role's scratch fits in the weight stages");
+  static constexpr size_t kTailOffset = sizeof(typename Fc1Config::SharedStorage);
+  static constexpr int kSmemBytes = static_cast<int>(kTailOffset + sizeof(SingleKernelTail));
+  static_assert(kTailOffset % alignof(SingleKernelTail) == 0, "the tail is aligned");
+  static_assert(kSmemBytes <= layout::kSm90SmemPerBlockOptin, "shared memory over the sm_90 limit");
+};
+
+template <class Config>
+__device__ __forceinline__ void invalidate_gemm_barriers(typename Config::SharedStorage& smem) {
+  for (int s = 0; s < Config::kStages; ++s) {
+    ptx::mbarrier_inval(&smem.full[s]);
+    ptx::mbarrier_inval(&smem.empty[s]);
+  }
+  for (int q = 0; q < Config::kTileQueue; ++q) {
+    ptx::mbarrier_inval(&smem.queue_full[q]);
+    ptx::mbarrier_inval(&smem.queue_empty[q]);
+  }
+}
+
+template <class Fc1Config, class Fc2Config, class Params>
+__global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_GRID_CONSTANT const Params p) {
+  using Layout = SingleKernelLayout<Fc1Config, Fc2Config>;
+  constexpr bool kFp8 = Fc1Config::kFp8;
+  constexpr bool kDeterministic = Fc2Config::kGemmOp == GemmOp::fc2_slot_store;
+  // As in the GEMM kernel: no static shared memory, stages at the 1 KiB-aligned start.
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& fc1_smem = *reinterpret_cast<typename Fc1Config::SharedStorage*>(smem_raw);
+  auto& fc2_smem = *reinterpret_cast<typename Fc2Config::SharedStorage*>(smem_raw);
+  auto& front_scratch = *reinterpret_cast<FrontScratch*>(smem_raw);
+  auto& tail = *reinterpret_cast<SingleKernelTail*>(smem_raw + Layout::kTailOffset);
+
+  if (threadIdx.x == 0) {
+    if (ptx::smem_address(smem_raw) % 1024 != 0) __trap();
+    init_gemm_barriers<Fc1Config>(fc1_smem);
+    cute::prefetch_tma_descriptor(p.fc1.tma_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.fc1.tma_b.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.fc2.tma_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.fc2.tma_b.get_tma_descriptor());
+  }
+  // The caller's inputs (x, logits or ids) and the previous forward's end (its counters zeroed).
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
+  __syncthreads();
+
+  front_items<kFp8>(p.front, front_scratch);
+  // The scratch was written through the generic proxy; the stages are written by TMA next.
+  ptx::fence_proxy_async_shared();
+  __syncthreads();
+
+  // The producer and math warpgroups hold different register counts from here on, so their paths
+  // never join again (the compiler would have to give the join the smaller count): they meet at
+  // named barriers over the whole block instead.
+  // Between the GEMMs: this CTA's FC1 tiles are consumed and its ring is idle; one thread sets it
+  // up for FC2 while every thread waits.
+  auto between_gemms = [&] {
+    constexpr uint32_t kBarrier = static_cast<uint32_t>(NamedBarrier::kRingIdle);
+    __syncwarp();  // a role's lane rejoins its warp's idle lanes: the barrier is warp-aligned
+    ptx::named_barrier_sync(kBarrier, kFrontThreads);
+    if (threadIdx.x == 0) {
+      invalidate_gemm_barriers<Fc1Config>(fc1_smem);
+      init_gemm_barriers<Fc2Config>(fc2_smem);
+    }
+    ptx::named_barrier_sync(kBarrier, kFrontThreads);
+  };
+  if (threadIdx.x < 128) {
+    ptx::setmaxnreg_decrease<kProducerRegisters>();
+    producer_roles<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
+    between_gemms();
+    producer_roles<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
+    return;
+  }
+  ptx::setmaxnreg_increase<kConsumerRegisters>();
+  math_warpgroups<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
+  between_gemms();
+  math_warpgroups<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
+
+  const int math_thread = threadIdx.x - 128;
+  const ForwardItems& items = p.front.items;
+  combine_items<kDeterministic>(p.combine, items, static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread,
+                                Fc2Config::kConsumerThreads, &tail.combine_ticket);
+  if (math_thread == 0 && atomicAdd(items.counter(kCtasDone), 1u) == gridDim.x - 1) {
+    // Every CTA has passed every claim and wait of this forward.
+    for (int c = 0; c < kForwardCounters; ++c) items.counters[c] = 0;
+  }
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,131 @@
+// Front role of the single-kernel forward (scheduler/forward_items.cuh): the whole CTA takes route
+// items and gather items until none is left. A route item routes one token per warp
+// (route_token); the last route item to finish scans the expert segments and publishes them. A
+// gather item waits for that publication and quantizes its tokens into the pool, the whole CTA on
+// one token after another (gather_token_by_block), then publishes itself for FC1's token producers. Where one route
+// item holds every token (a decode batch), it counts in shared memory and scans, and where those
+// are at most kLoneGatherTokens it gathers them itself: no global counter and no hand-off between
+// CTAs before FC1.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/permute/gather_quantize.cuh"
+#include "kernels/pipeline/last_block.cuh"
+#include "kernels/ptx/mbarrier.cuh"
+#include "kernels/ptx/memory.cuh"
+#include "kernels/routing/route_token.cuh"
+#include "kernels/routing/routing_limits.hpp"
+#include "kernels/scheduler/forward_items.cuh"
+
+namespace megamoe::kernels {
+
+// The front role's shared memory, laid over the GEMM stages (which are idle until it is done).
+struct FrontScratch {
+  float selection[kFrontWarps][kMaxRoutingExperts];  // route_token's rows, one per warp
+  float scores[kFrontWarps][kMaxRoutingExperts];
+  int32_t counts[kMaxRoutingExperts];                // expert counters of a lone route item
+  int2 scan_sums[kFrontThreads];
+  int32_t slot_rows[kMaxTopK];                       // gather_token_by_block's
+  int ticket;
+  bool last;
+};
+
+struct FrontParams {
+  RoutingParams routing;
+  GatherParams gather;
+  ForwardItems items;
+};
+
+namespace front_detail {
+
+// Every thread of the CTA, after a barrier that follows the writes (the scan's tables, the
+// gather's rows): thread 0 publishes them with a release.
+__device__ __forceinline__ void publish(uint32_t* counter) {
+  if (threadIdx.x == 0) ptx::red_add_release_gpu(counter, 1u);
+}
+
+// Every thread: returns once `counter` reaches `count`.
+__device__ __forceinline__ void wait_for(const ForwardItems& items, ForwardCounter counter, uint32_t count) {
+  if (threadIdx.x == 0) ptx::wait_until([&] { return ptx::ld_acquire_gpu(items.counter(counter)) >= count; }, 64);
+  __syncthreads();
+}
+
+// Tokens [first, end) into the pool, one after another by the whole CTA, then published.
+template <bool kFp8>
+__device__ __forceinline__ void gather_tokens(const FrontParams& p, FrontScratch& s, int first, int end) {
+  for (int token = first; token < end; ++token) {
+    gather_token_by_block<kFp8, kFrontThreads>(p.gather, token, s.slot_rows, [] { return true; });
+  }
+  ptx::fence_proxy_async_global();  // FC1 reads the rows by TMA
+  __syncthreads();
+  publish(p.items.counter(kGatheredItems));
+}
+
+template <bool kFp8>
+__device__ __forceinline__ void route_item(const FrontParams& p, FrontScratch& s, int item) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int valid = valid_tokens(p.routing.num_tokens, p.routing.num_valid_tokens);
+  const int token = item * kFrontWarps + warp;
+  const bool alone = p.items.route_items == 1;
+  if (alone) {
+    for (int e = threadIdx.x; e < p.routing.num_experts; e += kFrontThreads) s.counts[e] = 0;
+    __syncthreads();
+  }
+  if (token < valid) {
+    route_token(p.routing, token, lane, s.selection[warp], s.scores[warp], alone ? s.counts : p.routing.expert_counts);
+  }
+  if (!alone) {
+    if (!last_to_finish(p.items.counter(kRoutedItems), p.items.route_items, &s.last)) return;
+    scan_expert_segments<kFrontThreads>(p.routing.expert_counts, p.routing.num_experts, p.routing.token_tile_rows,
+                                        p.routing.expert_rows, p.routing.expert_offsets, p.routing.token_tile_prefix,
+                                        p.routing.token_tile_expert, p.routing.gemm, s.scan_sums);
+    __syncthreads();
+    publish(p.items.counter(kRoutingReady));
+    return;
+  }
+  __syncthreads();
+  scan_expert_segments<kFrontThreads, true>(s.counts, p.routing.num_experts, p.routing.token_tile_rows,
+                                            p.routing.expert_rows, p.routing.expert_offsets,
+                                            p.routing.token_tile_prefix, p.routing.token_tile_expert, p.routing.gemm,
+                                            s.scan_sums);
+  __syncthreads();
+  publish(p.items.counter(kRoutingReady));
+  if (p.items.gather_items == 0) gather_tokens<kFp8>(p, s, 0, valid);
+}
+
+template <bool kFp8>
+__device__ __forceinline__ void gather_item(const FrontParams& p, FrontScratch& s, int item) {
+  const int valid = valid_tokens(p.gather.num_tokens, p.gather.num_valid_tokens);
+  const int first = item * p.items.gather_tokens;
+  gather_tokens<kFp8>(p, s, first, min(first + p.items.gather_tokens, valid));
+}
+
+}  // namespace front_detail
+
+// Every thread of the CTA, with `s` laid over the GEMM stages. Returns once every front item is
+// done: the GEMMs' tiles depend on the expert segments, FC1's token loads on the gathered rows,
+// and no weight streams before then either: a gather competing with every CTA's weight loads for
+// HBM is slower (docs/design.md#single-kernel-forward).
+template <bool kFp8>
+__device__ __forceinline__ void front_items(const FrontParams& p, FrontScratch& s) {
+  const ForwardItems& items = p.items;
+  bool routing_seen = false;
+  for (;;) {
+    if (threadIdx.x == 0) s.ticket = static_cast<int>(atomicAdd(items.counter(kFrontTickets), 1u));
+    __syncthreads();
+    const int ticket = s.ticket;
+    __syncthreads();
+    if (ticket >= items.route_items + items.gather_items) break;
+    if (ticket < items.route_items) {
+      front_detail::route_item<kFp8>(p, s, ticket);
+      continue;
+    }
+    if (!routing_seen) front_detail::wait_for(items, kRoutingReady, 1);
+    routing_seen = true;
+    front_detail::gather_item<kFp8>(p, s, ticket - items.route_items);
+  }
+  front_detail::wait_for(items, kGatheredItems, items.gathered_when_ready());
+}
+
+}  // namespace megamoe::kernels
