@@ -101,14 +101,16 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
   // Between the GEMMs: this CTA's FC1 tiles are consumed and its ring is idle; one thread sets it
   // up for FC2 while every thread waits.
   auto between_gemms = [&] {
+    // The producer and the math warpgroups reach it from their own paths, and a role's lane
+    // after its warp's idle lanes: a barrier that takes threads from anywhere (compute-sanitizer
+    // synccheck flagged the aligned bar.sync here).
     constexpr uint32_t kBarrier = static_cast<uint32_t>(NamedBarrier::kRingIdle);
-    __syncwarp();  // a role's lane rejoins its warp's idle lanes: the barrier is warp-aligned
-    ptx::named_barrier_sync(kBarrier, kFrontThreads);
+    ptx::named_barrier_sync_from_anywhere(kBarrier, kFrontThreads);
     if (threadIdx.x == 0) {
       invalidate_gemm_barriers<Fc1Config>(fc1_smem);
       init_gemm_barriers<Fc2Config>(fc2_smem);
     }
-    ptx::named_barrier_sync(kBarrier, kFrontThreads);
+    ptx::named_barrier_sync_from_anywhere(kBarrier, kFrontThreads);
   };
   if (threadIdx.x < 128) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();

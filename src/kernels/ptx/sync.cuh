@@ -11,6 +11,13 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The same for threads that reach the barrier from different places in the code (PTX
+// "barrier.sync" without .aligned, which bar.sync implies: an aligned barrier must be the same
+// instruction in every thread that executes it).
+__device__ __forceinline__ void named_barrier_sync_from_anywhere(uint32_t id, uint32_t threads) {
+  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 template <uint32_t kRegisters>
 __device__ __forceinline__ void setmaxnreg_increase() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
