@@ -176,7 +176,8 @@ MoeSpec spec_from(int64_t num_experts, int64_t hidden, int64_t intermediate, int
   return spec;
 }
 
-MoeLayerOptions options_from(int64_t token_tile, const std::string& fc1_token_rows, int64_t num_sms) {
+MoeLayerOptions options_from(int64_t token_tile, const std::string& fc1_token_rows, int64_t num_sms,
+                             const std::string& launch) {
   MoeLayerOptions options;
   options.token_tile = checked_int(token_tile, "token_tile", 0);
   if (fc1_token_rows == "auto") {
@@ -189,6 +190,15 @@ MoeLayerOptions options_from(int64_t token_tile, const std::string& fc1_token_ro
     options.fc1_token_rows = Fc1TokenRows::row_copy;
   }
   options.num_sms = checked_int(num_sms, "num_sms", 0);
+  if (launch == "auto") {
+    options.launch = ForwardLaunch::automatic;
+  } else if (launch == "per_stage") {
+    options.launch = ForwardLaunch::per_stage;
+  } else {
+    TORCH_CHECK_VALUE(launch == "single_kernel", "megamoe: launch must be 'auto', 'per_stage' or 'single_kernel', not '",
+                      launch, "'");
+    options.launch = ForwardLaunch::single_kernel;
+  }
   return options;
 }
 
@@ -291,10 +301,10 @@ CheckedLayer checked_layer(int64_t num_experts, int64_t hidden, int64_t intermed
                            const std::string& precision, const std::string& scale_format, const std::string& routing,
                            bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                            const std::optional<at::Tensor>& bias, int64_t max_tokens, int64_t token_tile,
-                           const std::string& fc1_token_rows, int64_t num_sms) {
+                           const std::string& fc1_token_rows, int64_t num_sms, const std::string& launch) {
   CheckedLayer layer{spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
                                renormalize, n_group, topk_group, routed_scaling_factor, bias),
-                     options_from(token_tile, fc1_token_rows, num_sms)};
+                     options_from(token_tile, fc1_token_rows, num_sms, launch)};
   translating_errors([&] {
     validate(layer.spec);
     validate_max_tokens(max_tokens);
@@ -307,9 +317,9 @@ void check_layer(int64_t num_experts, int64_t hidden, int64_t intermediate, int6
                  const std::string& precision, const std::string& scale_format, const std::string& routing,
                  bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                  const std::optional<at::Tensor>& bias, int64_t max_tokens, int64_t token_tile,
-                 const std::string& fc1_token_rows, int64_t num_sms) {
+                 const std::string& fc1_token_rows, int64_t num_sms, const std::string& launch) {
   checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, routing, renormalize, n_group,
-                topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms);
+                topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms, launch);
 }
 
 int64_t check_device(int64_t device_index) { return checked_device(device_index); }
@@ -348,10 +358,11 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const 
                      int64_t top_k, const std::string& precision, const std::string& scale_format,
                      const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
                      double routed_scaling_factor, const std::optional<at::Tensor>& bias, int64_t max_tokens,
-                     int64_t token_tile, const std::string& fc1_token_rows, int64_t num_sms, int64_t device_index) {
+                     int64_t token_tile, const std::string& fc1_token_rows, int64_t num_sms,
+                     const std::string& launch, int64_t device_index) {
   const CheckedLayer layer =
       checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, routing, renormalize, n_group,
-                    topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms);
+                    topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms, launch);
   const PackedWeightsView view = packed_view(layer.spec, layer.spec.num_experts, w13, w13_scales, w2, w2_scales);
   const c10::DeviceIndex device = checked_device(device_index);
   return translating_errors([&] {
@@ -447,7 +458,7 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
                         int64_t max_tokens, const std::string& rendezvous_dir, int64_t rank, int64_t world_size,
                         int64_t device_index) {
   const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
-                                     false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0)
+                                     false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0, "auto")
                            .spec;
   checked_int(world_size, "world_size", 1);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
@@ -513,13 +524,13 @@ TORCH_LIBRARY(megamoe, m) {
         &pack_weights);
   m.def("check_layer(int num_experts, int hidden, int intermediate, int top_k, str precision, str scale_format, "
         "str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, Tensor? bias, "
-        "int max_tokens, int token_tile, str fc1_token_rows, int num_sms) -> ()",
+        "int max_tokens, int token_tile, str fc1_token_rows, int num_sms, str launch) -> ()",
         &check_layer);
   m.def("check_device(int device_index) -> int", &check_device);
   m.def("create_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "
         "int intermediate, int top_k, str precision, str scale_format, str routing, bool renormalize, int n_group, "
         "int topk_group, float routed_scaling_factor, Tensor? bias, int max_tokens, int token_tile, "
-        "str fc1_token_rows, int num_sms, int device_index) -> int",
+        "str fc1_token_rows, int num_sms, str launch, int device_index) -> int",
         &create_layer);
   m.def("destroy_layer(int layer) -> ()", &destroy_layer);
   m.def("forward(int layer, Tensor x, Tensor? router_logits, Tensor? topk_ids, Tensor? topk_weights, "

@@ -135,7 +135,7 @@ def prepare_ep_weights(
                          f"rank runs every local expert of a token it receives), not {top_k!r}")
     ops.check_layer(num_experts, checked.hidden, checked.intermediate, top_k, require_str(precision, "precision"),
                     require_str(scale_format, "scale_format"), *op_arguments(PrecomputedRouting()),
-                    require_int(max_tokens, "max_tokens"), 0, "auto", 0)
+                    require_int(max_tokens, "max_tokens"), 0, "auto", 0, "auto")
     folder = _rendezvous_root(rendezvous_dir)
     device = torch.device("cuda", ops.check_device(device_index(device)))
     packed = packed_on(checked, precision, scale_format, device)

@@ -130,6 +130,7 @@ def prepare_weights(
     token_tile: Optional[int] = None,
     fc1_token_rows: str = "auto",
     num_sms: Optional[int] = None,
+    launch: str = "auto",
 ) -> MoeWeights:
     """Packs vLLM-layout expert weights for the kernels and uploads them to `device` (default: the
     current CUDA device).
@@ -149,17 +150,21 @@ def prepare_weights(
 
     The planner's choices stay its own unless fixed here (the output does not depend on them):
     token_tile (16, 32 or 64 tokens per GEMM tile and expert, for every call), fc1_token_rows
-    ("pool" or "row_copy": where fp8 FC1 reads its token rows) and num_sms (at most that many
-    persistent CTAs, leaving the other SMs to work on other streams).
+    ("pool" or "row_copy": where fp8 FC1 reads its token rows), num_sms (at most that many
+    persistent CTAs, leaving the other SMs to work on other streams) and launch ("per_stage": five
+    kernels, "single_kernel": the whole forward in one persistent kernel, opt-in and not yet faster;
+    docs/design.md#single-kernel-forward).
     """
     checked = checked_weights(w13, w2, w13_scale, w2_scale)
     routing = as_routing(routing)
     options = {name: value for name, value in (("token_tile", token_tile), ("fc1_token_rows", fc1_token_rows),
-                                                ("num_sms", num_sms)) if value not in (None, "auto")}
+                                                ("num_sms", num_sms), ("launch", launch))
+               if value not in (None, "auto")}
     layer = (checked.num_experts, checked.hidden, checked.intermediate, require_int(top_k, "top_k"),
              require_str(precision, "precision"), require_str(scale_format, "scale_format"), *op_arguments(routing),
              require_int(max_tokens, "max_tokens"), require_int(token_tile or 0, "token_tile"),
-             require_str(fc1_token_rows, "fc1_token_rows"), require_int(num_sms or 0, "num_sms"))
+             require_str(fc1_token_rows, "fc1_token_rows"), require_int(num_sms or 0, "num_sms"),
+             require_str(launch, "launch"))
     ops.check_layer(*layer)
     device = torch.device("cuda", ops.check_device(device_index(device)))
     packed = packed_on(checked, precision, scale_format, device)
@@ -415,12 +420,13 @@ class MegaMoE(nn.Module):
         token_tile: Optional[int] = None,
         fc1_token_rows: str = "auto",
         num_sms: Optional[int] = None,
+        launch: str = "auto",
     ):
         super().__init__()
         self.weights = prepare_weights(w13, w2, top_k=top_k, precision=precision, w13_scale=w13_scale,
                                        w2_scale=w2_scale, scale_format=scale_format, routing=routing,
                                        max_tokens=max_tokens, device=device, token_tile=token_tile,
-                                       fc1_token_rows=fc1_token_rows, num_sms=num_sms)
+                                       fc1_token_rows=fc1_token_rows, num_sms=num_sms, launch=launch)
         self.deterministic = deterministic
 
     @classmethod

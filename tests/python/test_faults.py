@@ -113,7 +113,7 @@ def test_absent_devices_are_refused_by_name(hopper):
     w13, w2, scales = torch.zeros(4, 256, 256, dtype=torch.uint8), torch.zeros(4, 128, 256, dtype=torch.uint8), torch.empty(0)
     with pytest.raises(ValueError, match="does not exist"):
         torch.ops.megamoe.create_layer(w13, scales, w2, scales, 4, 128, 128, 2, "bf16", "fp32", "softmax", False, 1, 1,
-                                       1.0, None, 16, 0, "auto", 0, absent)
+                                       1.0, None, 16, 0, "auto", 0, "auto", absent)
 
 
 @pytest.mark.gpu
@@ -122,7 +122,8 @@ def test_planner_options_leave_the_output_unchanged(hopper):
     x, logits = p.inputs(300, seed=52)
     expected = megamoe.fused_moe(x, p.weights, logits)
     for options in (dict(token_tile=16), dict(token_tile=64), dict(fc1_token_rows="pool"),
-                    dict(fc1_token_rows="row_copy"), dict(num_sms=5)):
+                    dict(fc1_token_rows="row_copy"), dict(num_sms=5), dict(launch="single_kernel"),
+                    dict(launch="per_stage")):
         weights = megamoe.prepare_weights(p.w13, p.w2, top_k=p.top_k, precision="fp8_block", routing=p.routing,
                                           max_tokens=512, **options)
         assert weights.options == options

@@ -385,6 +385,10 @@ def test_prepare_weights_checks_its_arguments():
     (dict(fc1_token_rows="copy"), ValueError, "fc1_token_rows must be 'auto', 'pool' or 'row_copy'"),
     (dict(fc1_token_rows="row_copy", precision="bf16"), ValueError, "needs precision fp8_block"),
     (dict(num_sms=-1), ValueError, "num_sms=-1 is out of range"),
+    (dict(launch="fused"), ValueError, "launch must be 'auto', 'per_stage' or 'single_kernel'"),
+    (dict(launch="single_kernel", token_tile=64), ValueError, "takes token tiles of 16 or 32"),
+    (dict(launch="single_kernel", fc1_token_rows="row_copy"), ValueError, "reads FC1's rows from the pool"),
+    (dict(launch=1), TypeError, "launch must be a str"),
     (dict(device="cpu"), ValueError, "device must be a CUDA device"),
     (dict(device=3.5), TypeError, "device must be a torch.device, str or int"),
 ])
@@ -402,12 +406,12 @@ def test_create_layer_refuses_sizes_that_would_wrap():
     empty, scales = torch.empty(0, dtype=torch.uint8), torch.empty(0)
     spec = [4, 128, 128, 2, "bf16", "fp32", "softmax", False, 1, 1, 1.0, None]
     with pytest.raises(ValueError, match=r"num_experts=4294967300 is out of range"):
-        torch.ops.megamoe.create_layer(empty, scales, empty, scales, 2**32 + 4, *spec[1:], 16, 0, "auto", 0, 0)
+        torch.ops.megamoe.create_layer(empty, scales, empty, scales, 2**32 + 4, *spec[1:], 16, 0, "auto", 0, "auto", 0)
     with pytest.raises(ValueError, match=r"max_tokens=4294967312 must be in"):
-        torch.ops.megamoe.create_layer(empty, scales, empty, scales, *spec, 2**32 + 16, 0, "auto", 0, 0)
+        torch.ops.megamoe.create_layer(empty, scales, empty, scales, *spec, 2**32 + 16, 0, "auto", 0, "auto", 0)
     with pytest.raises(ValueError, match=r"n_group=-1 is out of range"):
         torch.ops.megamoe.check_layer(4, 128, 128, 2, "bf16", "fp32", "deepseek_grouped", True, -1, 1, 1.0, None, 16,
-                                      0, "auto", 0)
+                                      0, "auto", 0, "auto")
 
 
 def test_int64_ids_beyond_int32_stay_invalid():
