@@ -128,9 +128,13 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
   const ForwardItems& items = p.front.items;
   combine_items<kDeterministic>(p.combine, items, static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread,
                                 Fc2Config::kConsumerThreads, &tail.combine_ticket);
-  if (math_thread == 0 && atomicAdd(items.counter(kCtasDone), 1u) == gridDim.x - 1) {
-    // Every CTA has passed every claim and wait of this forward.
-    for (int c = 0; c < kForwardCounters; ++c) items.counters[c] = 0;
+  if (math_thread == 0) {
+    // Fenced as in last_to_finish: the zeroing is ordered after every CTA's last counter access.
+    __threadfence();
+    if (atomicAdd(items.counter(kCtasDone), 1u) == gridDim.x - 1) {
+      __threadfence();  // every CTA has passed every claim and wait of this forward
+      for (int c = 0; c < kForwardCounters; ++c) items.counters[c] = 0;
+    }
   }
 }
 
