@@ -118,7 +118,7 @@ TEST(SingleKernelForward, BitIdenticalAcrossRunsReplaysAndGrids) {
 }
 
 // Other work holding all but a few SMs slows the single kernel down and never hangs it: its CTAs
-// claim their work, so none waits for a CTA that is not resident (scheduler/forward_items.cuh).
+// claim their work, so none waits for a CTA that is not resident (scheduler/forward_items.hpp).
 TEST(SingleKernelForward, FinishesBesideKernelsHoldingMostSms) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;

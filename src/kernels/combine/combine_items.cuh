@@ -1,4 +1,4 @@
-// Combine role of the single-kernel forward (scheduler/forward_items.cuh): the math warpgroups,
+// Combine role of the single-kernel forward (scheduler/forward_items.hpp): the math warpgroups,
 // once this CTA's FC2 tiles are done, wait until every FC2 tile of the forward is stored, then
 // take combine items (kCombineItemVectors output vectors each, one per math thread) until none
 // is left.
@@ -11,7 +11,7 @@
 #include "kernels/ptx/mbarrier.cuh"
 #include "kernels/ptx/memory.cuh"
 #include "kernels/ptx/sync.cuh"
-#include "kernels/scheduler/forward_items.cuh"
+#include "kernels/scheduler/forward_items.hpp"
 
 namespace megamoe::kernels {
 

@@ -1,6 +1,6 @@
 // The single-kernel forward (sm_90a, docs/design.md#single-kernel-forward): routing, gather, FC1,
 // FC2 and the combine in one persistent launch of the swapAB GEMM's block (one CTA per SM), each
-// CTA claiming its work in dependency order (scheduler/forward_items.cuh):
+// CTA claiming its work in dependency order (scheduler/forward_items.hpp):
 //   whole CTA            front role: route and gather items (routing/front_items.cuh)
 //   producer warpgroup   FC1's producer roles, then FC2's (impls/sm90_grouped_gemm_swapab.cuh)
 //   math warpgroups      FC1's mainloop and epilogue, then FC2's (mma/swapab_mainloop.cuh), then
@@ -20,7 +20,7 @@
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mbarrier.cuh"
 #include "kernels/routing/front_items.cuh"
-#include "kernels/scheduler/forward_items.cuh"
+#include "kernels/scheduler/forward_items.hpp"
 
 namespace megamoe::kernels {
 

@@ -10,7 +10,7 @@
 namespace megamoe::layout {
 
 inline constexpr size_t kRegionAlignment = 128;
-inline constexpr int kForwardCounterSlots = 8;  // the single-kernel forward's (scheduler/forward_items.cuh)
+inline constexpr int kForwardCounterSlots = 8;  // the single-kernel forward's (scheduler/forward_items.hpp)
 
 MEGAMOE_HOST_DEVICE constexpr size_t align_up(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;

@@ -1,4 +1,4 @@
-// Front role of the single-kernel forward (scheduler/forward_items.cuh): the whole CTA takes route
+// Front role of the single-kernel forward (scheduler/forward_items.hpp): the whole CTA takes route
 // items and gather items until none is left. A route item routes one token per warp
 // (route_token); the last route item to finish scans the expert segments and publishes them. A
 // gather item waits for that publication and quantizes its tokens into the pool, the whole CTA on
@@ -16,7 +16,7 @@
 #include "kernels/ptx/memory.cuh"
 #include "kernels/routing/route_token.cuh"
 #include "kernels/routing/routing_limits.hpp"
-#include "kernels/scheduler/forward_items.cuh"
+#include "kernels/scheduler/forward_items.hpp"
 
 namespace megamoe::kernels {
 

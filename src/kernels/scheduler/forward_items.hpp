@@ -12,11 +12,13 @@
 // so every item that some work waits for has been claimed by a CTA that is running and that
 // waits only on items claimed before it: the forward needs no grid-wide barrier, and CTAs that
 // are not resident (SMs held by another stream's kernel) slow it down but cannot hang it.
+// Plain C++ as well, for the CPU tests of how a forward is cut into items.
 #pragma once
 
 #include <cstdint>
 
 #include "kernels/layout/moe_workspace.hpp"
+#include "kernels/layout/weight_layout.hpp"
 
 namespace megamoe::kernels {
 
@@ -45,9 +47,9 @@ struct ForwardItems {
   int gather_tokens;
   int combine_items;
 
-  __host__ __device__ __forceinline__ uint32_t* counter(ForwardCounter c) const { return counters + c; }
+  MEGAMOE_HOST_DEVICE uint32_t* counter(ForwardCounter c) const { return counters + c; }
   // What FC1's token producer waits for: every gather item, or the one route item's gather.
-  __host__ __device__ __forceinline__ uint32_t gathered_when_ready() const {
+  MEGAMOE_HOST_DEVICE uint32_t gathered_when_ready() const {
     return static_cast<uint32_t>(gather_items > 0 ? gather_items : 1);
   }
 };
