@@ -2,10 +2,10 @@
 // items and gather items until none is left. A route item routes one token per warp
 // (route_token); the last route item to finish scans the expert segments and publishes them. A
 // gather item waits for that publication and quantizes its tokens into the pool, the whole CTA on
-// one token after another (gather_token_by_block), then publishes itself for FC1's token producers. Where one route
-// item holds every token (a decode batch), it counts in shared memory and scans, and where those
-// are at most kLoneGatherTokens it gathers them itself: no global counter and no hand-off between
-// CTAs before FC1.
+// one token after another (gather_token_by_block), then publishes itself for FC1's token
+// producers. Where one route item holds every token (a decode batch), it counts in shared memory
+// and scans, and where those are at most kLoneGatherTokens it gathers them itself: no global
+// counter and no hand-off between CTAs before FC1.
 #pragma once
 
 #include <cstdint>
@@ -75,23 +75,22 @@ __device__ __forceinline__ void route_item(const FrontParams& p, FrontScratch& s
   if (token < valid) {
     route_token(p.routing, token, lane, s.selection[warp], s.scores[warp], alone ? s.counts : p.routing.expert_counts);
   }
-  if (!alone) {
+  // The route item that finishes last (or the lone one) scans the counts and publishes the segments.
+  if (alone) {
+    __syncthreads();
+    scan_expert_segments<kFrontThreads, true>(s.counts, p.routing.num_experts, p.routing.token_tile_rows,
+                                              p.routing.expert_rows, p.routing.expert_offsets,
+                                              p.routing.token_tile_prefix, p.routing.token_tile_expert,
+                                              p.routing.gemm, s.scan_sums);
+  } else {
     if (!last_to_finish(p.items.counter(kRoutedItems), p.items.route_items, &s.last)) return;
     scan_expert_segments<kFrontThreads>(p.routing.expert_counts, p.routing.num_experts, p.routing.token_tile_rows,
                                         p.routing.expert_rows, p.routing.expert_offsets, p.routing.token_tile_prefix,
                                         p.routing.token_tile_expert, p.routing.gemm, s.scan_sums);
-    __syncthreads();
-    publish(p.items.counter(kRoutingReady));
-    return;
   }
   __syncthreads();
-  scan_expert_segments<kFrontThreads, true>(s.counts, p.routing.num_experts, p.routing.token_tile_rows,
-                                            p.routing.expert_rows, p.routing.expert_offsets,
-                                            p.routing.token_tile_prefix, p.routing.token_tile_expert, p.routing.gemm,
-                                            s.scan_sums);
-  __syncthreads();
   publish(p.items.counter(kRoutingReady));
-  if (p.items.gather_items == 0) gather_tokens<kFp8>(p, s, 0, valid);
+  if (p.items.gather_items == 0) gather_tokens<kFp8>(p, s, 0, valid);  // only a lone item has none
 }
 
 template <bool kFp8>
