@@ -210,11 +210,9 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
     p.reasons.push_back(format("one persistent kernel: %lld tokens <= %lld and token tile %lld <= %lld", tokens,
                                static_cast<long long>(kMaxSingleKernelTokens), p.token_tile,
                                static_cast<long long>(kMaxSingleKernelTokenTile)));
-  } else if (kMaxSingleKernelTokens == 0) {
-    p.reasons.push_back("five kernels: the single kernel is opt-in (options.launch=single_kernel), not yet faster");
   } else {
-    p.reasons.push_back(format("five kernels: the single kernel takes at most %lld tokens and token tiles of at "
-                               "most %lld",
+    p.reasons.push_back(format("five kernels: under options.launch=auto the single kernel takes at most %lld tokens "
+                               "(0: it is opt-in, not yet faster) and token tiles of at most %lld",
                                static_cast<long long>(kMaxSingleKernelTokens),
                                static_cast<long long>(kMaxSingleKernelTokenTile)));
   }
@@ -269,7 +267,8 @@ std::ostream& operator<<(std::ostream& os, const LayerPlan& p) {
 
 std::ostream& operator<<(std::ostream& os, const ForwardPlan& p) {
   os << "forward of " << p.tokens << " tokens (~" << p.expected_rows_per_expert << " rows per touched expert): "
-     << (p.single_kernel ? "one kernel" : "five kernels") << ", token tile " << p.token_tile << ", FC1 " << (p.fc1_copies_token_rows ? "copies token rows" : "reads the pool") << ", combine "
+     << (p.single_kernel ? "one kernel" : "five kernels") << ", token tile " << p.token_tile << ", FC1 "
+     << (p.fc1_copies_token_rows ? "copies token rows" : "reads the pool") << ", combine "
      << to_string(p.combine) << ", grid " << p.grid;
   for (const std::string& reason : p.reasons) os << "\n    - " << reason;
   return os << "\n  " << p.fc1 << "\n  " << p.fc2;
