@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <memory>
@@ -176,29 +177,32 @@ MoeSpec spec_from(int64_t num_experts, int64_t hidden, int64_t intermediate, int
   return spec;
 }
 
+// The choice `value` names among `choices` (name, choice); refused with the names it may take.
+template <class T>
+T choice_from(const std::string& value, const char* option, std::initializer_list<std::pair<const char*, T>> choices) {
+  std::string names;
+  size_t index = 0;
+  for (const auto& [name, choice] : choices) {
+    if (value == name) return choice;
+    names += std::string(index == 0 ? "" : index + 1 == choices.size() ? " or " : ", ") + "'" + name + "'";
+    ++index;
+  }
+  TORCH_CHECK_VALUE(false, "megamoe: ", option, " must be ", names, ", not '", value, "'");
+}
+
 MoeLayerOptions options_from(int64_t token_tile, const std::string& fc1_token_rows, int64_t num_sms,
                              const std::string& launch) {
   MoeLayerOptions options;
   options.token_tile = checked_int(token_tile, "token_tile", 0);
-  if (fc1_token_rows == "auto") {
-    options.fc1_token_rows = Fc1TokenRows::automatic;
-  } else if (fc1_token_rows == "pool") {
-    options.fc1_token_rows = Fc1TokenRows::pool;
-  } else {
-    TORCH_CHECK_VALUE(fc1_token_rows == "row_copy", "megamoe: fc1_token_rows must be 'auto', 'pool' or 'row_copy', not '",
-                      fc1_token_rows, "'");
-    options.fc1_token_rows = Fc1TokenRows::row_copy;
-  }
+  options.fc1_token_rows = choice_from<Fc1TokenRows>(fc1_token_rows, "fc1_token_rows",
+                                       {{"auto", Fc1TokenRows::automatic},
+                                        {"pool", Fc1TokenRows::pool},
+                                        {"row_copy", Fc1TokenRows::row_copy}});
   options.num_sms = checked_int(num_sms, "num_sms", 0);
-  if (launch == "auto") {
-    options.launch = ForwardLaunch::automatic;
-  } else if (launch == "per_stage") {
-    options.launch = ForwardLaunch::per_stage;
-  } else {
-    TORCH_CHECK_VALUE(launch == "single_kernel", "megamoe: launch must be 'auto', 'per_stage' or 'single_kernel', not '",
-                      launch, "'");
-    options.launch = ForwardLaunch::single_kernel;
-  }
+  options.launch = choice_from<ForwardLaunch>(launch, "launch",
+                               {{"auto", ForwardLaunch::automatic},
+                                {"per_stage", ForwardLaunch::per_stage},
+                                {"single_kernel", ForwardLaunch::single_kernel}});
   return options;
 }
 
