@@ -18,7 +18,8 @@ constexpr int kCpuDefaultExperts = 16;
 
 struct Options {
   bool force_cpu = false;
-  bool breakdown = false;   // GPU: also time the forward's graph cut after each of its nodes
+  bool breakdown = false;   // GPU: where the time goes: the graph cut after each of its nodes, and a
+                            // single kernel's timeline
   bool warm_l2 = false;     // GPU: skip the L2 scrub before each timed replay (diagnosis only)
   bool print_plan = false;  // GPU: print each token count's MoeLayer::describe_plan before the table
   std::string workload = "qwen35-a3b";

@@ -14,7 +14,6 @@
 #include <nccl.h>
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -36,12 +35,14 @@
 #include "plan/workloads.hpp"
 #include "ref/moe_reference.hpp"
 #include "ref/random_problem.hpp"
+#include "stamp_timeline.hpp"
 
 namespace {
 
 using namespace megamoe;
 using namespace std::chrono_literals;
 using bench::median;
+using bench::StampTimeline;
 
 constexpr int kWarmup = 3;
 constexpr int kTimed = 20;
@@ -81,34 +82,16 @@ struct Events {
 // from the first count block's start to the first and the last block reaching it.
 template <class Call>
 void print_timeline(comm::EpLayer& ep, cudaStream_t stream, int rank, int tokens, Call&& call) {
-  constexpr int kEvents = layout::kEpTimelineEvents;
-  unsigned long long* stamps = cuda_alloc<unsigned long long>(2 * kEvents);
-  std::vector<unsigned long long> reset(2 * kEvents), got(2 * kEvents);
-  for (int e = 0; e < kEvents; ++e) reset[2 * e] = ULLONG_MAX, reset[2 * e + 1] = 0;
-  std::vector<std::vector<float>> first(kEvents), last(kEvents);
-  ep.set_timeline(stamps);
+  StampTimeline timeline(layout::kEpTimelineEvents, layout::kEpTimelineEventNames);
+  ep.set_timeline(timeline.stamps());
   for (int i = 0; i < kTimed; ++i) {
-    MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(stamps, reset.data(), reset.size() * sizeof reset[0], cudaMemcpyHostToDevice, stream));
+    timeline.preset(stream);
     call();
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(got.data(), stamps, got.size() * sizeof got[0], cudaMemcpyDeviceToHost));
-    const unsigned long long start = got[2 * layout::kCountStart];
-    for (int e = 0; e < kEvents; ++e) {
-      if (got[2 * e + 1] == 0) continue;  // not reached (no tokens to reduce)
-      first[e].push_back(static_cast<float>(got[2 * e] - start) / 1e3f);
-      last[e].push_back(static_cast<float>(got[2 * e + 1] - start) / 1e3f);
-    }
+    timeline.collect(stream, layout::kCountStart);
   }
   ep.set_timeline(nullptr);
-  cudaFree(stamps);
-  std::string text;
-  for (int e = 0; e < kEvents; ++e) {
-    if (first[e].empty()) continue;
-    char line[160];
-    std::snprintf(line, sizeof line, "timeline rank %d, %d tokens: %-22s first %8.1f us, last %8.1f us\n", rank, tokens,
-                  layout::kEpTimelineEventNames[e], median(first[e]), median(last[e]));
-    text += line;
-  }
-  std::fputs(text.c_str(), stdout);
+  std::fputs(timeline.lines("timeline rank " + std::to_string(rank) + ", " + std::to_string(tokens) + " tokens: ").c_str(),
+             stdout);
   std::fflush(stdout);
 }
 

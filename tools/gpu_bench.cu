@@ -22,6 +22,7 @@
 #include "dense_gemm_rate.hpp"
 #include "device_timing.hpp"
 #include "kernels/cuda_check.hpp"
+#include "kernels/layout/forward_timeline.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/layer.hpp"
 #include "plan/planner.hpp"
@@ -30,6 +31,7 @@
 #include "ref/moe_reference.hpp"
 #include "ref/random_problem.hpp"
 #include "ref/routing.hpp"
+#include "stamp_timeline.hpp"
 #include "unfused_baseline.hpp"
 
 namespace megamoe::bench {
@@ -148,6 +150,30 @@ Json time_graph_prefixes(cudaGraph_t graph, cudaStream_t stream, BeforeReplay& b
     previous_us = us;
   }
   return nodes;
+}
+
+// A single-kernel forward's timeline (layout/forward_timeline.hpp): its graph captured again with
+// the layer's timeline on, replayed like the timed graph, the medians printed and returned.
+template <class Forward, class BeforeReplay>
+Json time_single_kernel_roles(MoeLayer& layer, cudaStream_t stream, Forward&& forward, BeforeReplay& before_replay,
+                              int tokens) {
+  StampTimeline timeline(layout::kForwardTimelineEvents, layout::kForwardTimelineEventNames);
+  layer.set_timeline(timeline.stamps());
+  cudaGraph_t graph = capture_graph(stream, forward);
+  layer.set_timeline(nullptr);
+  cudaGraphExec_t exec;
+  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < kReplays.timed; ++i) {
+    before_replay();
+    timeline.preset(stream);
+    MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    timeline.collect(stream, layout::kForwardStart);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  std::printf("    the single kernel's roles at %d tokens (median of %d replays, after the first CTA's start):\n%s",
+              tokens, kReplays.timed, timeline.lines("      ").c_str());
+  return timeline.json();
 }
 
 double measure_hbm_read_bytes_per_s(cudaStream_t stream, int num_sms) {
@@ -285,13 +311,16 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(y_dev.as<void>(), 0xFF, x.size() * 2, stream));
     const MoeInputs inputs{tokens, x_dev.as<void>(), logits_dev.as<float>(), ids_dev.as<int32_t>(), weights_dev.as<float>()};
 
-    cudaGraph_t graph =
-        capture_graph(stream, [&] { layer.forward(stream, inputs, MoeOutputs{y_dev.as<void>()}, o.layer.combine); });
+    const auto forward = [&] { layer.forward(stream, inputs, MoeOutputs{y_dev.as<void>()}, o.layer.combine); };
+    cudaGraph_t graph = capture_graph(stream, forward);
     const int launches = count_kernel_launches(graph);
     const double us = median_graph_us(graph, stream, before_replay);
-    Json breakdown = Json::array();
+    Json breakdown = Json::array(), roles = Json::array();
     if (o.breakdown) breakdown = time_graph_prefixes(graph, stream, before_replay, tokens);
     cudaGraphDestroy(graph);
+    if (o.breakdown && forward_plans[count_index].single_kernel) {
+      roles = time_single_kernel_roles(layer, stream, forward, before_replay, tokens);
+    }
 
     // The first rows against the CPU reference (routing is per token, so a prefix is a valid call).
     std::vector<bf16_t> y(x.size());
@@ -346,7 +375,9 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
         .set("l2", o.warm_l2 ? "warm (not scrubbed)" : "scrubbed before each timed replay")
         .set("launches", launches)
         .set("options", options_json(o.layer));
-    set_plan_decisions(record, forward_plans[count_index]).set("breakdown", std::move(breakdown));
+    set_plan_decisions(record, forward_plans[count_index])
+        .set("breakdown", std::move(breakdown))
+        .set("single_kernel_timeline", std::move(roles));
     records.push(std::move(set_provenance(record, o.provenance)));
   }
   cudaStreamDestroy(stream);

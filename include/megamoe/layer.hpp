@@ -47,6 +47,13 @@ class MoeLayer {
   // a token) since the last call, and resets the count. Invalid ids contribute nothing.
   long take_invalid_routing_ids(cudaStream_t stream);
 
+  // Diagnosis (megamoe-bench --breakdown): later forwards that run as one kernel fold the GPU's
+  // global timer at the points of src/kernels/layout/forward_timeline.hpp into `stamps` (device,
+  // [event][2] unsigned long long: the earliest and the latest ns any CTA reached the point; the
+  // caller presets them to UINT64_MAX and 0). Null, the default, turns it off. Five-kernel
+  // forwards mark nothing.
+  void set_timeline(unsigned long long* stamps);
+
   const MoeSpec& spec() const { return spec_; }
   int max_tokens() const { return max_tokens_; }
   const MoeLayerOptions& options() const;

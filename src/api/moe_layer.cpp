@@ -125,6 +125,7 @@ struct MoeLayer::Impl {
   // otherwise interleave their kernels, which share the workspace.
   std::mutex mutex;
   std::set<ChoiceKey> printed;  // MEGAMOE_PRINT_CONFIGS=1: each configuration printed once
+  unsigned long long* timeline_stamps = nullptr;  // set_timeline's
 
   // The device copy of `bias` (kept for the layer's life), or null for none. A bias not seen yet
   // is copied synchronously, which a CUDA graph capture on `stream` would not survive.
@@ -263,9 +264,14 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
     std::cerr << "megamoe: " << spec_ << "\n  " << impl_->plan << "\n  "
               << plan::plan_forward(spec_, impl_->plan, plan.tokens, mode, impl_->facts) << "\n";
   }
-  const kernels::MoeCall call{inputs.num_tokens, inputs.num_valid_tokens, inputs.x,   inputs.router_logits,
-                              inputs.topk_ids,   inputs.topk_weights,     outputs.y};
+  const kernels::MoeCall call{inputs.num_tokens, inputs.num_valid_tokens, inputs.x,        inputs.router_logits,
+                              inputs.topk_ids,   inputs.topk_weights,     outputs.y,       impl_->timeline_stamps};
   kernels::launch_moe_forward(params, choices, call, stream);
+}
+
+void MoeLayer::set_timeline(unsigned long long* stamps) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->timeline_stamps = stamps;
 }
 
 std::string MoeLayer::describe_plan(int tokens, std::optional<CombineMode> combine) const {

@@ -24,31 +24,9 @@ struct Bf16x8Sum {
     }
   }
 
-  // Adds `count` weighted rows in index order. `locate(i, row, weight)` sets row i's address
-  // (null: nothing to add) and weight; each group of kInFlight rows is located, then loaded, then
-  // added, so that a group costs two memory round trips (where the rows are found, the rows)
-  // instead of one chain per row. The rows are read once: their lines go first when L2 evicts.
+  // Adds `count` weighted rows in index order (add_rows_batched of one sum).
   template <int kInFlight, class Locate>
-  __device__ __forceinline__ void add_rows(int count, Locate locate) {
-    const uint64_t read_once = ptx::l2_policy_evict_first();
-    for (int first = 0; first < count; first += kInFlight) {
-      const uint4* row[kInFlight];
-      float weight[kInFlight];
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i) {
-        row[i] = nullptr;
-        weight[i] = 0.0f;
-        if (first + i < count) locate(first + i, row[i], weight[i]);
-      }
-      uint4 value[kInFlight];
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i)
-        if (row[i] != nullptr) value[i] = ptx::ld_global_v4(row[i], read_once);
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i)
-        if (row[i] != nullptr) add(value[i], weight[i]);
-    }
-  }
+  __device__ __forceinline__ void add_rows(int count, Locate locate);
 
   __device__ __forceinline__ uint4 rounded() const {
     uint4 packed;
@@ -58,5 +36,48 @@ struct Bf16x8Sum {
     return packed;
   }
 };
+
+// Adds `count` weighted rows in index order to each of `kBatch` sums. `locate(b, i, row, weight)`
+// sets row i of sum b's address (null: nothing to add) and weight; each group of kInFlight rows
+// of every sum is located, then loaded, then added, so that a group costs two memory round trips
+// (where the rows are found, the rows) for all kBatch sums instead of one chain per row. The rows
+// are read once: their lines go first when L2 evicts.
+template <int kBatch, int kInFlight, class Locate>
+__device__ __forceinline__ void add_rows_batched(Bf16x8Sum (&sums)[kBatch], int count, Locate locate) {
+  const uint64_t read_once = ptx::l2_policy_evict_first();
+  for (int first = 0; first < count; first += kInFlight) {
+    const uint4* row[kBatch][kInFlight];
+    float weight[kBatch][kInFlight];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) {
+        row[b][i] = nullptr;
+        weight[b][i] = 0.0f;
+        if (first + i < count) locate(b, first + i, row[b][i], weight[b][i]);
+      }
+    }
+    uint4 value[kBatch][kInFlight];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+        if (row[b][i] != nullptr) value[b][i] = ptx::ld_global_v4(row[b][i], read_once);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+        if (row[b][i] != nullptr) sums[b].add(value[b][i], weight[b][i]);
+    }
+  }
+}
+
+template <int kInFlight, class Locate>
+__device__ __forceinline__ void Bf16x8Sum::add_rows(int count, Locate locate) {
+  Bf16x8Sum batch[1] = {*this};  // registers either way once inlined
+  add_rows_batched<1, kInFlight>(batch, count, [&](int, int i, const uint4*& row, float& weight) { locate(i, row, weight); });
+  *this = batch[0];
+}
 
 }  // namespace megamoe::kernels

@@ -27,29 +27,60 @@ struct CombineParams {
   __nv_bfloat16* y;               // [T, H]
 };
 
-// Output vector `index` (token index / (H/8), channels 8 x the rest); past the valid tokens, nothing.
-template <bool kDeterministic>
-__device__ __forceinline__ void combine_vector(const CombineParams& p, long index, int valid) {
+// Starts bringing `token`'s routed ids and weights into this SM's L1 (the deterministic combine's
+// first round trip), where they are final before the slot rows are.
+__device__ __forceinline__ void prefetch_token_routing(const CombineParams& p, int token) {
+  const size_t first_slot = static_cast<size_t>(token) * p.top_k;
+  ptx::prefetch_l1(p.routed_ids + first_slot);
+  ptx::prefetch_l1(p.routed_ids + first_slot + p.top_k - 1);
+  ptx::prefetch_l1(p.routed_weights + first_slot);
+  ptx::prefetch_l1(p.routed_weights + first_slot + p.top_k - 1);
+}
+
+// Output vectors first + b * stride for b < kBatch (a vector's index is token index * (H/8) + its
+// 8-channel group); those past the valid tokens are skipped. Every vector's rows are located and
+// loaded together (add_rows_batched): a batch costs the memory round trips of one vector.
+template <bool kDeterministic, int kBatch>
+__device__ __forceinline__ void combine_vectors(const CombineParams& p, long first, long stride, int valid) {
   constexpr int kVector = Bf16x8Sum::kChannels;
   const int vectors_per_token = p.hidden / kVector;
-  if (index >= static_cast<long>(valid) * vectors_per_token) return;
-  const int token = static_cast<int>(index / vectors_per_token);
-  const int column = static_cast<int>(index % vectors_per_token) * kVector;
-  const size_t first_slot = static_cast<size_t>(token) * p.top_k;
-  Bf16x8Sum sum;
+  const long end = static_cast<long>(valid) * vectors_per_token;
+  int token[kBatch], column[kBatch];
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+    const long index = first + b * stride;
+    token[b] = index < end ? static_cast<int>(index / vectors_per_token) : -1;
+    column[b] = static_cast<int>(index % vectors_per_token) * kVector;
+  }
+  Bf16x8Sum sum[kBatch];
   if constexpr (kDeterministic) {
-    sum.add_rows<8>(p.top_k, [&](int j, const uint4*& row, float& weight) {
-      const size_t slot = first_slot + j;
+    add_rows_batched<kBatch, 8>(sum, p.top_k, [&](int b, int j, const uint4*& row, float& weight) {
+      if (token[b] < 0) return;
+      const size_t slot = static_cast<size_t>(token[b]) * p.top_k + j;
       weight = p.routed_weights[slot];
-      if (p.routed_ids[slot] >= 0) row = reinterpret_cast<const uint4*>(p.slot_outputs + slot * p.hidden + column);
+      if (p.routed_ids[slot] >= 0) row = reinterpret_cast<const uint4*>(p.slot_outputs + slot * p.hidden + column[b]);
     });
   } else {
-    const float4* acc = reinterpret_cast<const float4*>(p.y_accumulator + static_cast<size_t>(token) * p.hidden + column);
-    const float4 lo = acc[0], hi = acc[1];
-    float* s = sum.sum;
-    s[0] = lo.x, s[1] = lo.y, s[2] = lo.z, s[3] = lo.w, s[4] = hi.x, s[5] = hi.y, s[6] = hi.z, s[7] = hi.w;
+    float4 lo[kBatch] = {}, hi[kBatch] = {};
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (token[b] < 0) continue;
+      const float4* acc =
+          reinterpret_cast<const float4*>(p.y_accumulator + static_cast<size_t>(token[b]) * p.hidden + column[b]);
+      lo[b] = acc[0], hi[b] = acc[1];
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      float* s = sum[b].sum;
+      s[0] = lo[b].x, s[1] = lo[b].y, s[2] = lo[b].z, s[3] = lo[b].w, s[4] = hi[b].x, s[5] = hi[b].y, s[6] = hi[b].z,
+      s[7] = hi[b].w;
+    }
   }
-  reinterpret_cast<uint4*>(p.y + static_cast<size_t>(token) * p.hidden + column)[0] = sum.rounded();
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+    if (token[b] < 0) continue;
+    reinterpret_cast<uint4*>(p.y + static_cast<size_t>(token[b]) * p.hidden + column[b])[0] = sum[b].rounded();
+  }
 }
 
 template <bool kDeterministic>
@@ -57,19 +88,13 @@ __global__ void __launch_bounds__(256) combine_kernel(CombineParams p) {
   const int vectors_per_token = p.hidden / Bf16x8Sum::kChannels;
   const long index = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int token = static_cast<int>(index / vectors_per_token);
-  const size_t first_slot = static_cast<size_t>(token) * p.top_k;
   // The routing is complete before this grid can launch (the gather released its successors only
   // after waiting for the router), so the token's ids and weights come into L1 while FC2 finishes:
   // after the wait only the slot rows are a round trip away.
-  if (kDeterministic && token < p.num_tokens) {
-    ptx::prefetch_l1(p.routed_ids + first_slot);
-    ptx::prefetch_l1(p.routed_ids + first_slot + p.top_k - 1);
-    ptx::prefetch_l1(p.routed_weights + first_slot);
-    ptx::prefetch_l1(p.routed_weights + first_slot + p.top_k - 1);
-  }
+  if (kDeterministic && token < p.num_tokens) prefetch_token_routing(p, token);
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
-  combine_vector<kDeterministic>(p, index, valid_tokens(p.num_tokens, p.num_valid_tokens));
+  combine_vectors<kDeterministic, 1>(p, index, 0, valid_tokens(p.num_tokens, p.num_valid_tokens));
 }
 
 }  // namespace megamoe::kernels

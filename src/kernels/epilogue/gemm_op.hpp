@@ -12,7 +12,7 @@ enum class NamedBarrier : uint32_t {
   kEpilogueExchange = 1,  // 0 is __syncthreads
   kFc1TileStored = 2,     // every math thread has stored its part of an FC1 tile
   kTileStored = 3,        // the same for an FC2 tile (single-kernel forward)
-  kCombineItem = 4,       // the math threads' next combine item is claimed (single-kernel forward)
+  kCombineShare = 4,      // every FC2 tile is stored: the math threads combine (single-kernel forward)
   kRingIdle = 5,          // the whole block, between the two GEMMs (single-kernel forward)
 };
 

@@ -59,6 +59,9 @@ struct MoeCall {
   const int32_t* topk_ids;
   const float* topk_weights;
   void* y;
+  // Diagnostic (megamoe-bench --breakdown): the single kernel folds the global timer at the
+  // points of layout/forward_timeline.hpp into these stamps, [event][2] earliest and latest ns.
+  unsigned long long* timeline_stamps = nullptr;
 };
 
 void launch_moe_forward(const MoeLayerParams& layer, const MoeLaunchChoices& choices, const MoeCall& call,

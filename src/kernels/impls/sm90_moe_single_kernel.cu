@@ -28,7 +28,8 @@ void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const Moe
   Params p{};
   p.front.routing = routing;
   p.front.gather = gather;
-  p.front.items = make_forward_items(w.at<uint32_t>(f.workspace, w.forward_counters), call.num_tokens, f.hidden, c.grid);
+  p.front.timeline = Timeline{call.timeline_stamps};
+  p.front.items = make_forward_items(w.at<uint32_t>(f.workspace, w.forward_counters), call.num_tokens, c.grid);
   fc1_params.tokens_ready = p.front.items.counter(kGatheredItems);
   fc1_params.tokens_ready_count = p.front.items.gathered_when_ready();
   fc2_params.tiles_stored = p.front.items.counter(kFc2TilesStored);

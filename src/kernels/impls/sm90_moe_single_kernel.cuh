@@ -4,7 +4,7 @@
 //   whole CTA            front role: route and gather items (routing/front_items.cuh)
 //   producer warpgroup   FC1's producer roles, then FC2's (impls/sm90_grouped_gemm_swapab.cuh)
 //   math warpgroups      FC1's mainloop and epilogue, then FC2's (mma/swapab_mainloop.cuh), then
-//                        combine items (combine/combine_items.cuh)
+//                        their CTA's share of the combine (combine/combine_share.cuh)
 // Between its FC1 and FC2 tiles a CTA joins all of its threads and sets its stage ring up again
 // (the two GEMMs share one ring layout); FC2 tiles wait per expert for FC1's, as between the
 // per-stage kernels, and the combine for every FC2 tile. The last CTA to finish zeroes the counters.
@@ -15,8 +15,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/combine/combine_items.cuh"
+#include "kernels/combine/combine_share.cuh"
 #include "kernels/impls/sm90_grouped_gemm_swapab.cuh"
+#include "kernels/layout/forward_timeline.hpp"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mbarrier.cuh"
 #include "kernels/routing/front_items.cuh"
@@ -32,12 +33,6 @@ struct SingleKernelParams {
   CombineParams combine;
 };
 
-// What the block keeps in shared memory past the GEMM's stages, whose contents the front role's
-// scratch replaces while it runs.
-struct SingleKernelTail {
-  int combine_ticket;
-};
-
 template <class Fc1Config, class Fc2Config>
 struct SingleKernelLayout {
   static_assert(sizeof(typename Fc1Config::SharedStorage) == sizeof(typename Fc2Config::SharedStorage) &&
@@ -47,9 +42,7 @@ struct SingleKernelLayout {
                 "FC1 and FC2 share one block and one stage ring");
   static_assert(sizeof(FrontScratch) <= sizeof(Fc1Config::SharedStorage::a),
                 "the front role's scratch fits in the weight stages");
-  static constexpr size_t kTailOffset = sizeof(typename Fc1Config::SharedStorage);
-  static constexpr int kSmemBytes = static_cast<int>(kTailOffset + sizeof(SingleKernelTail));
-  static_assert(kTailOffset % alignof(SingleKernelTail) == 0, "the tail is aligned");
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(typename Fc1Config::SharedStorage));
   static_assert(kSmemBytes <= layout::kSm90SmemPerBlockOptin, "shared memory over the sm_90 limit");
 };
 
@@ -75,7 +68,6 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
   auto& fc1_smem = *reinterpret_cast<typename Fc1Config::SharedStorage*>(smem_raw);
   auto& fc2_smem = *reinterpret_cast<typename Fc2Config::SharedStorage*>(smem_raw);
   auto& front_scratch = *reinterpret_cast<FrontScratch*>(smem_raw);
-  auto& tail = *reinterpret_cast<SingleKernelTail*>(smem_raw + Layout::kTailOffset);
 
   if (threadIdx.x == 0) {
     if (ptx::smem_address(smem_raw) % 1024 != 0) __trap();
@@ -89,6 +81,8 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
   __syncthreads();
+  const Timeline& timeline = p.front.timeline;
+  timeline.mark(layout::kForwardStart);
 
   front_items<kFp8>(p.front, front_scratch);
   // The scratch was written through the generic proxy; the stages are written by TMA next.
@@ -112,22 +106,31 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
     }
     ptx::named_barrier_sync_from_anywhere(kBarrier, kFrontThreads);
   };
+  // Thread 0 is the weight producer, thread 128 the first math thread.
+  constexpr int kMathLead = 128;
   if (threadIdx.x < 128) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     producer_roles<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
+    timeline.mark(layout::kFc1Streamed);
     between_gemms();
+    timeline.mark(layout::kFc2Started);
     producer_roles<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
+    timeline.mark(layout::kFc2Streamed);
     return;
   }
   ptx::setmaxnreg_increase<kConsumerRegisters>();
   math_warpgroups<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
+  timeline.mark(layout::kFc1Done, kMathLead);
   between_gemms();
   math_warpgroups<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
+  timeline.mark(layout::kFc2Done, kMathLead);
 
   const int math_thread = threadIdx.x - 128;
   const ForwardItems& items = p.front.items;
-  combine_items<kDeterministic>(p.combine, items, static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread,
-                                Fc2Config::kConsumerThreads, &tail.combine_ticket);
+  combine_share<kDeterministic>(p.combine, items.counter(kFc2TilesStored),
+                                static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread,
+                                Fc2Config::kConsumerThreads, timeline);
+  timeline.mark(layout::kCombineDone, kMathLead);
   if (math_thread == 0) {
     // Fenced as in last_to_finish: the zeroing is ordered after every CTA's last counter access.
     __threadfence();

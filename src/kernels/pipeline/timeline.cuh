@@ -1,7 +1,8 @@
 // A diagnostic timeline of a chain of small kernels: at named points, thread 0 of every block
 // folds the global timer into the earliest and the latest time any block reached that point, so a
 // host tool sees where the chain's time goes across kernels and blocks (megamoe-ep-bench
-// --timeline). Off (a null stamp array, the default) it costs one branch per point.
+// --timeline, megamoe-bench --breakdown of the single kernel). Off (a null stamp array, the
+// default) it costs one branch per point.
 #pragma once
 
 #include <cstdint>
@@ -14,8 +15,9 @@ struct Timeline {
   // [event][2]: earliest and latest ns; the host sets them to UINT64_MAX and 0 before a call.
   unsigned long long* stamps = nullptr;
 
-  __device__ __forceinline__ void mark(int event) const {
-    if (stamps == nullptr || threadIdx.x != 0) return;
+  // By thread `thread` of each block that passes the point (a role's first thread).
+  __device__ __forceinline__ void mark(int event, int thread = 0) const {
+    if (stamps == nullptr || static_cast<int>(threadIdx.x) != thread) return;
     const unsigned long long now = ptx::global_timer_ns();
     atomicMin(&stamps[2 * event], now);
     atomicMax(&stamps[2 * event + 1], now);

@@ -5,13 +5,17 @@
 // one token after another (gather_token_by_block), then publishes itself for FC1's token
 // producers. Where one route item holds every token (a decode batch), it counts in shared memory
 // and scans, and where those are at most kLoneGatherTokens it gathers them itself: no global
-// counter and no hand-off between CTAs before FC1.
+// counter and no hand-off between CTAs before FC1. A CTA leaves once no front item is left and the
+// routing is published, while other CTAs may still gather: its FC1 weight stream needs only the
+// expert segments, and FC1's token producer waits for the rows.
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/layout/forward_timeline.hpp"
 #include "kernels/permute/gather_quantize.cuh"
 #include "kernels/pipeline/last_block.cuh"
+#include "kernels/pipeline/timeline.cuh"
 #include "kernels/ptx/mbarrier.cuh"
 #include "kernels/ptx/memory.cuh"
 #include "kernels/routing/route_token.cuh"
@@ -25,7 +29,7 @@ struct FrontScratch {
   float selection[kFrontWarps][kMaxRoutingExperts];  // route_token's rows, one per warp
   float scores[kFrontWarps][kMaxRoutingExperts];
   int32_t counts[kMaxRoutingExperts];                // expert counters of a lone route item
-  int2 scan_sums[kFrontThreads];
+  int2 scan_sums[kFrontWarps];                       // scan_expert_segments' warp sums
   int32_t slot_rows[kMaxTopK];                       // gather_token_by_block's
   int ticket;
   bool last;
@@ -35,6 +39,7 @@ struct FrontParams {
   RoutingParams routing;
   GatherParams gather;
   ForwardItems items;
+  Timeline timeline;  // diagnostic, off by default
 };
 
 namespace front_detail {
@@ -60,13 +65,16 @@ __device__ __forceinline__ void gather_tokens(const FrontParams& p, FrontScratch
   ptx::fence_proxy_async_global();  // FC1 reads the rows by TMA
   __syncthreads();
   publish(p.items.counter(kGatheredItems));
+  p.timeline.mark(layout::kGatherItemDone);
 }
 
+// Returns whether this CTA published the routing.
 template <bool kFp8>
-__device__ __forceinline__ void route_item(const FrontParams& p, FrontScratch& s, int item) {
+__device__ __forceinline__ bool route_item(const FrontParams& p, FrontScratch& s, int item) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int valid = valid_tokens(p.routing.num_tokens, p.routing.num_valid_tokens);
   const int token = item * kFrontWarps + warp;
+  p.timeline.mark(layout::kRouteItemClaimed);
   const bool alone = p.items.route_items == 1;
   if (alone) {
     for (int e = threadIdx.x; e < p.routing.num_experts; e += kFrontThreads) s.counts[e] = 0;
@@ -75,6 +83,7 @@ __device__ __forceinline__ void route_item(const FrontParams& p, FrontScratch& s
   if (token < valid) {
     route_token(p.routing, token, lane, s.selection[warp], s.scores[warp], alone ? s.counts : p.routing.expert_counts);
   }
+  p.timeline.mark(layout::kRouteItemDone);  // thread 0's token
   // The route item that finishes last (or the lone one) scans the counts and publishes the segments.
   if (alone) {
     __syncthreads();
@@ -83,14 +92,16 @@ __device__ __forceinline__ void route_item(const FrontParams& p, FrontScratch& s
                                               p.routing.token_tile_prefix, p.routing.token_tile_expert,
                                               p.routing.gemm, s.scan_sums);
   } else {
-    if (!last_to_finish(p.items.counter(kRoutedItems), p.items.route_items, &s.last)) return;
+    if (!last_to_finish(p.items.counter(kRoutedItems), p.items.route_items, &s.last)) return false;
     scan_expert_segments<kFrontThreads>(p.routing.expert_counts, p.routing.num_experts, p.routing.token_tile_rows,
                                         p.routing.expert_rows, p.routing.expert_offsets, p.routing.token_tile_prefix,
                                         p.routing.token_tile_expert, p.routing.gemm, s.scan_sums);
   }
   __syncthreads();
   publish(p.items.counter(kRoutingReady));
+  p.timeline.mark(layout::kRoutingPublished);
   if (p.items.gather_items == 0) gather_tokens<kFp8>(p, s, 0, valid);  // only a lone item has none
+  return true;
 }
 
 template <bool kFp8>
@@ -103,9 +114,7 @@ __device__ __forceinline__ void gather_item(const FrontParams& p, FrontScratch& 
 }  // namespace front_detail
 
 // Every thread of the CTA, with `s` laid over the GEMM stages. Returns once every front item is
-// done: the GEMMs' tiles depend on the expert segments, FC1's token loads on the gathered rows,
-// and no weight streams before then either: a gather competing with every CTA's weight loads for
-// HBM is slower (docs/design.md#single-kernel-forward).
+// claimed and the expert segments are published, which the GEMMs' tile claims read.
 template <bool kFp8>
 __device__ __forceinline__ void front_items(const FrontParams& p, FrontScratch& s) {
   const ForwardItems& items = p.items;
@@ -117,14 +126,15 @@ __device__ __forceinline__ void front_items(const FrontParams& p, FrontScratch& 
     __syncthreads();
     if (ticket >= items.route_items + items.gather_items) break;
     if (ticket < items.route_items) {
-      front_detail::route_item<kFp8>(p, s, ticket);
+      routing_seen |= front_detail::route_item<kFp8>(p, s, ticket);
       continue;
     }
     if (!routing_seen) front_detail::wait_for(items, kRoutingReady, 1);
     routing_seen = true;
     front_detail::gather_item<kFp8>(p, s, ticket - items.route_items);
   }
-  front_detail::wait_for(items, kGatheredItems, items.gathered_when_ready());
+  if (!routing_seen) front_detail::wait_for(items, kRoutingReady, 1);
+  p.timeline.mark(layout::kFrontDone);
 }
 
 }  // namespace megamoe::kernels

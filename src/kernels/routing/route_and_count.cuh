@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kRouterThreads, 1) route_and_count_kernel(Rout
     route_token(p, token, lane, selection_values + warp * p.num_experts, weight_scores + warp * p.num_experts,
                 one_block ? block_counts : p.expert_counts);
   }
-  __shared__ int2 scan_sums[kRouterThreads];
+  __shared__ int2 scan_sums[kRouterThreads / 32];
   if (one_block) {
     __syncthreads();
     scan_expert_segments<kRouterThreads, true>(block_counts, p.num_experts, p.token_tile_rows, p.expert_rows,

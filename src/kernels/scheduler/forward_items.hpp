@@ -7,7 +7,8 @@
 //                  are no gather items
 //   FC1 tiles      claimed after the routing is published (GroupedTileScheduler, first_wave 0)
 //   FC2 tiles      claimed once FC1's are all claimed; each waits for FC1's tiles of its expert
-//   combine items  kCombineItemVectors output vectors each, after every FC2 tile is stored
+//   combine        after every FC2 tile is stored, each CTA its fixed share of the output
+//                  (combine/combine_share.cuh): nothing waits for it, so it needs no claim
 // A CTA moves to the next kind of work only when its claim finds none of the current kind left,
 // so every item that some work waits for has been claimed by a CTA that is running and that
 // waits only on items claimed before it: the forward needs no grid-wide barrier, and CTAs that
@@ -24,7 +25,6 @@ namespace megamoe::kernels {
 
 inline constexpr int kFrontThreads = 384;              // the whole CTA (the GEMMs' block)
 inline constexpr int kFrontWarps = kFrontThreads / 32;  // a route item's tokens: one per warp
-inline constexpr int kCombineItemVectors = 256;        // one 8-channel vector per math thread
 
 // The counters, zero between forwards: last_to_finish leaves kRoutedItems zero, and the last CTA
 // to finish zeroes the others.
@@ -34,7 +34,6 @@ enum ForwardCounter : int {
   kRoutingReady,     // 1 once the expert segments are published
   kGatheredItems,    // gather items finished (one, where the route item gathered)
   kFc2TilesStored,   // FC2 tiles stored
-  kCombineTickets,   // combine items claimed
   kCtasDone,         // CTAs finished
   kForwardCounters,
 };
@@ -45,7 +44,6 @@ struct ForwardItems {
   int route_items;
   int gather_items;
   int gather_tokens;
-  int combine_items;
 
   MEGAMOE_HOST_DEVICE uint32_t* counter(ForwardCounter c) const { return counters + c; }
   // What FC1's token producer waits for: every gather item, or the one route item's gather.
@@ -58,18 +56,16 @@ struct ForwardItems {
 // about what handing the gather to other CTAs costs, so only a token or two stay with it.
 inline constexpr int kLoneGatherTokens = 2;
 
-// How a forward of `tokens` rows of `hidden` channels is cut into items on a grid of `ctas` CTAs.
+// How a forward of `tokens` rows is cut into items on a grid of `ctas` CTAs.
 // A gather item is about half a CTA's share of the tokens, at least one: a claim is an atomic
 // round trip, and the items should still spread over every CTA.
-inline ForwardItems make_forward_items(uint32_t* counters, int tokens, int hidden, int ctas) {
+inline ForwardItems make_forward_items(uint32_t* counters, int tokens, int ctas) {
   ForwardItems items{};
   items.counters = counters;
   items.route_items = (tokens + kFrontWarps - 1) / kFrontWarps;
   items.gather_tokens = (tokens + 2 * ctas - 1) / (2 * ctas);
   const bool lone = items.route_items == 1 && tokens <= kLoneGatherTokens;
   items.gather_items = lone ? 0 : (tokens + items.gather_tokens - 1) / items.gather_tokens;
-  const long vectors = static_cast<long>(tokens) * (hidden / 8);
-  items.combine_items = static_cast<int>((vectors + kCombineItemVectors - 1) / kCombineItemVectors);
   return items;
 }
 

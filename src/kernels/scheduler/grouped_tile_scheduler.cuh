@@ -89,13 +89,16 @@ struct GemmTileCounters {
 // expert_segment() pads them). It moves the counters to expert_rows and leaves them
 // zero, so each forward (and each graph replay, whole or cut short) starts from zero without a
 // memset, and zeroes the GEMMs' counters. Global counters are read from L2 (other blocks' atomics
-// wrote them); kSharedCounts: the counters are this block's shared memory. `sums` is kThreads
-// entries of the block's shared memory (tiles, padded rows).
+// wrote them); kSharedCounts: the counters are this block's shared memory. `sums` is kThreads / 32
+// entries of the block's shared memory (each warp's tiles and padded rows).
 template <int kThreads, bool kSharedCounts = false>
 __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int num_experts, int token_tile_rows,
                                                      int32_t* expert_rows, int32_t* expert_offsets,
                                                      int32_t* token_tile_prefix, int32_t* token_tile_expert,
                                                      const GemmTileCounters& gemm, int2* sums) {
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kThreads % 32 == 0 && kWarps <= 32, "whole warps, one warp's worth of warp sums");
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int2 carry = make_int2(0, 0);
   for (int base = 0; base < num_experts; base += kThreads) {
     const int e = base + threadIdx.x;
@@ -108,25 +111,32 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
     }
     const ExpertSegment segment = expert_segment(rows, token_tile_rows);
     const int2 mine = make_int2(segment.token_tiles, segment.rows);
-    sums[threadIdx.x] = mine;
+    // Inclusive scan within the warp by shuffles, then each thread adds the warps before its own:
+    // one block barrier per round instead of one per doubling step.
+    int2 inclusive = mine;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int tiles = __shfl_up_sync(0xffffffffu, inclusive.x, offset);
+      const int padded = __shfl_up_sync(0xffffffffu, inclusive.y, offset);
+      if (lane >= offset) inclusive = make_int2(inclusive.x + tiles, inclusive.y + padded);
+    }
+    if (lane == 31) sums[warp] = inclusive;
     __syncthreads();
-    // Hillis-Steele inclusive scan; E is at most a few hundred, so simplicity wins.
-    for (int offset = 1; offset < kThreads; offset *= 2) {
-      const int2 add = threadIdx.x >= offset ? sums[threadIdx.x - offset] : make_int2(0, 0);
-      __syncthreads();
-      sums[threadIdx.x].x += add.x;
-      sums[threadIdx.x].y += add.y;
-      __syncthreads();
+    int2 before = carry, total = carry;
+#pragma unroll 1
+    for (int w = 0; w < kWarps; ++w) {
+      const int2 warp_sum = sums[w];
+      if (w < warp) before = make_int2(before.x + warp_sum.x, before.y + warp_sum.y);
+      total = make_int2(total.x + warp_sum.x, total.y + warp_sum.y);
     }
     if (e < num_experts) {
-      const int first_token_tile = carry.x + sums[threadIdx.x].x - mine.x;
+      const int first_token_tile = before.x + inclusive.x - mine.x;
       token_tile_prefix[e] = first_token_tile;
-      expert_offsets[e] = carry.y + sums[threadIdx.x].y - mine.y;
+      expert_offsets[e] = before.y + inclusive.y - mine.y;
       mark_expert_token_tiles(e, first_token_tile, segment.token_tiles, token_tile_expert);
     }
-    carry.x += sums[kThreads - 1].x;
-    carry.y += sums[kThreads - 1].y;
-    __syncthreads();
+    carry = total;
+    __syncthreads();  // the warp sums are rewritten next round
   }
   if (threadIdx.x == 0) {
     token_tile_prefix[num_experts] = carry.x;

@@ -1,0 +1,30 @@
+// The points of a single-kernel forward (impls/sm90_moe_single_kernel.cuh) that the diagnostic
+// timeline marks (kernels/pipeline/timeline.cuh), in the order a CTA passes them; the host tools
+// print them by these names (megamoe-bench --breakdown).
+#pragma once
+
+namespace megamoe::layout {
+
+enum ForwardTimelineEvent : int {
+  kForwardStart,      // every CTA, after the previous kernel
+  kRouteItemClaimed,  // each route item, its ticket back
+  kRouteItemDone,     // each route item, thread 0's token routed and counted
+  kRoutingPublished,  // the scanning CTA, the expert segments published
+  kGatherItemDone,    // each gather item (or the lone route item's gather), its rows published
+  kFrontDone,         // every CTA, leaving the front role: the routing published
+  kFc1Streamed,       // every CTA's weight producer, its last FC1 stage issued
+  kFc1Done,           // every CTA's math warpgroups, their last FC1 tile stored
+  kFc2Started,        // every CTA, its stage ring set up for FC2
+  kFc2Streamed,       // every CTA's weight producer, its last FC2 stage issued
+  kFc2Done,           // every CTA's math warpgroups, their last FC2 tile stored
+  kCombineStarted,    // every CTA's math warpgroups, every FC2 tile seen stored
+  kCombineDone,       // every CTA's math warpgroups, their share of the combine stored
+  kForwardTimelineEvents
+};
+
+inline constexpr const char* kForwardTimelineEventNames[kForwardTimelineEvents] = {
+    "forward start", "route item claimed", "route item done", "routing published",
+    "gather item done", "front done", "fc1 streamed", "fc1 done",
+    "fc2 started", "fc2 streamed", "fc2 done", "combine started", "combine done"};
+
+}  // namespace megamoe::layout
