@@ -9,8 +9,11 @@
 //          stride of K bytes
 //   tiles  each stage's 256 x 128 bytes stored contiguously (32 KiB)
 // L2 is scrubbed before each timed call. A last case streams weights that fit in L2, every tile
-// read by many CTAs: what the L2 delivers to the SMs through TMA. Prints one line per case: µs,
-// GB/s of the whole grid and per CTA.
+// read by many CTAs: what the L2 delivers to the SMs through TMA. A decode case streams the 32
+// tiles of one token's eight experts once, each tile's K blocks split over 1, 2 or 4 CTAs (split-K
+// over more of the SMs, without the math or the reduction): the question is whether a tile's
+// stream is paced per CTA, so that more CTAs per tile finish sooner. Prints one line per case:
+// µs, GB/s of the whole grid and per CTA.
 #include <cute/tensor.hpp>
 
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -66,7 +69,7 @@ struct SmemStorage {
 template <class Tma>
 __global__ void __launch_bounds__(64, 1)
     tma_stream_kernel(CUTE_GRID_CONSTANT const Tma tma, WeightOrder order, Shape3 shape, int tiles, int stages,
-                      int consumer_spin_cycles) {
+                      int consumer_spin_cycles, int k_slices) {
   // Work beyond the weights' own tiles wraps around to the first (the L2-resident case).
   extern __shared__ char smem_raw[];
   SmemStorage& smem = *reinterpret_cast<SmemStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -79,7 +82,8 @@ __global__ void __launch_bounds__(64, 1)
   }
   __syncthreads();
   const int channel_blocks = shape.rows / kTileRows;
-  const int k_blocks = shape.k_bytes / kBlockBytes;
+  // A work item is one K slice of a tile: `slice_blocks` K blocks from `first_block`.
+  const int k_blocks = shape.k_bytes / kBlockBytes, slice_blocks = k_blocks / k_slices;
   uint32_t stage = 0, phase = 0;
   auto advance = [&] {
     if (++stage == static_cast<uint32_t>(stages)) {
@@ -98,9 +102,10 @@ __global__ void __launch_bounds__(64, 1)
     auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
     const int weight_tiles = shape.experts * channel_blocks;
     for (int work = blockIdx.x; work < tiles; work += gridDim.x) {
-      const int tile = work % weight_tiles;
+      const int tile = (work / k_slices) % weight_tiles;
       const int expert = tile / channel_blocks, channel_block = tile % channel_blocks;
-      for (int kb = 0; kb < k_blocks; ++kb) {
+      const int first_block = (work % k_slices) * slice_blocks;
+      for (int kb = first_block; kb < first_block + slice_blocks; ++kb) {
         ptx::wait_parity(&smem.empty[stage], phase ^ 1);
         ptx::mbarrier_arrive_expect_tx(&smem.full[stage], kStageBytes);
         if (order == WeightOrder::rows) {
@@ -112,8 +117,8 @@ __global__ void __launch_bounds__(64, 1)
       }
     }
   } else if (threadIdx.x == 32) {
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      for (int kb = 0; kb < k_blocks; ++kb) {
+    for (int work = blockIdx.x; work < tiles; work += gridDim.x) {
+      for (int kb = 0; kb < slice_blocks; ++kb) {
         ptx::wait_parity(&smem.full[stage], phase);
         const long long start = clock64();
         while (clock64() - start < consumer_spin_cycles) {
@@ -127,17 +132,18 @@ __global__ void __launch_bounds__(64, 1)
 
 template <class Tma>
 double time_case(const Tma& tma, WeightOrder order, const Shape3& shape, int grid, int stages, int spin, bool wrap,
-                 BufferReader& scrub, cudaStream_t stream, long long* bytes) {
+                 BufferReader& scrub, cudaStream_t stream, long long* bytes, int k_slices = 1, int decode_tiles = 0) {
   const int total_tiles = shape.experts * (shape.rows / kTileRows);
-  const int tiles = wrap ? grid * kTilesPerCta : std::min(total_tiles, grid * kTilesPerCta);
-  *bytes = static_cast<long long>(tiles) * shape.k_bytes * kTileRows;
+  int tiles = wrap ? grid * kTilesPerCta : std::min(total_tiles, grid * kTilesPerCta);
+  if (decode_tiles > 0) tiles = decode_tiles * k_slices;  // work items: each tile's slices, once
+  *bytes = static_cast<long long>(tiles / k_slices) * shape.k_bytes * kTileRows;
   const int smem_bytes = static_cast<int>(sizeof(SmemStorage)) + 1024;
   auto* kernel = &tma_stream_kernel<Tma>;
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   return median_ms(
       stream, kCalls,
       [&] {
-        kernel<<<grid, 64, smem_bytes, stream>>>(tma, order, shape, tiles, stages, spin);
+        kernel<<<grid, 64, smem_bytes, stream>>>(tma, order, shape, tiles, stages, spin, k_slices);
         MEGAMOE_CHECK_LAUNCH("tma_stream_kernel");
       },
       scrub);
@@ -180,6 +186,33 @@ void run_shape(const Shape3& shape, const std::vector<int>& grids, const std::ve
   }
 }
 
+// One token's FC1 tiles (eight experts of `shape`, 4 tiles each: 32 tiles) streamed once, each
+// tile's K split over `k_slices` CTAs, a CTA per slice.
+void run_decode(const Shape3& shape, const std::vector<int>& slice_counts, const std::vector<int>& spins,
+                BufferReader& scrub, cudaStream_t stream) {
+  const size_t elements = static_cast<size_t>(shape.experts) * shape.rows * shape.k_bytes;
+  DeviceBuffer weights(elements);
+  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(weights.as<void>(), 0x3C, elements, stream));
+  Tensor as_rows = make_tensor(make_gmem_ptr(weights.as<const Element>()), make_shape(shape.rows, shape.k_bytes, shape.experts),
+                               make_stride(static_cast<int64_t>(shape.k_bytes), _1{},
+                                           static_cast<int64_t>(shape.rows) * shape.k_bytes));
+  auto tma = make_tma_atom(SM90_TMA_LOAD{}, as_rows, SmemLayout{}(_, _, 0), BoxShape{});
+  const int tiles = shape.experts * (shape.rows / kTileRows);
+  std::printf("%s decode: %d tiles of 256 x %d bytes once (%.1f MB), K split over CTAs; 6 stages\n", shape.name, tiles,
+              shape.k_bytes, static_cast<double>(elements) / 1e6);
+  std::printf("  %7s %5s %6s %10s %10s %12s\n", "slices", "grid", "spin", "us", "GB/s", "GB/s per CTA");
+  for (const int slices : slice_counts) {
+    for (const int spin : spins) {
+      long long bytes = 0;
+      const int grid = tiles * slices;
+      const double ms = time_case(tma, WeightOrder::rows, shape, grid, 6, spin, false, scrub, stream, &bytes, slices, tiles);
+      const double gbps = bytes / (ms * 1e-3) / 1e9;
+      std::printf("  %7d %5d %6d %10.1f %10.0f %12.1f\n", slices, grid, spin, ms * 1e3, gbps, gbps / grid);
+      std::fflush(stdout);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace megamoe::bench
 
@@ -192,6 +225,8 @@ int main(int argc, char** argv) {
     // qwen35-a3b's FC1 (2I x H) and FC2 (H x I) weights.
     run_shape({"fc1-like", 1024, 2048, 256}, {1, 8, 32, sms}, {2, 3, 4, 6}, {0, 600}, false, scrub, stream);
     run_shape({"fc2-like", 2048, 512, 256}, {32, sms}, {3, 6}, {0}, false, scrub, stream);
+    // One qwen35 token's FC1: 8 experts x 1024 channels x K 2048 (16.8 MB), split-K 1 / 2 / 4.
+    run_decode({"fc1-like", 1024, 2048, 8}, {1, 2, 4}, {0, 600}, scrub, stream);
     // 16 MB of weights, each tile read by ~33 CTAs: all but the first read hit L2.
     run_shape({"l2-resident", 1024, 2048, 8}, {sms}, {4, 6}, {0}, true, scrub, stream);
   });
