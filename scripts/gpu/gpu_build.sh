@@ -2,7 +2,9 @@
 # Sourced by the GPU-machine scripts (scripts/gpu/*.sh): sets root, out and build, and
 # gpu_build LOG [TARGET ...] configures and builds every target there (or only the TARGETs) from the
 # carried .deps (those machines have no network), appending to LOG; it returns non-zero (after
-# printing the errors) on failure.
+# printing the errors) on failure. note MESSAGE prints a line and keeps it for the summary that
+# print_summary prints; build_or_stop LOG [TARGET ...] builds and, on failure, notes it, prints the
+# summary and exits.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=${OUT:-$root/gpu-logs}
 build=$root/build-gpu
@@ -24,4 +26,21 @@ gpu_build() {
   fi
   grep -E "error|FAILED" "$log" | head -40
   return 1
+}
+
+summary=()
+note() {
+  summary+=("$1")
+  echo "== $1"
+}
+print_summary() {
+  echo "================ summary ================"
+  printf '%s\n' "${summary[@]}"
+}
+build_or_stop() {
+  if ! gpu_build "$@"; then
+    note "build: FAILED"
+    print_summary
+    exit 1
+  fi
 }

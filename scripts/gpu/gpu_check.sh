@@ -8,20 +8,13 @@ set -uo pipefail
 # shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 export MEGAMOE_REQUIRE_GPU=1
-summary=()
-note() { summary+=("$1"); echo "== $1"; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/build.log"
 nvcc --version | tail -2 | tee -a "$out/build.log"
 cmake --version | head -1 | tee -a "$out/build.log"
 
-if gpu_build "$out/build.log"; then
-  note "build: ok ($(grep -c 'warning' "$out/build.log") warnings, spills: $(grep -ci 'spill' "$out/build.log"))"
-else
-  note "build: FAILED"
-  printf '%s\n' "${summary[@]}"
-  exit 1
-fi
+build_or_stop "$out/build.log"
+note "build: ok ($(grep -c 'warning' "$out/build.log") warnings, spills: $(grep -ci 'spill' "$out/build.log"))"
 
 ctest --test-dir "$build" -L cpu --output-on-failure --parallel 8 >>"$out/build.log" 2>&1
 status=$?
@@ -89,6 +82,5 @@ cuobjdump --dump-sass "$build/libmegamoe_kernels.a" >"$sass" 2>&1
 note "SASS: $(grep -cE 'HGMMA|QGMMA' "$sass") wgmma (HGMMA bf16, QGMMA fp8), $(grep -c 'UTMALDG' "$sass") UTMALDG, $(grep -cE 'LDL|STL' "$sass") local-memory ops"
 
 echo
-echo "================ summary ================"
-printf '%s\n' "${summary[@]}"
+print_summary
 exit $status

@@ -10,15 +10,9 @@ set -uo pipefail
 # shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 export MEGAMOE_REQUIRE_GPU=1
-summary=()
-note() { summary+=("$1"); echo "== $1"; }
 status=0
 
-if ! gpu_build "$out/build.log" megamoe_torch_ops; then
-  note "build: FAILED"
-  printf '%s\n' "${summary[@]}"
-  exit 1
-fi
+build_or_stop "$out/build.log" megamoe_torch_ops
 note "build: ok"
 export PYTHONPATH=$root/python MEGAMOE_OPS_LIBRARY=$build/python/megamoe/_megamoe_ops.so
 
@@ -51,6 +45,5 @@ fi
 grep -vE "it/s\]|s/it\]" "$out/bench.log" | tail -30
 
 echo
-echo "================ summary ================"
-printf '%s\n' "${summary[@]}"
+print_summary
 exit $status
