@@ -1,12 +1,14 @@
 // megamoe-run: starts one process per GPU rank and fails loudly when any rank fails or hangs.
 //
-//   megamoe-run -n 2 [--timeout SECONDS] [--isolate-gpus] -- program args...
+//   megamoe-run -n 2 [--timeout SECONDS] [--isolate-gpus | --one-gpu] -- program args...
 //
 // Each rank gets the torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 // MASTER_ADDR, MASTER_PORT) plus MEGAMOE_RENDEZVOUS_DIR, a fresh folder the ranks use to exchange
 // bootstrap ids (src/comm/rendezvous.hpp). NVLink multicast stays off in every rank
 // (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): on shared
 // machines a program using it can take the host's GPUs out of service.
+// --one-gpu puts every rank on the first visible GPU (several ranks sharing one device, each its
+// own process and CUDA context, time-sliced: how the multi-rank code is tested on one GPU).
 // Output lines are prefixed with "[rank r]". The first rank to exit non-zero (or by a signal)
 // stops the others and sets the exit code; a run past --timeout is reported as a hang (exit 124).
 #include <poll.h>
@@ -34,16 +36,18 @@ struct Options {
   int ranks = 0;
   double timeout_s = 0;  // 0: none
   bool isolate_gpus = false;
+  bool one_gpu = false;
   std::vector<std::string> command;
 };
 
 [[noreturn]] void usage(const std::string& message) {
   std::fprintf(stderr,
                "megamoe-run: %s\n"
-               "usage: megamoe-run -n RANKS [--timeout SECONDS] [--isolate-gpus] -- program [args...]\n"
+               "usage: megamoe-run -n RANKS [--timeout SECONDS] [--isolate-gpus | --one-gpu] -- program [args...]\n"
                "  -n RANKS        processes to start, one per GPU (LOCAL_RANK selects the GPU)\n"
                "  --timeout S     stop every rank and exit 124 when the run lasts longer than S seconds\n"
-               "  --isolate-gpus  also set CUDA_VISIBLE_DEVICES=LOCAL_RANK in each rank\n",
+               "  --isolate-gpus  also set CUDA_VISIBLE_DEVICES=LOCAL_RANK in each rank\n"
+               "  --one-gpu       every rank sees only the first visible GPU (ranks sharing one device)\n",
                message.c_str());
   std::exit(kUsageExitCode);
 }
@@ -74,12 +78,15 @@ Options parse(int argc, char** argv) {
       }
     } else if (arg == "--isolate-gpus") {
       o.isolate_gpus = true;
+    } else if (arg == "--one-gpu") {
+      o.one_gpu = true;
     } else {
       usage("unknown argument '" + arg + "'");
     }
   }
   for (; i < argc; ++i) o.command.emplace_back(argv[i]);
   if (o.ranks == 0) usage("-n RANKS is required");
+  if (o.isolate_gpus && o.one_gpu) usage("--isolate-gpus and --one-gpu exclude each other");
   if (o.command.empty()) usage("no program given after --");
   return o;
 }
@@ -115,6 +122,14 @@ bool forward_output(Rank& rank) {
   return n > 0;
 }
 
+// The first entry of the launcher's CUDA_VISIBLE_DEVICES, or "0" without one.
+std::string first_visible_gpu() {
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (visible == nullptr || *visible == '\0') return "0";
+  const std::string list = visible;
+  return list.substr(0, list.find(','));
+}
+
 int free_port() {
   // Deterministic per launcher process and unlikely to collide; ranks only need agreement.
   return 20000 + static_cast<int>(getpid() % 20000);
@@ -137,6 +152,7 @@ pid_t spawn(const Options& o, int rank, int write_fd, const std::string& rendezv
   setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
   setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
   if (o.isolate_gpus) setenv("CUDA_VISIBLE_DEVICES", std::to_string(rank).c_str(), 1);
+  if (o.one_gpu) setenv("CUDA_VISIBLE_DEVICES", first_visible_gpu().c_str(), 1);
   std::vector<char*> argv;
   for (const std::string& arg : o.command) argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);

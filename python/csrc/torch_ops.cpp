@@ -520,6 +520,14 @@ at::Tensor ep_forward(int64_t handle, const at::Tensor& x, const at::Tensor& top
 
 int64_t ep_invalid_routing_ids(int64_t handle) { return take_invalid_routing_ids(ep_registry(), handle); }
 
+// Synchronizes the current stream; raises RuntimeError naming the barrier and the peer when a
+// cross-rank barrier of an earlier call gave up (comm::EpLayer::check_peers).
+void ep_check_peers(int64_t handle) {
+  const auto entry = ep_registry().find(handle);
+  c10::cuda::CUDAGuard guard(entry->device);
+  translating_errors([&] { entry->layer->check_peers(c10::cuda::getCurrentCUDAStream(entry->device).stream()); });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(megamoe, m) {
@@ -549,6 +557,7 @@ TORCH_LIBRARY(megamoe, m) {
   m.def("destroy_ep_layer(int layer) -> ()", &destroy_ep_layer);
   m.def("ep_forward(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights) -> Tensor");
   m.def("ep_invalid_routing_ids(int layer) -> int", &ep_invalid_routing_ids);
+  m.def("ep_check_peers(int layer) -> ()", &ep_check_peers);
 }
 
 TORCH_LIBRARY_IMPL(megamoe, CUDA, m) {

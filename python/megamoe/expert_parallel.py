@@ -59,6 +59,13 @@ class EpMoeWeights(LayerHandle):
         since the last call; they contributed nothing. Synchronizes the current stream."""
         return ops.ep_invalid_routing_ids(self._live_handle())
 
+    def check_peers(self) -> None:
+        """Raises RuntimeError when a peer rank stalled or died: a cross-rank barrier of an earlier
+        call waited past its timeout (10 s) and gave up, naming the barrier and the rank. From then
+        on that call's and later calls' outputs are NaN and ep_fused_moe raises; the process and
+        its CUDA context stay usable. Synchronizes the current stream."""
+        ops.ep_check_peers(self._live_handle())
+
     def _live_handle(self) -> int:
         if self._handle is None:
             raise ValueError("megamoe: this expert-parallel layer was closed")

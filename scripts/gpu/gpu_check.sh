@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool), from the repository root, with .deps carried along:
 # builds from the carried CUTLASS and GoogleTest copies (that machine has no network), runs every
-# test suite with the GPU suites required, checks the SASS of the kernels, runs compute-sanitizer
-# over the GPU suites, and prints a short summary last. Logs go to $OUT (or ./gpu-logs).
+# test suite with the GPU suites required (the expert-parallel ones with their ranks sharing this
+# GPU), checks the SASS of the kernels, runs compute-sanitizer over the GPU suites, and prints a
+# short summary last. Logs go to $OUT (or ./gpu-logs).
 # shellcheck source-path=SCRIPTDIR
 set -uo pipefail
 # shellcheck source=gpu_build.sh
@@ -68,6 +69,12 @@ start=$(date +%s)
 ctest --test-dir "$build" -R '^python\.gpu$' --verbose >"$out/python.log" 2>&1 || status=1
 note "python (pytest, gpu): $(grep -E ' in [0-9.]+s' "$out/python.log" | tail -1 | tr -d '=') ($(( $(date +%s) - start )) s)"
 cat "$out/python.log" >>"$out/tests.log" && rm "$out/python.log"
+
+# Expert parallelism with the ranks sharing this GPU (megamoe-run --one-gpu), and a stalled rank.
+start=$(date +%s)
+ctest --test-dir "$build" -R '^comm\.ep_layer\..*one_gpu$' --output-on-failure >"$out/ep.log" 2>&1 || status=1
+note "expert parallelism on one GPU: $(grep -E 'tests passed' "$out/ep.log") ($(( $(date +%s) - start )) s)"
+cat "$out/ep.log" >>"$out/tests.log" && rm "$out/ep.log"
 
 # The README's usage as a program: it must run as written.
 if "$build/megamoe-example-forward" >>"$out/tests.log" 2>&1; then

@@ -15,18 +15,22 @@ namespace megamoe::comm {
 namespace {
 
 constexpr auto kBootstrapTimeout = std::chrono::seconds(60);
-constexpr long long kBarrierTimeoutCycles = 20'000'000'000LL;  // ~10 s at 1.98 GHz
 
 }  // namespace
 
 EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int max_tokens_per_rank,
-                 const FileRendezvous& rendezvous)
-    : EpLayer(spec, local_weights.view(), max_tokens_per_rank, rendezvous) {}
+                 const FileRendezvous& rendezvous, std::chrono::milliseconds barrier_timeout)
+    : EpLayer(spec, local_weights.view(), max_tokens_per_rank, rendezvous, barrier_timeout) {}
 
 EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, int max_tokens_per_rank,
-                 const FileRendezvous& rendezvous)
+                 const FileRendezvous& rendezvous, std::chrono::milliseconds barrier_timeout)
     : spec_(spec), rendezvous_(rendezvous) {
   validate(spec);
+  if (barrier_timeout.count() < 1 || barrier_timeout > std::chrono::hours(1)) {
+    throw Error(ErrorCode::invalid_argument, "barrier_timeout=" + std::to_string(barrier_timeout.count()) +
+                                                 " ms must be between 1 ms and one hour");
+  }
+  barrier_timeout_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(barrier_timeout).count();
   const int world = rendezvous.world_size();
   if (!std::holds_alternative<Precomputed>(spec.routing)) {
     throw Error(ErrorCode::unsupported, "EpLayer takes precomputed routing (topk_ids, topk_weights)");
@@ -64,23 +68,29 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
   MEGAMOE_CUDA_CHECK(cudaMemset(tickets_, 0, 2 * sizeof(uint32_t)));
   error_flags_ = cuda_alloc<int32_t>(4);
   MEGAMOE_CUDA_CHECK(cudaMemset(error_flags_, 0, 4 * sizeof(int32_t)));
+  fault_ = cuda_alloc<kernels::RankFault>(1);
+  MEGAMOE_CUDA_CHECK(cudaMemset(fault_, 0, sizeof(kernels::RankFault)));
 }
 
 EpLayer::~EpLayer() {
+  // A lost peer never reaches the buffer's closing barrier: do not wait for it.
+  kernels::RankFault fault{};
+  const bool readable = cudaMemcpy(&fault, fault_, sizeof fault, cudaMemcpyDeviceToHost) == cudaSuccess;
+  if (!readable) cudaGetLastError();
+  if (!readable || fault.failed != 0) buffer_->abandon_peers();
   for (void* p : {static_cast<void*>(token_dest_), static_cast<void*>(tile_counts_), static_cast<void*>(dest_base_),
                   static_cast<void*>(recv_total_), static_cast<void*>(tickets_), static_cast<void*>(barriers_passed_),
-                  static_cast<void*>(error_flags_)}) {
+                  static_cast<void*>(error_flags_), static_cast<void*>(fault_)}) {
     cudaFree(p);
   }
 }
 
-namespace {
-
-kernels::RankBarrierParams barrier_params(const SymmetricMemory& buffer, const layout::EpBufferLayout& layout,
-                                          const FileRendezvous& rendezvous, uint64_t* passed) {
-  return kernels::RankBarrierParams{buffer.device_peer_table(), layout.signals, rendezvous.rank(),
-                                    rendezvous.world_size(), kBarrierTimeoutCycles, passed};
+kernels::RankBarrierParams EpLayer::barrier_params() const {
+  return kernels::RankBarrierParams{buffer_->device_peer_table(), layout_.signals, rendezvous_.rank(),
+                                    rendezvous_.world_size(), barrier_timeout_ns_, barriers_passed_, fault_};
 }
+
+namespace {
 
 // A cross-rank barrier as a launch of its own (one block, a warp per 32 ranks).
 void launch_barrier(cudaStream_t stream, const kernels::RankBarrierParams& barrier, const kernels::Timeline& timeline,
@@ -95,7 +105,7 @@ int row_blocks(int num_sms, long rows) { return static_cast<int>(std::clamp<long
 }  // namespace
 
 void EpLayer::synchronize_ranks(cudaStream_t stream) {
-  launch_barrier(stream, barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_), kernels::Timeline{}, 0);
+  launch_barrier(stream, barrier_params(), kernels::Timeline{}, 0);
 }
 
 void EpLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
@@ -106,10 +116,11 @@ void EpLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
 }
 
 void EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
+  if (!peer_lost_.empty()) throw Error(ErrorCode::timeout, peer_lost_);
   kernels::EpDispatchParams d{};
   d.peer_bases = buffer_->device_peer_table();
   d.layout = layout_;
-  d.barrier = barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_);
+  d.barrier = barrier_params();
   d.rank = rendezvous_.rank();
   d.num_tokens = inputs.num_tokens;
   dispatched_tokens_ = inputs.num_tokens;
@@ -149,7 +160,7 @@ void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
   // Every rank's local pass has written its partial sums before any rank reads them. The next
   // call's dispatch rewrites peers' buffers only after its count barrier, which no rank passes
   // before every rank has finished this reduction: no closing barrier is needed.
-  launch_barrier(stream, barrier_params(*buffer_, layout_, rendezvous_, barriers_passed_),
+  launch_barrier(stream, barrier_params(),
                  kernels::Timeline{timeline_stamps_}, layout::kCombineBarrierStart);
   if (inputs.num_tokens == 0) return;
   kernels::EpCombineParams c{};
@@ -158,6 +169,7 @@ void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
   c.num_tokens = inputs.num_tokens;
   c.token_dest = token_dest_;
   c.y = static_cast<__nv_bfloat16*>(outputs.y);
+  c.fault = fault_;
   c.timeline = kernels::Timeline{timeline_stamps_};
   const long threads = static_cast<long>(inputs.num_tokens) * (spec_.hidden / 8);
   kernels::launch_overlapping_previous(kernels::ep_reduce_kernel,
@@ -171,6 +183,19 @@ long EpLayer::take_invalid_routing_ids(cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaMemsetAsync(error_flags_, 0, sizeof count, stream));
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return count;
+}
+
+void EpLayer::check_peers(cudaStream_t stream) {
+  kernels::RankFault fault{};
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&fault, fault_, sizeof fault, cudaMemcpyDeviceToHost, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (fault.failed == 0) return;
+  peer_lost_ = "rank " + std::to_string(rendezvous_.rank()) + " gave up cross-rank barrier " +
+               std::to_string(fault.epoch) + " after " + std::to_string(fault.waited_ns / 1000000) +
+               " ms: rank " + std::to_string(fault.peer) + " had arrived " + std::to_string(fault.seen) + " times, " +
+               std::to_string(fault.epoch) + " expected (it stalled or died). This expert-parallel layer is unusable "
+               "from then on (its outputs are NaN, its calls throw); the process and its CUDA context are intact";
+  throw Error(ErrorCode::timeout, peer_lost_);
 }
 
 EpLayer::Delivered EpLayer::last_delivered(cudaStream_t stream) const {

@@ -10,34 +10,45 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/rendezvous.hpp"
 #include "comm/symmetric_memory.hpp"
+#include "kernels/comm/rank_fault.hpp"
 #include "kernels/layout/ep_buffers.hpp"
 #include "megamoe/forward.hpp"
 #include "megamoe/layer.hpp"
 
+namespace megamoe::kernels {
+struct RankBarrierParams;
+}  // namespace megamoe::kernels
+
 namespace megamoe::comm {
+
+// How long a cross-rank barrier waits for a peer before it gives up (EpLayer::check_peers).
+inline constexpr std::chrono::milliseconds kDefaultBarrierTimeout{10000};
 
 class EpLayer {
  public:
   // `spec` describes the whole layer (all E experts, precomputed routing); `local_weights` holds
   // this rank's E / world experts [rank * E / world, (rank + 1) * E / world), packed for a spec
-  // with that many experts.
+  // with that many experts. `barrier_timeout`: how long a device-side barrier waits for a peer.
   EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int max_tokens_per_rank,
-          const FileRendezvous& rendezvous);
+          const FileRendezvous& rendezvous, std::chrono::milliseconds barrier_timeout = kDefaultBarrierTimeout);
   // The same from packed weights the caller holds elsewhere (host or device memory): copied.
   EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, int max_tokens_per_rank,
-          const FileRendezvous& rendezvous);
+          const FileRendezvous& rendezvous, std::chrono::milliseconds barrier_timeout = kDefaultBarrierTimeout);
   ~EpLayer();
   EpLayer(const EpLayer&) = delete;
   EpLayer& operator=(const EpLayer&) = delete;
 
   // Collective. inputs: x [T, H] bf16, topk_ids / topk_weights [T, k] with global expert ids
   // (-1 = not routed). forward = dispatch, then compute, then combine; the phases are public so
-  // that they can be timed, and must be called in that order, on every rank.
+  // that they can be timed, and must be called in that order, on every rank. Throws the error of
+  // check_peers, before launching anything, once check_peers has seen a peer lost.
   void forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs);
 
   // Pushes this rank's token rows to their experts' owners; returns once enqueued (no host sync).
@@ -53,6 +64,14 @@ class EpLayer {
 
   // Synchronizes; ids >= E or duplicates seen on this rank since the last call.
   long take_invalid_routing_ids(cudaStream_t stream);
+
+  // Synchronizes `stream`; throws Error(ErrorCode::timeout), naming the barrier, the peer and how
+  // long it waited, when a cross-rank barrier of an earlier call gave up because a peer did not
+  // arrive within the barrier timeout (it stalled or died). From that barrier on, this rank's
+  // expert-parallel kernels return at once without touching any peer's memory and the combine
+  // writes NaN into y; the layer stays unusable (every later forward throws the same error), the
+  // process and its CUDA context stay usable.
+  void check_peers(cudaStream_t stream);
 
   // What the last forward delivered to this rank (for tests; synchronizes): token rows per source
   // rank [world], then per received row, in canonical order, its (source rank, token) and its k
@@ -73,6 +92,8 @@ class EpLayer {
   void set_timeline(unsigned long long* stamps) { timeline_stamps_ = stamps; }
 
  private:
+  kernels::RankBarrierParams barrier_params() const;
+
   MoeSpec spec_;
   const FileRendezvous& rendezvous_;
   layout::EpBufferLayout layout_;
@@ -87,6 +108,9 @@ class EpLayer {
   int32_t* recv_total_ = nullptr;         // [1] rows received in this call
   uint32_t* tickets_ = nullptr;           // [2] last-block tickets: count, push
   int32_t* error_flags_ = nullptr;
+  kernels::RankFault* fault_ = nullptr;   // device [1]: what this rank's barriers record
+  long long barrier_timeout_ns_ = 0;
+  std::string peer_lost_;                 // check_peers' message once it saw a fault
   unsigned long long* timeline_stamps_ = nullptr;
 };
 

@@ -84,8 +84,10 @@ std::vector<uint8_t> FileRendezvous::wait(const std::string& key, std::chrono::m
   return std::vector<uint8_t>(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
 
+void FileRendezvous::arrive(const std::string& name) const { publish(name + ".rank" + std::to_string(rank_), {}); }
+
 void FileRendezvous::barrier(const std::string& name, std::chrono::milliseconds timeout) const {
-  publish(name + ".rank" + std::to_string(rank_), {});
+  arrive(name);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (int r = 0; r < world_size_; ++r) {
     while (!std::filesystem::exists(path_of(name + ".rank" + std::to_string(r)))) {

@@ -30,6 +30,9 @@ class FileRendezvous {
   // Returns once every rank has entered the barrier `name`; throws megamoe::Error after
   // `timeout`, listing the ranks that never arrived. Each name may be used once.
   void barrier(const std::string& name, std::chrono::milliseconds timeout) const;
+  // This rank's entry into the barrier `name` without waiting for the others (a rank that will
+  // not wait still lets theirs complete).
+  void arrive(const std::string& name) const;
 
  private:
   std::string path_of(const std::string& key) const;

@@ -33,8 +33,9 @@ SymmetricMemory::SymmetricMemory(const FileRendezvous& rendezvous, const std::st
     int peer_device = 0;
     std::memcpy(&handle, theirs.data(), sizeof handle);
     std::memcpy(&peer_device, theirs.data() + sizeof handle, sizeof peer_device);
-    int can_access = 0;
-    MEGAMOE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can_access, device, peer_device));
+    // A rank on the same GPU (ranks sharing one device) needs no peer access, only the IPC mapping.
+    int can_access = peer_device == device ? 1 : 0;
+    if (peer_device != device) MEGAMOE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can_access, device, peer_device));
     if (!can_access) {
       throw Error(ErrorCode::unsupported, "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device) +
                                               ") cannot access GPU " + std::to_string(peer_device) + " of rank " +
@@ -52,8 +53,10 @@ SymmetricMemory::~SymmetricMemory() {
   const bool healthy = cudaDeviceSynchronize() == cudaSuccess;
   for (int r = 0; r < world_size(); ++r)
     if (r != rank_ && peers_[r]) cudaIpcCloseMemHandle(peers_[r]);
-  // After a device fault (a barrier timeout traps) the peers are not coming: leave at once.
-  if (healthy) {
+  // After a device fault, or once a peer was lost, the peers are not coming: leave at once, still
+  // letting a peer that is alive pass its closing barrier.
+  if (peers_abandoned_) rendezvous_.arrive("symm-" + name_ + "-closed");
+  if (healthy && !peers_abandoned_) {
     try {
       rendezvous_.barrier("symm-" + name_ + "-closed", timeout_);
     } catch (const Error&) {

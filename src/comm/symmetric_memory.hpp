@@ -17,13 +17,18 @@ namespace megamoe::comm {
 
 class SymmetricMemory {
  public:
-  // Collective: every rank calls it with the same name and size, one GPU per rank (the current
-  // device). Zero-fills the buffer. Throws megamoe::Error when a peer is not reachable by P2P or
-  // does not arrive within `timeout`.
+  // Collective: every rank calls it with the same name and size, on its current device: one GPU
+  // per rank, or several ranks (processes) sharing one GPU, whose buffers then map through CUDA
+  // IPC on that device. Zero-fills the buffer. Throws megamoe::Error when a peer on another GPU
+  // is not reachable by P2P or does not arrive within `timeout`.
   SymmetricMemory(const FileRendezvous& rendezvous, const std::string& name, size_t bytes,
                   std::chrono::milliseconds timeout);
-  // Collective as well: waits until every rank has closed its mappings before freeing.
+  // Collective as well: waits until every rank has closed its mappings before freeing, unless the
+  // peers were abandoned.
   ~SymmetricMemory();
+  // After a peer was lost (comm::EpLayer::check_peers): the destructor frees without waiting for
+  // the peers, which may never come (it still enters their closing barrier).
+  void abandon_peers() { peers_abandoned_ = true; }
   SymmetricMemory(const SymmetricMemory&) = delete;
   SymmetricMemory& operator=(const SymmetricMemory&) = delete;
 
@@ -43,6 +48,7 @@ class SymmetricMemory {
   std::vector<void*> peers_;
   void** device_table_ = nullptr;
   std::chrono::milliseconds timeout_;
+  bool peers_abandoned_ = false;
 };
 
 }  // namespace megamoe::comm

@@ -1,10 +1,15 @@
-// One rank of the expert-parallel test, started by megamoe-run on a machine with >= 2 GPUs:
-//   ep_layer_rank [--iterations N] [--tokens T] [--hang]
+// One rank of the expert-parallel test, started by megamoe-run, one GPU per rank or (megamoe-run
+// --one-gpu) every rank on one GPU (rank r takes visible device r mod count):
+//   ep_layer_rank [--iterations N] [--tokens T] [--hang | --die] [--barrier-timeout-ms MS]
 // Every iteration draws fresh routing on every rank (uniform, skewed onto few experts, with -1
 // holes and some ranks empty), runs EpLayer::forward, checks that dispatch delivered exactly the
 // token rows ref::plan_dispatch predicts (row by row, with each slot's local expert) and that y
-// matches the fp64 reference for this rank's tokens. --hang: rank 1 never calls forward, so rank 0 must time out in the cross-rank
-// barrier with a diagnostic (the launcher then fails the run) instead of hanging.
+// matches the fp64 reference for this rank's tokens. --hang: rank 1 stalls (never calls forward),
+// so rank 0's barrier must give up after its timeout with a diagnostic instead of hanging, and
+// rank 0 then checks what a caller sees: check_peers throws a timeout error naming rank 1, y is
+// NaN, the next forward throws at once, and the process still runs a single-GPU layer correctly.
+// --die: the same with rank 1's process gone (it exits without cleaning up after building the
+// layer) instead of stalled.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -61,20 +66,113 @@ RankInputs make_inputs(const MoeSpec& spec, int rank, int iteration, int max_tok
   return in;
 }
 
+// Device buffers of one rank's inputs and output, y poisoned.
+struct DeviceCall {
+  void *x = nullptr, *y = nullptr, *ids = nullptr, *w = nullptr;
+  int tokens = 0;
+  DeviceCall(const MoeSpec& spec, const RankInputs& in) : tokens(static_cast<int>(in.ids.size() / spec.top_k)) {
+    const size_t rows = std::max<size_t>(tokens, 1);
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&x, rows * spec.hidden * 2));
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&y, rows * spec.hidden * 2));
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&ids, rows * spec.top_k * 4));
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&w, rows * spec.top_k * 4));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(x, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(ids, in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(w, in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemset(y, 0xFF, rows * spec.hidden * 2));
+  }
+  ~DeviceCall() {
+    for (void* p : {x, y, ids, w}) cudaFree(p);
+  }
+  DeviceCall(const DeviceCall&) = delete;
+  DeviceCall& operator=(const DeviceCall&) = delete;
+  MoeInputs inputs() const { return MoeInputs{tokens, x, nullptr, static_cast<int32_t*>(ids), static_cast<float*>(w)}; }
+  std::vector<bf16_t> output(const MoeSpec& spec) const {
+    std::vector<bf16_t> got(static_cast<size_t>(tokens) * spec.hidden);
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost));
+    return got;
+  }
+};
+
+// Relative L2 error of `got` (the call's y) against the fp64 reference of `spec` with `weights`.
+double error_against_reference(const MoeSpec& spec, const PackedWeights& weights, const RankInputs& in,
+                               const std::vector<bf16_t>& got) {
+  const int tokens = static_cast<int>(in.ids.size() / spec.top_k);
+  std::vector<bf16_t> want(got.size());
+  const ref::ReferenceReport report = ref::reference_forward(
+      spec, weights, MoeInputs{tokens, in.x.data(), nullptr, in.ids.data(), in.weights.data()}, MoeOutputs{want.data()});
+  std::vector<double> device(got.size());
+  for (size_t i = 0; i < got.size(); ++i) device[i] = got[i].to_float();
+  return ref::relative_l2(device, report.y);
+}
+
+// Rank 0 of --hang or --die, whose peer never calls forward: what the caller sees after the
+// barrier gives up.
+int lost_peer_case(const MoeSpec& spec, const MoeSpec& local, const PackedWeights& mine, comm::EpLayer& layer,
+                   const comm::FileRendezvous& rendezvous, cudaStream_t stream, bool peer_died) {
+  const RankInputs in = make_inputs(spec, 0, 1, 16);
+  const DeviceCall call(spec, in);
+  layer.forward(stream, call.inputs(), MoeOutputs{call.y});
+  std::string reported;
+  try {
+    layer.check_peers(stream);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::timeout) throw;
+    reported = e.what();
+  }
+  std::printf("rank 0: check_peers: %s\n", reported.empty() ? "(no error)" : reported.c_str());
+  if (reported.find("rank 1 had arrived 0 times") == std::string::npos) return 1;
+  long finite = 0;
+  for (const bf16_t& v : call.output(spec)) finite += std::isfinite(v.to_float());
+  if (finite != 0) {
+    std::fprintf(stderr, "rank 0: %ld outputs are finite after the lost peer; all must be NaN\n", finite);
+    return 1;
+  }
+  try {
+    layer.forward(stream, call.inputs(), MoeOutputs{call.y});
+    std::fprintf(stderr, "rank 0: a forward after the lost peer did not throw\n");
+    return 1;
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::timeout) throw;
+  }
+  // The process and its CUDA context: a single-GPU layer of this rank's experts, against the
+  // reference with the same experts.
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  const RankInputs own = make_inputs(local, 0, 2, 16);  // ids among this rank's experts
+  MoeLayer single(local, mine, 16);
+  const DeviceCall check(local, own);
+  single.forward(stream, check.inputs(), MoeOutputs{check.y});
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const double err = error_against_reference(local, mine, own, check.output(local));
+  if (!(err < 3e-2)) {
+    std::fprintf(stderr, "rank 0: the single-GPU layer after the lost peer is off by %.3e\n", err);
+    return 1;
+  }
+  if (!peer_died) rendezvous.barrier("hang-test-done", std::chrono::seconds(120));
+  std::printf("rank 0 ok after the %s peer: error reported, y NaN, later calls refused, single-GPU layer rel. L2 %.3e\n",
+              peer_died ? "dead" : "stalled", err);
+  return 0;
+}
+
 int run(int argc, char** argv) {
   int iterations = 20, max_tokens = 64;
-  bool hang = false;
+  bool hang = false, die = false;
+  std::chrono::milliseconds barrier_timeout = comm::kDefaultBarrierTimeout;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--iterations" && i + 1 < argc) iterations = std::atoi(argv[++i]);
     else if (arg == "--tokens" && i + 1 < argc) max_tokens = std::atoi(argv[++i]);
     else if (arg == "--hang") hang = true;
+    else if (arg == "--die") hang = die = true;
+    else if (arg == "--barrier-timeout-ms" && i + 1 < argc) barrier_timeout = std::chrono::milliseconds(std::atoi(argv[++i]));
     else throw Error(ErrorCode::invalid_argument, "unknown argument " + arg);
   }
   const auto rendezvous = comm::FileRendezvous::from_environment();
   const int rank = rendezvous.rank(), world = rendezvous.world_size();
   const char* local_rank = std::getenv("LOCAL_RANK");
-  MEGAMOE_CUDA_CHECK(cudaSetDevice(local_rank ? std::atoi(local_rank) : rank));
+  int devices = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  MEGAMOE_CUDA_CHECK(cudaSetDevice((local_rank ? std::atoi(local_rank) : rank) % devices));
 
   MoeSpec spec;
   spec.num_experts = 16;
@@ -92,14 +190,17 @@ int run(int argc, char** argv) {
   const PackedWeights mine = prepare_weights(
       local, WeightsView{weights.w13.data() + first * w13_per_expert, weights.w2.data() + first * w2_per_expert,
                          DType::bf16});
-  comm::EpLayer layer(spec, mine, max_tokens, rendezvous);
+  comm::EpLayer layer(spec, mine, max_tokens, rendezvous, barrier_timeout);
   cudaStream_t stream;
   MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
   if (hang && rank == 1) {
-    std::printf("rank 1 skips forward on purpose\n");
+    std::printf("rank 1 skips forward on purpose%s\n", die ? " and exits without cleaning up" : "");
+    std::fflush(stdout);
+    if (die) std::_Exit(0);
     rendezvous.barrier("hang-test-done", std::chrono::seconds(120));
     return 0;
   }
+  if (hang) return lost_peer_case(spec, local, mine, layer, rendezvous, stream, die);
 
   double worst = 0.0;
   for (int it = 0; it < iterations; ++it) {
@@ -111,18 +212,8 @@ int run(int argc, char** argv) {
     }
     const RankInputs& in = everyone[rank];
     const int T = routing[rank].num_tokens;
-    void *x = nullptr, *y = nullptr, *ids = nullptr, *w = nullptr;
-    const size_t rows = std::max<size_t>(T, 1);
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&x, rows * spec.hidden * 2));
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&y, rows * spec.hidden * 2));
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&ids, rows * spec.top_k * 4));
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&w, rows * spec.top_k * 4));
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(x, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice));
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(ids, in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice));
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(w, in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice));
-    MEGAMOE_CUDA_CHECK(cudaMemset(y, 0xFF, rows * spec.hidden * 2));
-    layer.forward(stream, MoeInputs{T, x, nullptr, static_cast<int32_t*>(ids), static_cast<float*>(w)},
-                  MoeOutputs{y});
+    const DeviceCall call(spec, in);
+    layer.forward(stream, call.inputs(), MoeOutputs{call.y});
 
     // Dispatch: exactly the rows the CPU model predicts, in canonical order, with each slot's
     // local expert.
@@ -153,13 +244,7 @@ int run(int argc, char** argv) {
     }
     // Combine: this rank's outputs against the single-GPU fp64 reference with all experts.
     if (T > 0) {
-      std::vector<bf16_t> got(static_cast<size_t>(T) * spec.hidden), want(got.size());
-      MEGAMOE_CUDA_CHECK(cudaMemcpy(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost));
-      const ref::ReferenceReport report = ref::reference_forward(
-          spec, all, MoeInputs{T, in.x.data(), nullptr, in.ids.data(), in.weights.data()}, MoeOutputs{want.data()});
-      std::vector<double> device(got.size());
-      for (size_t i = 0; i < got.size(); ++i) device[i] = got[i].to_float();
-      const double err = ref::relative_l2(device, report.y);
+      const double err = error_against_reference(spec, all, in, call.output(spec));
       worst = std::max(worst, err);
       // fp8 requantization noise (see tests/api/test_moe_layer.cpp) plus the bf16 rounding of
       // each rank's partial sum before the sum over ranks.
@@ -172,19 +257,18 @@ int run(int argc, char** argv) {
     // the barrier counts live on the device, so replays synchronize like fresh calls and give the
     // same bits.
     if (it % 100 == 6) {  // on every rank alike, or the barriers would not pair up
-      std::vector<bf16_t> eager(static_cast<size_t>(T) * spec.hidden), replayed(eager.size());
-      MEGAMOE_CUDA_CHECK(cudaMemcpy(eager.data(), y, eager.size() * 2, cudaMemcpyDeviceToHost));
+      const std::vector<bf16_t> eager = call.output(spec);
       cudaGraph_t graph;
       cudaGraphExec_t exec;
       MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      layer.forward(stream, MoeInputs{T, x, nullptr, static_cast<int32_t*>(ids), static_cast<float*>(w)}, MoeOutputs{y});
+      layer.forward(stream, call.inputs(), MoeOutputs{call.y});
       MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
       for (int replay = 0; replay < 2; ++replay) {
-        MEGAMOE_CUDA_CHECK(cudaMemsetAsync(y, 0xFF, eager.size() * 2, stream));
+        MEGAMOE_CUDA_CHECK(cudaMemsetAsync(call.y, 0xFF, eager.size() * 2, stream));
         MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
         MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-        MEGAMOE_CUDA_CHECK(cudaMemcpy(replayed.data(), y, replayed.size() * 2, cudaMemcpyDeviceToHost));
+        const std::vector<bf16_t> replayed = call.output(spec);
         if (std::memcmp(eager.data(), replayed.data(), eager.size() * 2) != 0) {
           std::fprintf(stderr, "iteration %d: rank %d graph replay %d differs from the eager forward\n", it, rank, replay);
           return 1;
@@ -193,12 +277,6 @@ int run(int argc, char** argv) {
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
     }
-    for (void* p : {x, y, ids, w}) cudaFree(p);
-  }
-  if (hang) {
-    rendezvous.barrier("hang-test-done", std::chrono::seconds(120));
-    std::printf("rank %d: forward returned although rank 1 never joined\n", rank);
-    return 1;
   }
   std::printf("rank %d ok: %d iterations, worst rel. L2 error %.3e\n", rank, iterations, worst);
   return 0;

@@ -64,6 +64,23 @@ TEST_F(Rendezvous, MissingPeersTimeOutWithADiagnostic) {
   }
 }
 
+TEST_F(Rendezvous, AnArrivalThatDoesNotWaitCompletesTheOthersBarrier) {
+  // Rank 1 will not wait (it lost a peer), but ranks 0 and 2 must still get through.
+  const FileRendezvous rank1(directory_, 1, 3);
+  rank1.arrive("closed");
+  std::thread rank0([&] { FileRendezvous(directory_, 0, 3).barrier("closed", 5000ms); });
+  std::thread rank2([&] { FileRendezvous(directory_, 2, 3).barrier("closed", 5000ms); });
+  rank0.join();
+  rank2.join();
+  // Without the arrival the same barrier times out naming rank 1.
+  try {
+    FileRendezvous(directory_, 0, 2).barrier("other", 50ms);
+    FAIL() << "the barrier returned without rank 1";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank(s) 1 never arrived"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(Rendezvous, RejectsBadArguments) {
   EXPECT_THROW(FileRendezvous(directory_, 3, 3), Error);
   EXPECT_THROW(FileRendezvous(directory_ + "/missing", 0, 1), Error);

@@ -99,3 +99,5 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
                                           0, 2, 0)
     with pytest.raises(ValueError, match="no expert-parallel layer with handle"):
         torch.ops.megamoe.ep_invalid_routing_ids(10**9)
+    with pytest.raises(ValueError, match="no expert-parallel layer with handle"):
+        torch.ops.megamoe.ep_check_peers(10**9)

@@ -17,6 +17,7 @@
 
 #include "kernels/combine/bf16x8.cuh"
 #include "kernels/comm/ep_rows.cuh"
+#include "kernels/comm/rank_barrier.cuh"
 #include "kernels/layout/ep_buffers.hpp"
 #include "kernels/layout/ep_timeline.hpp"
 #include "kernels/pipeline/timeline.cuh"
@@ -30,6 +31,7 @@ struct EpCombineParams {
   int num_tokens;
   const int32_t* token_dest;  // [T, world]: position of the token's row in each owner, -1 where none went
   __nv_bfloat16* y;           // [T, H]
+  const RankFault* fault;     // this rank's barriers' record
   Timeline timeline;
 };
 
@@ -44,6 +46,11 @@ __global__ void __launch_bounds__(kEpReduceThreads) ep_reduce_kernel(EpCombinePa
   ptx::allow_dependent_launch();
   p.timeline.mark(layout::kReduceStart);
   if (index >= static_cast<long>(p.num_tokens) * vectors) return;
+  if (rank_fault_seen(p.fault)) {
+    // A barrier gave up: the owners' partial sums are not there. NaN, never a plausible output.
+    reinterpret_cast<uint4*>(p.y)[index] = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
+    return;
+  }
   const long token = index / vectors;
   const long vector = index % vectors;
   const int32_t* positions = p.token_dest + token * world;

@@ -65,6 +65,11 @@ __global__ void __launch_bounds__(kDispatchTileTokens) ep_count_kernel(EpDispatc
   const bool real = token < p.num_tokens;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
+  // After a barrier gave up, nothing is sent or received (rank_barrier.cuh).
+  if (rank_fault_seen(p.barrier.fault)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *p.recv_total = 0;
+    return;
+  }
   const uint64_t epoch = next_barrier_epoch(p.barrier);
   p.timeline.mark(layout::kCountStart);
   uint64_t destinations = 0;
@@ -131,6 +136,10 @@ __global__ void __launch_bounds__(kDispatchTileTokens) ep_count_kernel(EpDispatc
   p.timeline.mark(layout::kCountScanned);
   cross_rank_barrier(p.barrier, epoch);
   p.timeline.mark(layout::kCountExchanged);
+  if (rank_fault_seen(p.barrier.fault)) {
+    if (threadIdx.x == 0) *p.recv_total = 0;
+    return;
+  }
   // Every source's row of the count matrix has arrived here.
   if (threadIdx.x < world) {
     const int owner = threadIdx.x;
@@ -156,6 +165,7 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams
   const int vectors = p.layout.hidden / 8;
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
+  if (rank_fault_seen(p.barrier.fault)) return;  // the count exchange gave up: no positions, no rows
   p.timeline.mark(layout::kPushStart);
   for (long token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
     // The row's loads are a token's longest wait: start them before its positions are known.

@@ -4,7 +4,11 @@
 // between calls; n is counted on the device (every rank runs the same sequence of barriers), so a
 // captured CUDA graph replays correctly. One block runs it (the last block of a dispatch launch, or
 // a launch of its own, as in the combine): no grid-wide wait, so it is safe when other work holds
-// SMs. A peer that never arrives ends in a diagnostic and a trap, not a hang.
+// SMs. A peer that does not arrive within the timeout (it stalled or died) ends in a diagnostic
+// and a RankFault, not a hang and not a trap: the barrier gives up, and from then on every
+// expert-parallel kernel of this rank returns at once (rank_fault_seen) without touching a peer's
+// memory, so the process and its CUDA context stay usable and the host reports the fault
+// (comm::EpLayer::check_peers).
 //
 // The arrivals double as the per-source completion counters of the data phases: when rank r's
 // slot here reaches an epoch, everything r wrote into this rank's buffer before arriving is
@@ -14,9 +18,11 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "kernels/comm/rank_fault.hpp"
 #include "kernels/pipeline/timeline.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/memory.cuh"
+#include "kernels/ptx/timer.cuh"
 
 namespace megamoe::kernels {
 
@@ -25,9 +31,16 @@ struct RankBarrierParams {
   size_t signals_offset;     // EpBufferLayout::signals
   int rank;
   int world_size;
-  long long timeout_cycles;
+  long long timeout_ns;
   uint64_t* passed;          // device, this rank only: barriers run so far
+  RankFault* fault;          // device, this rank only
 };
+
+// Whether a barrier of this rank has given up (by any thread, after the previous kernel's writes
+// are visible, or after the barrier in the same block).
+__device__ __forceinline__ bool rank_fault_seen(const RankFault* fault) {
+  return *static_cast<volatile const uint32_t*>(&fault->failed) != 0;
+}
 
 // The number of the next barrier, to be loaded by each thread below world_size of the block that
 // will run it, early in its launch (after the previous kernel's writes are visible): the load is
@@ -44,22 +57,32 @@ __device__ __forceinline__ uint64_t next_barrier_epoch(const RankBarrierParams& 
 __device__ __forceinline__ void cross_rank_barrier(const RankBarrierParams& p, uint64_t epoch) {
   const int peer = threadIdx.x;
   __syncthreads();
-  if (peer < p.world_size) {
+  // After a fault the peers' buffers are not touched again (a peer that died may have unmapped them).
+  if (peer < p.world_size && !rank_fault_seen(p.fault)) {
     if (peer == 0) *p.passed = epoch;
     __threadfence_system();
     uint64_t* remote = reinterpret_cast<uint64_t*>(static_cast<char*>(p.peer_bases[peer]) + p.signals_offset);
     ptx::red_add_release_sys(remote + p.rank, 1);
     const uint64_t* mine =
         reinterpret_cast<const uint64_t*>(static_cast<const char*>(p.peer_bases[p.rank]) + p.signals_offset) + peer;
-    const long long start = clock64();
+    const uint64_t start = ptx::global_timer_ns();
     uint64_t seen;
     while ((seen = ptx::ld_acquire_sys(mine)) < epoch) {
-      if (clock64() - start > p.timeout_cycles) {
-        printf("megamoe: rank %d timed out in cross-rank barrier %llu: rank %d has arrived %llu times, %llu expected\n",
-               p.rank, static_cast<unsigned long long>(epoch), peer, static_cast<unsigned long long>(seen),
-               static_cast<unsigned long long>(epoch));
-        __trap();
+      const uint64_t waited = ptx::global_timer_ns() - start;
+      if (waited > static_cast<uint64_t>(p.timeout_ns)) {
+        if (atomicCAS(&p.fault->failed, 0u, 1u) == 0u) {
+          p.fault->peer = peer;
+          p.fault->epoch = epoch;
+          p.fault->seen = seen;
+          p.fault->waited_ns = waited;
+          printf("megamoe: rank %d timed out in cross-rank barrier %llu: rank %d has arrived %llu times, %llu expected; "
+                 "this rank's expert-parallel calls stop here\n",
+                 p.rank, static_cast<unsigned long long>(epoch), peer, static_cast<unsigned long long>(seen),
+                 static_cast<unsigned long long>(epoch));
+        }
+        break;
       }
+      if (rank_fault_seen(p.fault)) break;  // another peer's wait gave up
     }
   }
   __syncthreads();
