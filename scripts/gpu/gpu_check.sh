@@ -76,6 +76,19 @@ ctest --test-dir "$build" -R '^comm\.ep_layer\..*one_gpu$' --output-on-failure >
 note "expert parallelism on one GPU: $(grep -E 'tests passed' "$out/ep.log") ($(( $(date +%s) - start )) s)"
 cat "$out/ep.log" >>"$out/tests.log" && rm "$out/ep.log"
 
+# The fault suite under memcheck (the soak aside: 10,000 calls are too many under the tool), and a
+# stalled expert-parallel rank with every process instrumented.
+if [ "${MEGAMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$build/tests/test_api_moe_layer" --gtest_brief=1 \
+    --gtest_filter='MoeLayerFaults.*:-MoeLayerFaults.SoakOfTenThousandCalls' >"$out/sanitize-faults.log" 2>&1 || status=1
+  note "compute-sanitizer memcheck, fault suite: $(grep -E 'ERROR SUMMARY' "$out/sanitize-faults.log" | tail -1)"
+  compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 "$build/megamoe-run" -n 2 --one-gpu \
+    --timeout 600 -- "$build/tests/comm_ep_layer_rank" --iterations 1 --hang --barrier-timeout-ms 3000 \
+    >"$out/sanitize-ep.log" 2>&1 || status=1
+  note "compute-sanitizer memcheck, stalled rank: $(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitize-ep.log") processes clean, $(grep -c 'ok after the stalled peer' "$out/sanitize-ep.log") reported"
+  cat "$out/sanitize-faults.log" "$out/sanitize-ep.log" >>"$out/sanitize.log" && rm "$out/sanitize-faults.log" "$out/sanitize-ep.log"
+fi
+
 # The README's usage as a program: it must run as written.
 if "$build/megamoe-example-forward" >>"$out/tests.log" 2>&1; then
   note "megamoe-example-forward: ok ($(grep -E 'us per graph replay' "$out/tests.log" | tail -1))"
