@@ -6,8 +6,11 @@ order: y for this rank's tokens, as if one GPU held every expert. Routing is pre
 topk_ids and topk_weights, as the caller's router gives them).
 
 Every call is collective: each rank calls prepare_ep_weights, ep_fused_moe (with its own token
-count, 0 included) and close in the same order. A rank that does not arrive makes the others fail
-with a diagnostic after ~10 s (a device-side barrier timeout) rather than hang.
+count, 0 included) and close in the same order. A rank that does not arrive (stalled or dead)
+does not hang the others: their device-side barrier gives up after ~10 s with a diagnostic, the
+outputs of that call and later ones are NaN, and EpMoeWeights.check_peers() raises naming the
+rank; the process and its CUDA context stay usable. Several ranks may share one GPU (each its own
+process), which is how the multi-rank code is tested on one GPU.
 """
 
 import os

@@ -1,5 +1,6 @@
-"""megamoe.expert_parallel on two GPUs, one process each: run under `megamoe-run -n 2` (CTest
-python.gpu2, label gpu2). Every rank draws the same weights and holds half the experts; per
+"""megamoe.expert_parallel with two ranks, one process each: run under `megamoe-run -n 2` on two
+GPUs (CTest python.gpu2, label gpu2) or with both on one GPU (`megamoe-run -n 2 --one-gpu`, CTest
+python.ep_one_gpu, label gpu). Every rank draws the same weights and holds half the experts; per
 iteration each rank brings its own tokens (0 to max_tokens, the counts differing between ranks,
 some slots -1), and its output must match the fp32 quantizing reference of the whole layer and
 the single-GPU layer holding every expert. Then a CUDA graph of the call replays the eager bits,
@@ -38,7 +39,7 @@ def routed_inputs(rank: int, iteration: int, tokens: int, device: torch.device):
 
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator(device=device).manual_seed(7)  # the same weights on every rank
     w13 = (torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, device=device, generator=generator)
