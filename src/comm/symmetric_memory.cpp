@@ -53,12 +53,14 @@ SymmetricMemory::~SymmetricMemory() {
   const bool healthy = cudaDeviceSynchronize() == cudaSuccess;
   for (int r = 0; r < world_size(); ++r)
     if (r != rank_ && peers_[r]) cudaIpcCloseMemHandle(peers_[r]);
-  // After a device fault, or once a peer was lost, the peers are not coming: leave at once, still
-  // letting a peer that is alive pass its closing barrier.
-  if (peers_abandoned_) rendezvous_.arrive("symm-" + name_ + "-closed");
-  if (healthy && !peers_abandoned_) {
+  // Once a peer was lost, or after a device fault, the peers are not coming: leave at once (a lost
+  // peer's survivors still let a peer that is alive pass its closing barrier).
+  const std::string closed = "symm-" + name_ + "-closed";
+  if (peers_abandoned_) {
+    rendezvous_.arrive(closed);
+  } else if (healthy) {
     try {
-      rendezvous_.barrier("symm-" + name_ + "-closed", timeout_);
+      rendezvous_.barrier(closed, timeout_);
     } catch (const Error&) {
       // A peer that died cannot unmap; freeing our copy is still right.
     }

@@ -18,8 +18,10 @@ enum EpTimelineEvent : int {
   kEpTimelineEvents
 };
 
-inline constexpr const char* kEpTimelineEventNames[kEpTimelineEvents] = {
+inline constexpr const char* kEpTimelineEventNames[] = {
     "count start", "count scanned", "count exchanged", "push start", "push rows sent", "push delivered",
     "combine barrier start", "combine barrier done", "reduce start", "reduce done"};
+static_assert(sizeof(kEpTimelineEventNames) / sizeof(kEpTimelineEventNames[0]) == kEpTimelineEvents,
+              "a name for every point");
 
 }  // namespace megamoe::layout

@@ -22,9 +22,11 @@ enum ForwardTimelineEvent : int {
   kForwardTimelineEvents
 };
 
-inline constexpr const char* kForwardTimelineEventNames[kForwardTimelineEvents] = {
+inline constexpr const char* kForwardTimelineEventNames[] = {
     "forward start", "route item claimed", "route item done", "routing published",
     "gather item done", "front done", "fc1 streamed", "fc1 done",
     "fc2 started", "fc2 streamed", "fc2 done", "combine started", "combine done"};
+static_assert(sizeof(kForwardTimelineEventNames) / sizeof(kForwardTimelineEventNames[0]) == kForwardTimelineEvents,
+              "a name for every point");
 
 }  // namespace megamoe::layout
