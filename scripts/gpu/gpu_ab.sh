@@ -12,7 +12,8 @@
 # the round with the median layer time, and the range over the rounds. With MEGAMOE_AB_TESTS set
 # (a gtest filter of the layer suite), every patch variant also runs those GPU tests, so that a
 # wrong variant shows before a full gpu_check.sh is spent on it (a flags: variant runs A's tests,
-# whose options are its own).
+# whose options are its own). MEGAMOE_AB_ARGS (e.g. "--launch single_kernel") goes to every
+# variant's bench command.
 # shellcheck source-path=SCRIPTDIR
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: gpu_ab.sh CHANGE.patch|flags:--OPTION[=VALUE][,...] ..."; exit 2; }
@@ -36,10 +37,12 @@ for case in ${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35
   for ((round = 1; round <= rounds; ++round)); do
     for v in "${!names[@]}"; do
       echo "== ${names[$v]}: $workload $precision, $tokens tokens, L2 scrubbed, round $round of $rounds" | tee -a "$log"
-      # shellcheck disable=SC2086  # a flags: variant's arguments, one word each
+      # shellcheck disable=SC2086  # a flags: variant's arguments and MEGAMOE_AB_ARGS, one word each
       "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown ${flags[$v]} \
+        ${MEGAMOE_AB_ARGS:-} \
         >"$log.part" 2>&1 || status=1
-      grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||empty kernel|error|Error' "$log.part" | tee -a "$log"
+      # Node increments, the table line, and the single kernel's role timeline (first / last).
+      grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||empty kernel| first .* last |error|Error' "$log.part" | tee -a "$log"
       rm -f "$log.part"
     done
   done

@@ -80,8 +80,12 @@ cat "$out/ep.log" >>"$out/tests.log" && rm "$out/ep.log"
 # The fault suite under memcheck (the soak aside: 10,000 calls are too many under the tool), and a
 # stalled expert-parallel rank with every process instrumented.
 if [ "${MEGAMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
-  compute-sanitizer --tool memcheck --error-exitcode 3 "$build/tests/test_api_moe_layer" --gtest_brief=1 \
-    --gtest_filter='MoeLayerFaults.*:-MoeLayerFaults.SoakOfTenThousandCalls' >"$out/sanitize-faults.log" 2>&1 || status=1
+  # The suite provokes failed allocations on purpose (the test checks their errors), so API errors
+  # are not the tool's to report; and the tool serializes kernels, so the forward beside a kernel
+  # holding the SMs waits for that kernel and is left to the uninstrumented run above.
+  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 "$build/tests/test_api_moe_layer" \
+    --gtest_brief=1 --gtest_filter='MoeLayerFaults.*:-MoeLayerFaults.SoakOfTenThousandCalls:MoeLayerFaults.ForwardBesideKernelsHoldingMostSms' \
+    >"$out/sanitize-faults.log" 2>&1 || status=1
   note "compute-sanitizer memcheck, fault suite: $(grep -E 'ERROR SUMMARY' "$out/sanitize-faults.log" | tail -1)"
   compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 "$build/megamoe-run" -n 2 --one-gpu \
     --timeout 600 -- "$build/tests/comm_ep_layer_rank" --iterations 1 --hang --barrier-timeout-ms 3000 \

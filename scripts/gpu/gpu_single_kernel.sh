@@ -6,7 +6,8 @@
 # JSON per workload and launch into $OUT; last (the longest) the layer suite's reference cases,
 # each of which also compares the single kernel's output with the five kernels'; a summary at the
 # end.
-#   MEGAMOE_SK_WORKLOADS  workload:tokens,... items (default qwen35-a3b:1,16,128,512,1024,2048 dsv3:1,16)
+#   MEGAMOE_SK_WORKLOADS  workload:tokens,... items (default qwen35-a3b:1,16,128,512,1024,2048 dsv3:1,16;
+#                         empty: no benchmark)
 #   MEGAMOE_SK_LAYER_FILTER  the layer suite's cases (default every one)
 #   MEGAMOE_SK_SANITIZE=0    skips the sanitizers
 # shellcheck source-path=SCRIPTDIR
@@ -43,7 +44,7 @@ if [ "${MEGAMOE_SK_SANITIZE:-1}" != 0 ]; then
   done
 fi
 
-for item in ${MEGAMOE_SK_WORKLOADS:-qwen35-a3b:1,16,128,512,1024,2048 dsv3:1,16}; do
+for item in ${MEGAMOE_SK_WORKLOADS-qwen35-a3b:1,16,128,512,1024,2048 dsv3:1,16}; do
   workload=${item%%:*}
   tokens=${item##*:}
   for launch in per_stage single_kernel; do
@@ -53,7 +54,7 @@ for item in ${MEGAMOE_SK_WORKLOADS:-qwen35-a3b:1,16,128,512,1024,2048 dsv3:1,16}
     while read -r line; do note "    $line"; done < <(grep -E '^ +[0-9]+ \|' "$out/bench-$workload-$launch.log" | awk -F'|' '{print $1 "|" $2 "|" $4}')
   done
 done
-cat "$out"/bench-*.log >"$out/bench.log" && rm -f "$out"/bench-*.log
+cat "$out"/bench-*.log >"$out/bench.log" 2>/dev/null && rm -f "$out"/bench-*.log
 # Last, since it is the longest (the named workloads' weights are generated on the CPU).
 run_suite layer_suite "${MEGAMOE_SK_LAYER_FILTER:-Cases/MoeLayerVsReference.*}"
 print_summary

@@ -452,6 +452,64 @@ TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {
   expect_tight(g.spec.precision, c2);
 }
 
+// Selection takes the lower expert (and the lower group) among equals on every share of experts
+// a lane can hold: 2, 4, 7 (a ragged last lane), 8 and 16 per lane, in both logit modes, through
+// both launches. Logits come from a few values (and half the tokens from a coarse grid), so most
+// tokens tie many experts, with -0 beside +0, NaN (sanitized to -FLT_MAX) and +-inf; biases tie
+// too. A wrong choice among equals swaps in another expert's weights, far outside the bounds.
+TEST(MoeLayer, RoutingTiesGoToTheLowerExpert) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  struct Shape {
+    int experts, top_k, n_group, topk_group;
+  };
+  const float inf = INFINITY;
+  const std::vector<float> few = {-1.0f, -0.0f, 0.0f, 0.5f, 1.0f, NAN, inf, -inf};
+  for (const Shape shape : {Shape{40, 6, 4, 2}, Shape{128, 8, 8, 3}, Shape{200, 8, 8, 4}, Shape{256, 8, 8, 4},
+                            Shape{512, 32, 16, 4}}) {
+    for (const bool grouped : {false, true}) {
+      SCOPED_TRACE(testing::Message() << shape.experts << " experts, top " << shape.top_k
+                                      << (grouped ? ", deepseek_grouped" : ", softmax"));
+      MoeSpec spec;
+      spec.num_experts = shape.experts;
+      spec.top_k = shape.top_k;
+      spec.hidden = 256;
+      spec.intermediate = 256;
+      spec.precision = Precision::bf16;
+      if (grouped) {
+        DeepseekGrouped mode{.n_group = shape.n_group, .topk_group = shape.topk_group, .routed_scaling_factor = 2.5f};
+        for (int e = 0; e < shape.experts; ++e) mode.e_score_correction_bias.push_back(rng.integer(0, 1) * 0.125f);
+        spec.routing = mode;
+      } else {
+        spec.routing = SoftmaxTopK{.renormalize = true};
+      }
+      const ref::RandomWeights weights = ref::make_random_weights(spec, rng.seed());
+      const PackedWeights packed = prepare_weights(spec, weights.view());
+      MoeLayer layer(spec, packed, 64);
+      MoeLayer single(spec, packed, 64, MoeLayerOptions{.launch = ForwardLaunch::single_kernel});
+      for (const int tokens : {5, 48}) {
+        Inputs in = make_inputs(rng, spec, tokens, Skew::uniform);
+        for (int t = 0; t < tokens; ++t) {
+          const bool grid = t % 2 == 1;
+          for (int e = 0; e < shape.experts; ++e) {
+            in.logits[static_cast<size_t>(t) * shape.experts + e] =
+                grid ? 0.5f * static_cast<float>(rng.integer(-4, 4)) : few[rng.integer(0, static_cast<int>(few.size()) - 1)];
+          }
+        }
+        std::vector<bf16_t> y_ref(static_cast<size_t>(tokens) * spec.hidden);
+        const ref::ReferenceReport ref = ref::reference_forward(spec, packed, in.view(tokens), MoeOutputs{y_ref.data()});
+        for (MoeLayer* l : {&layer, &single}) {
+          SCOPED_TRACE(l == &single ? "single kernel" : "five kernels");
+          const Comparison c = compare(run_device(*l, spec, in, tokens, CombineMode::deterministic), ref.y);
+          EXPECT_EQ(c.non_finite, 0);
+          expect_tight(spec.precision, c);
+          EXPECT_EQ(l->take_invalid_routing_ids(nullptr), 0);
+        }
+      }
+    }
+  }
+}
+
 TEST(MoeLayer, RejectsBadCallsBeforeLaunching) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;

@@ -160,7 +160,8 @@ TEST(SingleKernelForward, FinishesBesideKernelsHoldingMostSms) {
 }
 
 // A device token count: the valid rows as the five kernels give them, the padding rows untouched;
-// bad routing ids are counted once each and ignored.
+// bad routing ids are counted once each and ignored. Tokens 5 and 6 have no used slot (every id -1,
+// every id out of range): no FC2 tile completes them, and their rows must still be zeros.
 TEST(SingleKernelForward, DeviceTokenCountAndBadIds) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
@@ -174,6 +175,10 @@ TEST(SingleKernelForward, DeviceTokenCountAndBadIds) {
   in.ids[1 * k + 2] = f.spec.num_experts;  // out of range
   in.ids[150 * k + 3] = -7;                // negative
   in.ids[151 * k + 1] = in.ids[151 * k];   // duplicate
+  for (int j = 0; j < k; ++j) {
+    in.ids[5 * k + j] = -1;
+    in.ids[6 * k + j] = f.spec.num_experts + j;
+  }
   test::PrecomputedCall device_call(f.spec, in, c.tokens);
   for (const int count : {0, 1, 2, 3, 12, 13, 151, 152, c.tokens + 3}) {
     SCOPED_TRACE("valid count " + std::to_string(count));
@@ -190,8 +195,14 @@ TEST(SingleKernelForward, DeviceTokenCountAndBadIds) {
     EXPECT_TRUE(same_bits(outs[0], outs[1]));
     EXPECT_EQ(flagged[0], flagged[1]);
     const int rows = std::min(count, c.tokens);
-    EXPECT_EQ(flagged[1], (rows > 1 ? 1 : 0) + (rows > 150 ? 1 : 0) + (rows > 151 ? 1 : 0))
+    EXPECT_EQ(flagged[1], (rows > 1 ? 1 : 0) + (rows > 6 ? k : 0) + (rows > 150 ? 1 : 0) + (rows > 151 ? 1 : 0))
         << "ids -1 are not flagged; the out-of-range, negative and duplicate ones are";
+    for (int t : {5, 6}) {
+      if (t >= rows) continue;
+      long nonzero = 0;
+      for (int h = 0; h < H; ++h) nonzero += outs[1][static_cast<size_t>(t) * H + h].bits != 0;
+      EXPECT_EQ(nonzero, 0) << "token " << t << " has no used slot";
+    }
     long written_padding = 0;
     for (size_t i = static_cast<size_t>(rows) * H; i < outs[1].size(); ++i) written_padding += outs[1][i].bits != 0xFFFF;
     EXPECT_EQ(written_padding, 0);
