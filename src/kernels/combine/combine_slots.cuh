@@ -37,12 +37,21 @@ __device__ __forceinline__ void prefetch_token_routing(const CombineParams& p, i
   ptx::prefetch_l1(p.routed_weights + first_slot + p.top_k - 1);
 }
 
-// The output vectors of channels column[b] .. column[b] + 7 of token[b] for b < kBatch (token -1:
-// none). Every vector's rows are located and loaded together (add_rows_batched): a batch costs
-// the memory round trips of one vector.
+// Output vectors first + b * stride for b < kBatch (a vector's index is token index * (H/8) + its
+// 8-channel group); those past the valid tokens are skipped. Every vector's rows are located and
+// loaded together (add_rows_batched): a batch costs the memory round trips of one vector.
 template <bool kDeterministic, int kBatch>
-__device__ __forceinline__ void combine_vectors_at(const CombineParams& p, const int (&token)[kBatch],
-                                                   const int (&column)[kBatch]) {
+__device__ __forceinline__ void combine_vectors(const CombineParams& p, long first, long stride, int valid) {
+  constexpr int kVector = Bf16x8Sum::kChannels;
+  const int vectors_per_token = p.hidden / kVector;
+  const long end = static_cast<long>(valid) * vectors_per_token;
+  int token[kBatch], column[kBatch];
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+    const long index = first + b * stride;
+    token[b] = index < end ? static_cast<int>(index / vectors_per_token) : -1;
+    column[b] = static_cast<int>(index % vectors_per_token) * kVector;
+  }
   Bf16x8Sum sum[kBatch];
   if constexpr (kDeterministic) {
     add_rows_batched<kBatch, 8>(sum, p.top_k, [&](int b, int j, const uint4*& row, float& weight) {
@@ -72,23 +81,6 @@ __device__ __forceinline__ void combine_vectors_at(const CombineParams& p, const
     if (token[b] < 0) continue;
     reinterpret_cast<uint4*>(p.y + static_cast<size_t>(token[b]) * p.hidden + column[b])[0] = sum[b].rounded();
   }
-}
-
-// Output vectors first + b * stride for b < kBatch (a vector's index is token index * (H/8) + its
-// 8-channel group); those past the valid tokens are skipped.
-template <bool kDeterministic, int kBatch>
-__device__ __forceinline__ void combine_vectors(const CombineParams& p, long first, long stride, int valid) {
-  constexpr int kVector = Bf16x8Sum::kChannels;
-  const int vectors_per_token = p.hidden / kVector;
-  const long end = static_cast<long>(valid) * vectors_per_token;
-  int token[kBatch], column[kBatch];
-#pragma unroll
-  for (int b = 0; b < kBatch; ++b) {
-    const long index = first + b * stride;
-    token[b] = index < end ? static_cast<int>(index / vectors_per_token) : -1;
-    column[b] = static_cast<int>(index % vectors_per_token) * kVector;
-  }
-  combine_vectors_at<kDeterministic, kBatch>(p, token, column);
 }
 
 template <bool kDeterministic>

@@ -11,8 +11,9 @@ enum class GemmOp { fc1_swiglu, fc2_slot_store, fc2_atomic_combine };
 enum class NamedBarrier : uint32_t {
   kEpilogueExchange = 1,  // 0 is __syncthreads
   kFc1TileStored = 2,     // every math thread has stored its part of an FC1 tile
-  kTileStored = 3,        // the same for an FC2 tile, before its rows count down (single-kernel forward)
-  kRingIdle = 4,          // the whole block, between the two GEMMs (single-kernel forward)
+  kTileStored = 3,        // the same for an FC2 tile (single-kernel forward)
+  kCombineShare = 4,      // every FC2 tile is stored: the math threads combine (single-kernel forward)
+  kRingIdle = 5,          // the whole block, between the two GEMMs (single-kernel forward)
 };
 
 }  // namespace megamoe::kernels

@@ -14,14 +14,10 @@ template <class Element, int kTokenTile, GemmOp kFc2Op>
 void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, cudaStream_t stream) {
   using Fc1Config = GroupedGemmConfig<Element, kTokenTile, GemmOp::fc1_swiglu>;
   using Fc2Config = GroupedGemmConfig<Element, kTokenTile, kFc2Op>;
-  static_assert(kTokenTile <= kCombineMaxTileRows, "FC2's tiles combine the token blocks they complete");
   check_planned_stages<Fc1Config>(c.fc1_stages);
   check_planned_stages<Fc2Config>(c.fc2_stages);
   const layout::MoeWorkspaceLayout& w = f.workspace_layout;
-  RoutingParams routing = make_routing_params(f, c, call);
-  routing.combine_slots_left = w.at<uint32_t>(f.workspace, w.combine_slots_left);
-  routing.combine_blocks = w.combine_blocks;
-  routing.y = static_cast<__nv_bfloat16*>(call.y);
+  const RoutingParams routing = make_routing_params(f, c, call);
   const GatherParams gather = make_gather_params(f, c, call, routing);
   const GemmArguments fc1 = fc1_arguments(f, gather);
   const GemmArguments fc2 = fc2_arguments(f, fc1);
@@ -36,12 +32,10 @@ void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const Moe
   p.front.items = make_forward_items(w.at<uint32_t>(f.workspace, w.forward_counters), call.num_tokens, c.grid);
   fc1_params.tokens_ready = p.front.items.counter(kGatheredItems);
   fc1_params.tokens_ready_count = p.front.items.gathered_when_ready();
-  if (fc2_params.scheduler.channel_blocks != w.combine_blocks) {
-    throw Error(ErrorCode::unsupported, "internal: FC2's channel blocks are not the combine's");
-  }
-  fc2_params.tile_combine = TileCombine{make_combine_params(f, call, routing), routing.combine_slots_left, w.combine_blocks};
+  fc2_params.tiles_stored = p.front.items.counter(kFc2TilesStored);
   p.fc1 = fc1_params;
   p.fc2 = fc2_params;
+  p.combine = make_combine_params(f, call, routing);
   using Layout = SingleKernelLayout<Fc1Config, Fc2Config>;
   constexpr auto kernel = &sm90_moe_single_kernel<Fc1Config, Fc2Config, Params>;
   allow_dynamic_smem<kernel>(Layout::kSmemBytes);

@@ -3,12 +3,11 @@
 // CTA claiming its work in dependency order (scheduler/forward_items.hpp):
 //   whole CTA            front role: route and gather items (routing/front_items.cuh)
 //   producer warpgroup   FC1's producer roles, then FC2's (impls/sm90_grouped_gemm_swapab.cuh)
-//   math warpgroups      FC1's mainloop and epilogue, then FC2's (mma/swapab_mainloop.cuh), each
-//                        FC2 tile combining the token blocks it completes
-//                        (combine/combine_token_blocks.cuh)
+//   math warpgroups      FC1's mainloop and epilogue, then FC2's (mma/swapab_mainloop.cuh), then
+//                        their CTA's share of the combine (combine/combine_share.cuh)
 // Between its FC1 and FC2 tiles a CTA joins all of its threads and sets its stage ring up again
 // (the two GEMMs share one ring layout); FC2 tiles wait per expert for FC1's, as between the
-// per-stage kernels. The last CTA to finish zeroes the counters.
+// per-stage kernels, and the combine for every FC2 tile. The last CTA to finish zeroes the counters.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -16,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/combine/combine_share.cuh"
 #include "kernels/impls/sm90_grouped_gemm_swapab.cuh"
 #include "kernels/layout/forward_timeline.hpp"
 #include "kernels/ptx/grid_dependency.cuh"
@@ -30,6 +30,7 @@ struct SingleKernelParams {
   FrontParams front;
   Fc1Params fc1;
   Fc2Params fc2;
+  CombineParams combine;
 };
 
 template <class Fc1Config, class Fc2Config>
@@ -61,6 +62,7 @@ template <class Fc1Config, class Fc2Config, class Params>
 __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_GRID_CONSTANT const Params p) {
   using Layout = SingleKernelLayout<Fc1Config, Fc2Config>;
   constexpr bool kFp8 = Fc1Config::kFp8;
+  constexpr bool kDeterministic = Fc2Config::kGemmOp == GemmOp::fc2_slot_store;
   // As in the GEMM kernel: no static shared memory, stages at the 1 KiB-aligned start.
   extern __shared__ __align__(1024) char smem_raw[];
   auto& fc1_smem = *reinterpret_cast<typename Fc1Config::SharedStorage*>(smem_raw);
@@ -123,8 +125,13 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
   math_warpgroups<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
   timeline.mark(layout::kFc2Done, kMathLead);
 
+  const int math_thread = threadIdx.x - 128;
   const ForwardItems& items = p.front.items;
-  if (threadIdx.x == kMathLead) {
+  combine_share<kDeterministic>(p.combine, items.counter(kFc2TilesStored),
+                                static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread,
+                                Fc2Config::kConsumerThreads, timeline);
+  timeline.mark(layout::kCombineDone, kMathLead);
+  if (math_thread == 0) {
     // Fenced as in last_to_finish: the zeroing is ordered after every CTA's last counter access.
     __threadfence();
     if (atomicAdd(items.counter(kCtasDone), 1u) == gridDim.x - 1) {

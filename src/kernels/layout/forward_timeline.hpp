@@ -16,15 +16,16 @@ enum ForwardTimelineEvent : int {
   kFc1Done,           // every CTA's math warpgroups, their last FC1 tile stored
   kFc2Started,        // every CTA, its stage ring set up for FC2
   kFc2Streamed,       // every CTA's weight producer, its last FC2 stage issued
-  kFc2Done,           // every CTA's math warpgroups, their last FC2 tile stored and the token
-                      // blocks it completed combined
+  kFc2Done,           // every CTA's math warpgroups, their last FC2 tile stored
+  kCombineStarted,    // every CTA's math warpgroups, every FC2 tile seen stored
+  kCombineDone,       // every CTA's math warpgroups, their share of the combine stored
   kForwardTimelineEvents
 };
 
 inline constexpr const char* kForwardTimelineEventNames[] = {
     "forward start", "route item claimed", "route item done", "routing published",
     "gather item done", "front done", "fc1 streamed", "fc1 done",
-    "fc2 started", "fc2 streamed", "fc2 done"};
+    "fc2 started", "fc2 streamed", "fc2 done", "combine started", "combine done"};
 static_assert(sizeof(kForwardTimelineEventNames) / sizeof(kForwardTimelineEventNames[0]) == kForwardTimelineEvents,
               "a name for every point");
 

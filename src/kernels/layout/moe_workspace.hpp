@@ -5,7 +5,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/layout/gemm_smem.hpp"
 #include "kernels/layout/weight_layout.hpp"
 
 namespace megamoe::layout {
@@ -52,10 +51,6 @@ struct MoeWorkspaceLayout {
   size_t error_flags = 0;        // int32 [4]: [0] invalid routing ids seen, reported after forward
   size_t forward_counters = 0;   // uint32 [kForwardCounterSlots]: the single-kernel forward's hand-offs,
                                  // zero between forwards
-  size_t combine_slots_left = 0; // uint32 [T, combine_blocks]: per token and FC2 channel block, the used
-                                 // slots not yet stored (single-kernel forward: set by the routing,
-                                 // counted down by FC2's tiles, zero after the block's combine)
-  int combine_blocks = 0;        // FC2 channel blocks of a token: ceil(H / kGemmChannelTile)
   size_t total_bytes = 0;
 
   template <class T>
@@ -111,8 +106,6 @@ struct MoeWorkspaceLayout {
     l.y_accumulator = take(static_cast<size_t>(max_tokens) * hidden * sizeof(float));
     l.error_flags = take(sizeof(int32_t) * 4);
     l.forward_counters = take(sizeof(uint32_t) * kForwardCounterSlots);
-    l.combine_blocks = (hidden + kGemmChannelTile - 1) / kGemmChannelTile;
-    l.combine_slots_left = take(sizeof(uint32_t) * static_cast<size_t>(max_tokens) * l.combine_blocks);
     l.total_bytes = cursor;
     return l;
   }

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kernels/combine/combine_token_blocks.cuh"
 #include "kernels/epilogue/gemm_op.hpp"
 #include "kernels/layout/gemm_smem.hpp"
 #include "kernels/permute/stage_row_copy.cuh"
@@ -181,12 +180,11 @@ struct GroupedGemmParams {
   int fc1_channel_blocks;        // fc1 tiles per token tile of an expert
   QuantizedTokenRows token_rows; // fc1 with a row-copying token role: what it copies
   // Inside the single-kernel forward, which has no earlier grid to wait for: fc1's token producer
-  // waits until tokens_ready reaches tokens_ready_count (the gather's items), and each fc2 tile
-  // combines the token blocks it completes (combine/combine_token_blocks.cuh). Null in the
-  // per-stage forward.
+  // waits until tokens_ready reaches tokens_ready_count (the gather's items), and fc2 adds one
+  // to tiles_stored per stored tile (the combine waits for all). Null in the per-stage forward.
   const uint32_t* tokens_ready;
   uint32_t tokens_ready_count;
-  TileCombine tile_combine;
+  uint32_t* tiles_stored;
 };
 
 }  // namespace megamoe::kernels

@@ -8,7 +8,6 @@
 
 #include <cute/tensor.hpp>
 
-#include "kernels/combine/combine_token_blocks.cuh"
 #include "kernels/epilogue/fc1_swiglu.cuh"
 #include "kernels/epilogue/fc2_combine.cuh"
 #include "kernels/epilogue/gemm_op.hpp"
@@ -140,11 +139,9 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
                        Config::kConsumerThreads, consumer_thread);
     } else {
       gemm_detail::fc2_epilogue<Columns>(p, tile, acc, base_row, base_col, slots);
-      if constexpr (Config::kBlockN <= kCombineMaxTileRows) {
-        if (p.tile_combine.slots_left != nullptr) {
-          combine_completed_blocks<Config::kGemmOp == GemmOp::fc2_slot_store, Config::kBlockN,
-                                   Config::kConsumerThreads>(p.tile_combine, p.pool_slot, tile, consumer_thread);
-        }
+      if (p.tiles_stored != nullptr) {
+        publish_stored_tile(p.tiles_stored, static_cast<uint32_t>(NamedBarrier::kTileStored), Config::kConsumerThreads,
+                            consumer_thread);
       }
     }
   };

@@ -27,6 +27,14 @@ __device__ __forceinline__ void publish_fc1_tile(uint32_t* tiles_done, int exper
   }
 }
 
+// The same for an FC2 tile in the single-kernel forward, whose combine reads the stored rows (or
+// the accumulator) with generic loads: no proxy fence.
+__device__ __forceinline__ void publish_stored_tile(uint32_t* tiles_stored, uint32_t barrier_id, uint32_t math_threads,
+                                                    int math_thread) {
+  ptx::named_barrier_sync(barrier_id, math_threads);
+  if (math_thread == 0) ptx::red_add_release_gpu(tiles_stored, 1u);
+}
+
 // FC2's producer thread, before each tile's first token load. FC1's CTAs were all running before
 // FC2 could launch and never wait for FC2, so the counts arrive; a wait past kWaitTimeoutCycles (a
 // lost publication) traps instead of hanging. Once all of FC1 is seen stored, the remaining tiles

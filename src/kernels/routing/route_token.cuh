@@ -9,15 +9,14 @@
 // where 256 double exps per token are a long FP64 chain per warp, on pipes a block's warps share.
 //
 // A small batch's routing time is one warp's chain of dependent instructions and memory round
-// trips (Nsight Compute: ~11 cycles per instruction), so each lane holds a contiguous share of the
-// experts as order keys in registers (LaneExperts): a pass is one reduction, one ballot and the
-// winner's register update, with no shared-memory rescan (docs/decisions.md#router).
+// trips (Nsight Compute: ~8 cycles per instruction, little of it instruction fetch), so selection
+// runs on order keys with warp reductions and only the winner's lane rescans. A token's scores live
+// in shared memory and the loops over experts stay rolled, which keeps the kernel a third of the
+// 97 KB of SASS that holding them in unrolled registers took.
 #pragma once
 
-#include <cuda_bf16.h>
-
 #include <cfloat>
-#include <cmath>
+#include <climits>
 #include <cstdint>
 
 #include "kernels/routing/selection.hpp"
@@ -55,68 +54,38 @@ struct RoutingParams {
   float* y_accumulator;       // [T, hidden] zeroed here for the atomic combine, or null
   int hidden;
   GemmTileCounters gemm;      // zeroed by the scan
-  // The single-kernel forward's combine (combine/combine_token_blocks.cuh), null elsewhere: each
-  // token's used slots into each of its combine_blocks counters, and zeros into y for a token
-  // with none (no FC2 tile stores a row of it, so none combines it).
-  uint32_t* combine_slots_left;  // [T, combine_blocks]
-  int combine_blocks;
-  __nv_bfloat16* y;              // [T, hidden]
 };
 
 namespace routing_detail {
 
-// Experts per lane: 8 up to 256 experts, 16 up to kMaxRoutingExperts.
-inline constexpr int kNarrowSlots = 8;
-inline constexpr int kWideSlots = kMaxRoutingExperts / 32;
-static_assert(kWideSlots * 32 == kMaxRoutingExperts, "a warp's lanes hold every expert");
+// Marks an expert as ineligible (key 0, as a taken one gets in the passes). Every legitimate
+// selection value is a number: sanitized logits, or a sigmoid plus a finite bias.
+__device__ __forceinline__ float excluded() { return __int_as_float(0x7fffffff); }
 
-// One lane's share of a token's experts: the contiguous experts first, first + 1, ... as order
-// keys (0: none, taken or ineligible), and the best of them. With contiguous shares the lowest
-// lane holding the warp's best key holds its lowest expert, which makes ties exact with one
-// reduction and one ballot per pass.
-template <int kSlots>
-struct LaneExperts {
-  uint32_t key[kSlots];
-  uint32_t best_key;
-  int best_slot;
-
-  // The best key and its slot, ties to the lower slot: a tree over adjacent ranges, so that the
-  // left side of every comparison holds the lower slots.
-  __device__ __forceinline__ void find_best() {
-    uint32_t k[kSlots];
-    int slot[kSlots];
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      k[i] = key[i];
-      slot[i] = i;
-    }
-#pragma unroll
-    for (int width = 1; width < kSlots; width *= 2) {
-#pragma unroll
-      for (int i = 0; i < kSlots; i += 2 * width) {
-        const bool right = k[i + width] > k[i];
-        k[i] = right ? k[i + width] : k[i];
-        slot[i] = right ? slot[i + width] : slot[i];
-      }
-    }
-    best_key = k[0];
-    best_slot = slot[0];
-  }
+struct Candidate {
+  uint32_t key;  // 0: none
+  int index;
 };
 
-// One argmax pass: the warp's best expert (ties to the lower index) into `expert` in every lane,
-// and its key, 0 when none is left. The lane that held it drops it and finds its next best
-// (every lane runs the tree, so the warp does not diverge).
-template <int kSlots>
-__device__ __forceinline__ uint32_t take_warp_best(LaneExperts<kSlots>& mine, int lane, int per_lane, int& expert) {
-  const uint32_t top = __reduce_max_sync(0xffffffffu, mine.best_key);
-  const int winner = __ffs(__ballot_sync(0xffffffffu, mine.best_key == top)) - 1;
-  expert = winner * per_lane + __shfl_sync(0xffffffffu, mine.best_slot, winner);
-  const bool won = lane == winner;
-#pragma unroll
-  for (int i = 0; i < kSlots; ++i) mine.key[i] = won && i == mine.best_slot ? 0u : mine.key[i];
-  mine.find_best();
-  return top;
+// Best of this lane's entries lane + 32 i below count by key_of(e); ties go to the lower index.
+// Unrolled by 8 so that a lane's loads (E <= 256) issue together.
+template <class KeyOf>
+__device__ __forceinline__ Candidate lane_best(int count, int lane, KeyOf key_of) {
+  Candidate c{0u, INT_MAX};
+#pragma unroll 8
+  for (int e = lane; e < count; e += 32) {
+    const uint32_t key = key_of(e);
+    if (key > c.key) c = Candidate{key, e};
+  }
+  return c;
+}
+
+// The warp's best candidate (highest key, then lowest index), in every lane; index INT_MAX when
+// every lane's key is 0.
+__device__ __forceinline__ Candidate warp_best(const Candidate& c) {
+  const uint32_t top = __reduce_max_sync(0xffffffffu, c.key);
+  const uint32_t index = __reduce_min_sync(0xffffffffu, c.key == top ? static_cast<uint32_t>(c.index) : UINT32_MAX);
+  return Candidate{top, top == 0u ? INT_MAX : static_cast<int>(index)};
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -125,153 +94,23 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The two largest of a set of numbers (as a multiset: a repeated maximum is also the second).
-struct TopTwo {
-  float best, second;
-};
-
-__device__ __forceinline__ TopTwo merge(TopTwo a, TopTwo b) {
-  return TopTwo{fmaxf(a.best, b.best), fmaxf(fminf(a.best, b.best), fmaxf(a.second, b.second))};
-}
-
 // Group score of the deepseek mode: the sum of the group's `per_group` (1 or 2) best values, in
-// the reference's order (best first); its values are finite (sigmoid plus a finite bias). One lane
-// walks one group, eight values in flight and merged as a tree.
+// the reference's order (best first). One lane walks one group.
 __device__ __forceinline__ float group_score(const float* values, int first, int size, int per_group) {
-  TopTwo top{-INFINITY, -INFINITY};
+  float best = -INFINITY, second = -INFINITY;
 #pragma unroll 1
-  for (int chunk = 0; chunk < size; chunk += 8) {
-    TopTwo pair[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int e = chunk + 2 * i;
-      const float a = e < size ? values[first + e] : -INFINITY;
-      const float b = e + 1 < size ? values[first + e + 1] : -INFINITY;
-      pair[i] = TopTwo{fmaxf(a, b), fminf(a, b)};
+  for (int e = first; e < first + size; ++e) {
+    const float v = values[e];
+    if (v > best) {
+      second = best;
+      best = v;
+    } else if (v > second) {
+      second = v;
     }
-    top = merge(top, merge(merge(pair[0], pair[1]), merge(pair[2], pair[3])));
   }
-  double sum = static_cast<double>(top.best);
-  if (per_group == 2) sum += static_cast<double>(top.second);
+  double sum = static_cast<double>(best);
+  if (per_group == 2) sum += static_cast<double>(second);
   return static_cast<float>(sum);
-}
-
-// The deepseek mode's group limit: keeps the keys of the topk_group best groups (lane g scores
-// group g; ties to the lower group) and zeroes the rest. `values` holds the choice values.
-template <int kSlots>
-__device__ __forceinline__ void keep_best_groups(const RoutingParams& p, const float* values, int lane, int first,
-                                                 LaneExperts<kSlots>& mine) {
-  const int group_size = p.num_experts / p.n_group;
-  const int per_group = group_size < 2 ? group_size : 2;
-  uint32_t group_key = lane < p.n_group ? order_key(group_score(values, lane * group_size, group_size, per_group)) : 0u;
-  uint32_t selected = 0;
-  for (int r = 0; r < p.topk_group; ++r) {
-    const uint32_t top = __reduce_max_sync(0xffffffffu, group_key);
-    const int winner = __ffs(__ballot_sync(0xffffffffu, group_key == top)) - 1;
-    selected |= 1u << winner;
-    if (lane == winner) group_key = 0u;
-  }
-  const int per_lane = (p.num_experts + 31) / 32;
-#pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    const int e = first + i;
-    if (i < per_lane && e < p.num_experts && !((selected >> (e / group_size)) & 1u)) mine.key[i] = 0u;
-  }
-}
-
-// The logit modes (softmax, deepseek) with kSlots experts per lane: lane j < k ends with slot j's
-// expert and weight. `value` and `score` are the warp's shared-memory rows (deepseek only).
-template <int kSlots>
-__device__ __forceinline__ void route_logits(const RoutingParams& p, int token, int lane, float* value, float* score,
-                                             int& my_id, float& my_weight) {
-  const int E = p.num_experts, k = p.top_k;
-  const int per_lane = (E + 31) / 32;
-  const int first = lane * per_lane;
-  const bool softmax = p.mode == RoutingMode::softmax_topk;
-  const float* logits = p.logits + static_cast<size_t>(token) * E;
-  // Every load of the lane in flight before any arithmetic: one memory round trip.
-  float logit[kSlots], bias[kSlots];
-#pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    const bool real = i < per_lane && first + i < E;
-    logit[i] = real ? sanitize_logit(logits[first + i]) : 0.0f;
-    bias[i] = real && !softmax && p.bias != nullptr ? p.bias[first + i] : 0.0f;
-  }
-  LaneExperts<kSlots> mine;
-  if (softmax) {
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) mine.key[i] = i < per_lane && first + i < E ? order_key(logit[i]) : 0u;
-  } else {
-    // The weights use the sigmoid score, the selection its sum with the bias (the choice value).
-    // The double sigmoid runs in a rolled loop over the lane's rows of shared memory: unrolled,
-    // its FP64 exp per slot made the router's code 2.5 times as long.
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      if (i < per_lane && first + i < E) {
-        value[first + i] = logit[i];
-        score[first + i] = bias[i];
-      }
-    }
-    const int end = min(first + per_lane, E);
-#pragma unroll 1
-    for (int e = first; e < end; ++e) {
-      const float sigmoid = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(value[e]))));
-      value[e] = static_cast<float>(static_cast<double>(sigmoid) + static_cast<double>(score[e]));
-      score[e] = sigmoid;
-    }
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) mine.key[i] = i < per_lane && first + i < E ? order_key(value[first + i]) : 0u;
-    __syncwarp();
-    keep_best_groups(p, value, lane, first, mine);
-  }
-  mine.find_best();
-
-  // k passes of argmax; lane j keeps the j-th winner. The first pass's key is the softmax maximum.
-  uint32_t my_key = 0u;
-  float softmax_max = 0.0f, softmax_denominator = 1.0f;
-#pragma unroll 1
-  for (int j = 0; j < k; ++j) {
-    int expert;
-    const uint32_t top = take_warp_best(mine, lane, per_lane, expert);
-    if (top == 0u) break;  // the planner guarantees k reachable experts
-    if (j == 0 && softmax) {
-      softmax_max = from_order_key(top);
-      float partial = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kSlots; ++i)
-        if (i < per_lane && first + i < E) partial += expf(logit[i] - softmax_max);
-      softmax_denominator = warp_sum(partial);
-    }
-    if (lane == j) {
-      my_id = expert;
-      my_key = top;
-    }
-  }
-  double my_raw_weight = 0.0;
-  if (my_id >= 0) {
-    // A softmax key gives back its logit (-0 as +0, which exp does not tell apart).
-    my_raw_weight = softmax ? static_cast<double>(expf(from_order_key(my_key) - softmax_max) / softmax_denominator)
-                            : static_cast<double>(score[my_id]);
-  }
-  // The sum of the picked weights in slot order, as the reference adds them (the shuffles of a
-  // group of 8 are independent, so they issue together ahead of the dependent additions).
-  double picked_sum = 0.0;
-  for (int chunk = 0; chunk < k; chunk += 8) {
-    double picked[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) picked[j] = __shfl_sync(0xffffffffu, my_raw_weight, chunk + j);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (chunk + j < k) picked_sum += picked[j];
-  }
-  double w = my_raw_weight;
-  if (softmax) {
-    if (p.renormalize) w /= picked_sum;
-  } else {
-    if (p.renormalize) w /= picked_sum + 1e-20;
-    w *= static_cast<double>(p.routed_scaling_factor);
-  }
-  my_weight = static_cast<float>(w);
 }
 
 }  // namespace routing_detail
@@ -305,10 +144,111 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
       atomicAdd(&p.error_flags[0], 1);
       my_id = -1;
     }
-  } else if (E <= 32 * kNarrowSlots) {
-    route_logits<kNarrowSlots>(p, token, lane, value, score, my_id, my_weight);
   } else {
-    route_logits<kWideSlots>(p, token, lane, value, score, my_id, my_weight);
+    const bool softmax = p.mode == RoutingMode::softmax_topk;
+    const float* logits = p.logits + static_cast<size_t>(token) * E;
+    // Eight logits (and biases) per lane in flight before any arithmetic: one memory round trip
+    // for E <= 256. The bias waits in `score` until the sigmoid replaces it.
+    constexpr int kLoadsInFlight = 8;
+    const bool has_bias = !softmax && p.bias != nullptr;
+    for (int first = 0; first < E; first += 32 * kLoadsInFlight) {
+      float logit[kLoadsInFlight], bias[kLoadsInFlight];
+#pragma unroll
+      for (int b = 0; b < kLoadsInFlight; ++b) {
+        const int e = first + 32 * b + lane;
+        logit[b] = e < E ? logits[e] : 0.0f;
+        bias[b] = e < E && has_bias ? p.bias[e] : 0.0f;
+      }
+#pragma unroll
+      for (int b = 0; b < kLoadsInFlight; ++b) {
+        const int e = first + 32 * b + lane;
+        if (e < E) {
+          value[e] = sanitize_logit(logit[b]);
+          score[e] = softmax ? value[e] : bias[b];
+        }
+      }
+    }
+    if (!softmax) {
+#pragma unroll 1
+      for (int e = lane; e < E; e += 32) {
+        const float sigmoid = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(value[e]))));
+        value[e] = static_cast<float>(static_cast<double>(sigmoid) + static_cast<double>(score[e]));
+        score[e] = sigmoid;
+      }
+    }
+    __syncwarp();
+
+    if (!softmax) {
+      // Keep the topk_group best groups (lane g scores group g); the rest become ineligible.
+      const int group_size = E / p.n_group;
+      const int per_group = group_size < 2 ? group_size : 2;
+      Candidate group{0u, INT_MAX};
+      if (lane < p.n_group) group = Candidate{order_key(group_score(value, lane * group_size, group_size, per_group)), lane};
+      uint32_t selected_groups = 0;
+      for (int r = 0; r < p.topk_group; ++r) {
+        const Candidate best = warp_best(group);
+        selected_groups |= 1u << best.index;
+        if (lane == best.index) group.key = 0u;
+      }
+      __syncwarp();
+      for (int e = lane; e < E; e += 32)
+        if (!((selected_groups >> (e / group_size)) & 1u)) value[e] = excluded();
+      __syncwarp();
+    }
+
+    // k passes of argmax; lane j keeps the j-th winner and computes its own weight term after.
+    // Only the winner's lane rescans, and only its own entries (e = lane mod 32), so the passes
+    // need no shared-memory synchronization. The selection values become order keys in place
+    // first (each lane its own entries, as it wrote them), so that a rescan, the passes' dependent
+    // chain, compares integers instead of converting 8 floats each time; a taken expert gets key 0.
+    uint32_t* keys = reinterpret_cast<uint32_t*>(value);
+    for (int e = lane; e < E; e += 32) keys[e] = order_key(value[e]);
+    const auto key_of = [keys](int e) { return keys[e]; };
+    Candidate mine = lane_best(E, lane, key_of);
+    float softmax_max = 0.0f, softmax_denominator = 1.0f;
+    if (softmax) {
+      // The passes' first scan is the softmax maximum's too (the best key of all); the weights'
+      // row holds the same logits as floats.
+      softmax_max = from_order_key(warp_best(mine).key);
+      float partial = 0.0f;
+#pragma unroll 4
+      for (int e = lane; e < E; e += 32) partial += expf(score[e] - softmax_max);
+      softmax_denominator = warp_sum(partial);
+    }
+#pragma unroll 1
+    for (int j = 0; j < k; ++j) {
+      const Candidate best = warp_best(mine);
+      if (best.index == INT_MAX) break;  // the planner guarantees k reachable experts
+      if (lane == j) my_id = best.index;
+      if (mine.index == best.index) {
+        keys[best.index] = 0u;
+        mine = lane_best(E, lane, key_of);
+      }
+    }
+    double my_raw_weight = 0.0;
+    if (my_id >= 0) {
+      my_raw_weight = softmax ? static_cast<double>(expf(score[my_id] - softmax_max) / softmax_denominator)
+                              : static_cast<double>(score[my_id]);
+    }
+    // The sum of the picked weights in slot order, as the reference adds them (the shuffles of a
+    // group of 8 are independent, so they issue together ahead of the dependent additions).
+    double picked_sum = 0.0;
+    for (int first = 0; first < k; first += 8) {
+      double picked[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) picked[j] = __shfl_sync(0xffffffffu, my_raw_weight, first + j);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (first + j < k) picked_sum += picked[j];
+    }
+    double w = my_raw_weight;
+    if (softmax) {
+      if (p.renormalize) w /= picked_sum;
+    } else {
+      if (p.renormalize) w /= picked_sum + 1e-20;
+      w *= static_cast<double>(p.routed_scaling_factor);
+    }
+    my_weight = static_cast<float>(w);
   }
 
   if (lane < k) {
@@ -316,15 +256,6 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
     p.routed_ids[slot] = my_id;
     p.routed_weights[slot] = my_weight;
     p.slot_rank[slot] = my_id >= 0 ? atomicAdd(&counts[my_id], 1) : -1;
-  }
-  if (p.combine_slots_left != nullptr) {
-    const uint32_t used = __popc(__ballot_sync(0xffffffffu, lane < k && my_id >= 0));
-    uint32_t* left = p.combine_slots_left + static_cast<size_t>(token) * p.combine_blocks;
-    for (int b = lane; b < p.combine_blocks; b += 32) left[b] = used;
-    if (used == 0) {
-      uint4* row = reinterpret_cast<uint4*>(p.y + static_cast<size_t>(token) * p.hidden);
-      for (int v = lane; v < p.hidden / 8; v += 32) row[v] = make_uint4(0u, 0u, 0u, 0u);
-    }
   }
 }
 

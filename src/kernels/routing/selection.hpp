@@ -1,11 +1,10 @@
 // What routing selects on, shared by the router kernel and the CPU reference (src/ref/routing.cpp)
 // so the two cannot disagree: sanitized logits, and order keys, 32-bit unsigned integers that order
-// floats the way `>` does, so that a warp finds its best candidate with one integer reduction
-// (redux.sync: the highest key) and a ballot of the lanes holding it.
+// floats the way `>` does, so that a warp finds its best candidate with two integer reductions
+// (redux.sync: the highest key, then the lowest index holding it).
 #pragma once
 
 #include <cfloat>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -14,9 +13,13 @@
 namespace megamoe::kernels {
 
 // NaN becomes the lowest finite value and +-inf +-FLT_MAX, so every token still gets k distinct
-// valid experts, and no selection value is NaN. A clamp does all three without a branch: fmax
-// returns its other operand for a NaN, and keeps -0.
-MEGAMOE_HOST_DEVICE inline float sanitize_logit(float logit) { return fminf(fmaxf(logit, -FLT_MAX), FLT_MAX); }
+// valid experts, and no selection value is NaN (the router's mark for a taken expert).
+MEGAMOE_HOST_DEVICE inline float sanitize_logit(float logit) {
+  if (logit != logit) return -FLT_MAX;
+  if (logit > FLT_MAX) return FLT_MAX;
+  if (logit < -FLT_MAX) return -FLT_MAX;
+  return logit;
+}
 
 // key(a) > key(b) exactly when a > b, and key(a) == key(b) exactly when a == b, for any two
 // non-NaN floats (-0 and +0 share a key). NaN, which the router writes to mark an expert taken or

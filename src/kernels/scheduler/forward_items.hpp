@@ -7,8 +7,8 @@
 //                  are no gather items
 //   FC1 tiles      claimed after the routing is published (GroupedTileScheduler, first_wave 0)
 //   FC2 tiles      claimed once FC1's are all claimed; each waits for FC1's tiles of its expert
-//   combine        by the FC2 tile that stores the last slot row of a token's channel block
-//                  (combine/combine_token_blocks.cuh): nothing waits for it, so it needs no claim
+//   combine        after every FC2 tile is stored, each CTA its fixed share of the output
+//                  (combine/combine_share.cuh): nothing waits for it, so it needs no claim
 // A CTA moves to the next kind of work only when its claim finds none of the current kind left,
 // so every item that some work waits for has been claimed by a CTA that is running and that
 // waits only on items claimed before it: the forward needs no grid-wide barrier, and CTAs that
@@ -33,6 +33,7 @@ enum ForwardCounter : int {
   kRoutedItems,      // route items finished
   kRoutingReady,     // 1 once the expert segments are published
   kGatheredItems,    // gather items finished (one, where the route item gathered)
+  kFc2TilesStored,   // FC2 tiles stored
   kCtasDone,         // CTAs finished
   kForwardCounters,
 };
