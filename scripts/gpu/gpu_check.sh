@@ -105,6 +105,13 @@ fi
 sass="$out/sass.txt"
 cuobjdump --dump-sass "$build/libmegamoe_kernels.a" >"$sass" 2>&1
 note "SASS: $(grep -cE 'HGMMA|QGMMA' "$sass") wgmma (HGMMA bf16, QGMMA fp8), $(grep -c 'UTMALDG' "$sass") UTMALDG, $(grep -cE 'LDL|STL' "$sass") local-memory ops"
+# Code size by source file: with the L2 scrubbed a one-shot path's instructions come from HBM
+# (docs/decisions.md#h200-facts).
+by_source=$out/sass_by_source.txt
+for kernel in route_and_count_kernel sm90_moe_single_kernel; do
+  python3 "$root/scripts/sass_by_source.py" "$build/libmegamoe_kernels.a" --kernel "$kernel" --top 12 >>"$by_source" 2>&1
+done
+note "SASS by source file in sass_by_source.txt: router $(grep -m1 route_and_count "$by_source" | grep -oE '[0-9]+ instructions'), single kernel $(grep -m1 sm90_moe_single_kernel "$by_source" | grep -oE '[0-9]+ instructions') (first instantiation)"
 
 echo
 print_summary

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/gpu/gpu_variants.sh: a flags: variant is A's tree and binaries run with extra bench
 # arguments, and is never built; a patch variant is a patched copy (without A's build folders or
-# .venv), built in its own folder; a flags: argument that is not options is refused.
+# .venv), built in its own folder, and a reused scratch folder gets a fresh copy; a flags: argument
+# that is not options is refused.
 # shellcheck source-path=SCRIPTDIR
 set -euo pipefail
 script=$1
@@ -26,6 +27,14 @@ fail() { echo "$1"; exit 1; }
 [ "$(sort "$dir/built" | tr '\n' ' ')" = "$dir/scratch/B2 $root " ] || fail "built: $(tr '\n' ' ' <"$dir/built")"
 # shellcheck disable=SC2086  # as the A/B scripts append them
 [ "$(printf '<%s>' ${flags[3]})" = "<--token-tile><64>" ] || fail "flags ${flags[3]} split as $(printf '<%s>' ${flags[3]})"
+# A second call with the same scratch folder (two A/Bs in one device call) patches a fresh copy
+# and keeps the variant's build folder.
+# A patch that adds a file is what a stale copy cannot take twice.
+printf -- '--- /dev/null\n+++ b/src/b.cpp\n@@ -0,0 +1 @@\n+int z;\n' >"$dir/new_file.patch"
+MEGAMOE_AB_SCRATCH=$dir/scratch3 build_variants "megamoe-bench" "$dir/new_file.patch" || fail "a first patch variant"
+mkdir -p "$dir/scratch3/B1/build-gpu" && echo kept >"$dir/scratch3/B1/build-gpu/object"
+(MEGAMOE_AB_SCRATCH=$dir/scratch3 build_variants "megamoe-bench" "$dir/new_file.patch") || fail "a reused scratch folder"
+grep -q 'int z' "$dir/scratch3/B1/src/b.cpp" && grep -q kept "$dir/scratch3/B1/build-gpu/object" || fail "reuse"
 for bad in flags: flags:32 'flags:--routing=*'; do
   if (MEGAMOE_AB_SCRATCH=$dir/scratch2 build_variants "megamoe-bench" "$bad") >/dev/null 2>&1; then
     fail "$bad was taken"
