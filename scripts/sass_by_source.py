@@ -4,8 +4,10 @@
 With the L2 scrubbed (the benchmark method) a forward fetches the code it runs once (the front
 role, the epilogues, the combine) from HBM as it runs, so a one-shot path's SASS size costs time
 of its own (docs/decisions.md#h200-facts). This counts, per kernel, the instructions whose
-innermost source line lies in each file under src/kernels/ (our ptx/ wrappers, CUDA's headers and
-CUTLASS are skipped, so a wrapper's instructions count for its caller).
+innermost source line lies in each file of the repository (src/kernels/ files by their path below
+it; our ptx/ wrappers, CUDA's headers and CUTLASS are skipped, so a wrapper's instructions count
+for its caller). A kernel's non-inlined device functions, if any, are sections of their own and
+not in its total.
 
     scripts/sass_by_source.py build-gpu/libmegamoe_kernels.a --kernel route_and_count
     scripts/sass_by_source.py some.cubin --kernel sm90_moe_single_kernel --top 12
@@ -27,22 +29,23 @@ INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S")
 LOCATION = re.compile(r'"([^"]+)", line \d+')
 
 
-WRAPPERS = ("/kernels/ptx/", "/.deps/", "/cutlass/", "/cute/", "/cuda/", "/usr/")
-
-
-def owner(line):
-    """The innermost file of a line-info comment that is not a wrapper (our PTX wrappers, CUDA's
-    intrinsics headers, CUTLASS)."""
+def owner(line, root):
+    """The innermost file of a line-info comment that is this repository's own code (under `root`,
+    not in .deps/ or src/kernels/ptx/); everything else (our PTX wrappers, CUDA's headers wherever
+    they are installed, CUTLASS) is a wrapper that counts for its caller."""
     for path in LOCATION.findall(line):
-        if any(part in path for part in WRAPPERS):
+        if not path.startswith(root + "/"):
             continue
-        marker = "/src/kernels/"
-        return path.split(marker, 1)[1] if marker in path else path
-    return "(wrappers only)"
+        relative = path[len(root) + 1:]
+        if relative.startswith(".deps/") or relative.startswith("src/kernels/ptx/"):
+            continue
+        return relative[len("src/kernels/"):] if relative.startswith("src/kernels/") else relative
+    return "(no repository frame)"
 
 
-def count(disassembly):
-    """{kernel: Counter(file -> instructions)} from nvdisasm --print-line-info-inline output."""
+def count(disassembly, root):
+    """{kernel: Counter(file -> instructions)} from nvdisasm --print-line-info-inline output of a
+    build of the repository at `root`."""
     kernels = {}
     counts = None
     current = "(no line info)"
@@ -59,8 +62,8 @@ def count(disassembly):
         if stripped.startswith("//## File"):
             # A group of comments precedes an instruction: its first line is the innermost call;
             # a wrapper-only first line takes the next line's caller.
-            if not in_group or current == "(wrappers only)":
-                current = owner(stripped)
+            if not in_group or current == "(no repository frame)":
+                current = owner(stripped, root)
             in_group = True
             continue
         if INSTRUCTION.match(line):
@@ -74,7 +77,7 @@ def disassemble(path, scratch):
         cubins = [path]
     else:
         subprocess.run(["cuobjdump", "-xelf", "all", str(path.resolve())], cwd=scratch, check=True,
-                       stdout=subprocess.DEVNULL)
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         cubins = sorted(pathlib.Path(scratch).glob("*.cubin"))
     for cubin in cubins:
         yield subprocess.run(["nvdisasm", "--print-line-info-inline", "-c", str(cubin)], check=True,
@@ -86,6 +89,9 @@ def main():
     parser.add_argument("binary", type=pathlib.Path, help="a .cubin, an object or a static library")
     parser.add_argument("--kernel", default="", help="only kernels whose mangled name contains this")
     parser.add_argument("--top", type=int, default=20, help="files listed per kernel")
+    parser.add_argument("--root", default=str(pathlib.Path(__file__).resolve().parents[1]),
+                        help="the repository the binary was built from, as its line info names it "
+                             "(default: this script's)")
     args = parser.parse_args()
     if not args.binary.exists():
         sys.exit(f"sass_by_source: no such file: {args.binary}")
@@ -93,7 +99,7 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         try:
             for text in disassemble(args.binary, scratch):
-                for kernel, counts in count(text).items():
+                for kernel, counts in count(text, args.root.rstrip("/")).items():
                     if args.kernel not in kernel:
                         continue
                     found += 1
@@ -103,8 +109,9 @@ def main():
         except FileNotFoundError as missing:
             sys.exit(f"sass_by_source: {missing.filename} is not on PATH (CUDA's bin folder has it)")
         except subprocess.CalledProcessError as failed:
+            detail = (failed.stderr or "").strip()
             sys.exit(f"sass_by_source: {' '.join(failed.cmd[:2])} failed on {args.binary} (exit {failed.returncode}): "
-                     "not a CUDA object, archive or cubin?")
+                     f"not a CUDA object, archive or cubin? {detail}")
     if found == 0:
         sys.exit(f"sass_by_source: no kernel matching '{args.kernel}' in {args.binary}")
 

@@ -5,15 +5,18 @@
 // they run: a router with fewer dependent instructions but twice the SASS routed slower scrubbed
 // and faster warm (docs/decisions.md#h200-facts). This probe measures that cost alone. One warp per
 // SM runs N straight-line instructions (four independent chains of integer multiply-adds, so
-// that issue, not latency, paces them when the code is cached) and times them with the global
-// timer from the first to the last. Three states of the code, each the median of the SMs' times,
-// then of the rounds:
-//   warm         the same launch just ran (the code in every cache)
+// that issue, not latency, paces them when the code is cached) and counts the SM's cycles from
+// the first to the last. Three states of the code, each the median over SMs (one block per SM
+// counted), then over the rounds:
+//   warm         the same launch just ran (the code in every cache the SM has; 256 KB is more
+//                than its instruction caches hold, so there warm is about l2)
 //   l2           the code in L2 only (a launch of other code of 256 KB in between evicts it from
 //                the SMs' instruction caches)
 //   cold         the code in no cache (that other code, then the L2 scrub of the bench tools)
-// Prints, per N: the code's KB, the three times, and what each cold KB costs over warm. The
-// comparison with the forward: the single kernel's one-shot files hold ~77 KB of SASS
+// Every SM runs the same code at once, as a forward's CTAs do, so the first SM's miss fills L2
+// for the others: cold is what a KB costs a forward, a lower bound for one SM alone. Prints, per N:
+// the code's KB, the three times in µs (cycles at the clock the device reports), and the cycles a
+// cold KB costs over warm. For comparison: the single kernel's one-shot files hold ~77 KB of SASS
 // (scripts/sass_by_source.py).
 #include <cuda_runtime_api.h>
 
@@ -26,7 +29,6 @@
 #include "device_timing.hpp"
 #include "probe_main.hpp"
 #include "kernels/cuda_check.hpp"
-#include "kernels/ptx/timer.cuh"
 
 namespace megamoe::bench {
 namespace {
@@ -44,20 +46,31 @@ __device__ __forceinline__ uint32_t opaque_mad(uint32_t a, uint32_t m, uint32_t 
 
 // kInstructions multiply-adds in kChains independent chains, all unrolled: kInstructions * 16
 // bytes of straight code. kCopy only makes another copy of the same code at another address.
+// The SM this block runs on, for counting one block per SM.
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+struct BlockTime {
+  long long cycles;  // the SM's clock from the first instruction of the chain to the last
+  uint32_t sm;
+};
+
 template <int kInstructions, int kCopy>
-__global__ void __launch_bounds__(32) straight_code_kernel(uint32_t m, uint32_t k, unsigned long long* elapsed_ns,
-                                                           uint32_t* sink) {
+__global__ void __launch_bounds__(32) straight_code_kernel(uint32_t m, uint32_t k, BlockTime* times, uint32_t* sink) {
   uint32_t chain[kChains];
 #pragma unroll
   for (int c = 0; c < kChains; ++c) chain[c] = threadIdx.x + c + kCopy;
-  const unsigned long long start = ptx::global_timer_ns();
+  const long long start = clock64();
 #pragma unroll
   for (int i = 0; i < kInstructions / kChains; ++i) {
 #pragma unroll
     for (int c = 0; c < kChains; ++c) chain[c] = opaque_mad(chain[c], m, k);
   }
-  const unsigned long long end = ptx::global_timer_ns();
-  if (threadIdx.x == 0 && elapsed_ns != nullptr) elapsed_ns[blockIdx.x] = end - start;
+  const long long end = clock64();
+  if (threadIdx.x == 0 && times != nullptr) times[blockIdx.x] = BlockTime{end - start, sm_id()};
   uint32_t folded = 0;
 #pragma unroll
   for (int c = 0; c < kChains; ++c) folded ^= chain[c];
@@ -67,25 +80,31 @@ __global__ void __launch_bounds__(32) straight_code_kernel(uint32_t m, uint32_t 
 struct Probe {
   cudaStream_t stream;
   int sms;
+  double cycles_per_us;
   BufferReader& scrub;
-  DeviceBuffer elapsed, sink;
+  DeviceBuffer times, sink;
 
   template <int kInstructions, int kCopy>
   void launch(bool timed) {
-    straight_code_kernel<kInstructions, kCopy><<<sms, 32, 0, stream>>>(
-        3u, 7u, timed ? elapsed.as<unsigned long long>() : nullptr, sink.as<uint32_t>());
+    straight_code_kernel<kInstructions, kCopy><<<sms, 32, 0, stream>>>(3u, 7u, timed ? times.as<BlockTime>() : nullptr,
+                                                                       sink.as<uint32_t>());
     MEGAMOE_CHECK_LAUNCH("straight_code_kernel");
   }
 
-  // The median over SMs of the last timed launch, in µs.
-  double median_us() {
-    std::vector<unsigned long long> ns(sms);
-    MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(ns.data(), elapsed.as<void>(), sms * sizeof(unsigned long long),
+  // The median cycles of the last timed launch over the SMs it ran on (the first block of each).
+  double median_cycles() {
+    std::vector<BlockTime> blocks(sms);
+    MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(blocks.data(), times.as<void>(), sms * sizeof(BlockTime),
                                        cudaMemcpyDeviceToHost, stream));
     MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    std::vector<float> us(ns.begin(), ns.end());
-    for (float& v : us) v /= 1000.0f;
-    return median(us);
+    std::vector<bool> seen(1024, false);
+    std::vector<float> cycles;
+    for (const BlockTime& b : blocks) {
+      if (b.sm >= seen.size() || seen[b.sm]) continue;
+      seen[b.sm] = true;
+      cycles.push_back(static_cast<float>(b.cycles));
+    }
+    return median(cycles);
   }
 
   template <int kInstructions>
@@ -94,19 +113,19 @@ struct Probe {
     for (int round = 0; round < kRounds; ++round) {
       launch<kInstructions, 0>(false);
       launch<kInstructions, 0>(true);
-      warm.push_back(static_cast<float>(median_us()));
+      warm.push_back(static_cast<float>(median_cycles()));
       launch<kFlushInstructions, 1>(false);
       launch<kInstructions, 0>(true);
-      l2.push_back(static_cast<float>(median_us()));
+      l2.push_back(static_cast<float>(median_cycles()));
       launch<kFlushInstructions, 1>(false);
       scrub();
       launch<kInstructions, 0>(true);
-      cold.push_back(static_cast<float>(median_us()));
+      cold.push_back(static_cast<float>(median_cycles()));
     }
     const double kb = kInstructions * kInstructionBytes / 1024.0;
-    const double w = median(warm), c = median(cold);
-    std::printf("  %6d | %7.0f | %8.2f | %8.2f | %8.2f | %13.1f\n", kInstructions, kb, w, median(l2), c,
-                1000.0 * (c - w) / kb);
+    const double w = median(warm), l = median(l2), c = median(cold);
+    std::printf("  %6d | %7.0f | %8.2f | %8.2f | %8.2f | %15.0f\n", kInstructions, kb, w / cycles_per_us,
+                l / cycles_per_us, c / cycles_per_us, (c - w) / kb);
   }
 };
 
@@ -117,12 +136,15 @@ int main(int argc, char**) {
   using namespace megamoe::bench;
   return run_probe("megamoe-code-probe", argc, [](const cudaDeviceProp& prop, cudaStream_t stream) {
     BufferReader scrub(stream, 2 * static_cast<size_t>(prop.l2CacheSize), prop.multiProcessorCount);
-    Probe probe{stream, prop.multiProcessorCount, scrub,
-                DeviceBuffer(sizeof(unsigned long long) * prop.multiProcessorCount), DeviceBuffer(sizeof(uint32_t))};
-    std::printf("megamoe-code-probe on %s (%d SMs): one warp per SM runs N straight instructions once;\n"
-                "median µs over SMs, then over %d rounds\n", prop.name, prop.multiProcessorCount, kRounds);
-    std::printf("  %6s | %7s | %8s | %8s | %8s | %13s\n", "N", "code KB", "warm us", "l2 us", "cold us",
-                "cold ns/KB");
+    int clock_khz = 0;
+    MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+    Probe probe{stream, prop.multiProcessorCount, clock_khz / 1000.0, scrub,
+                DeviceBuffer(sizeof(BlockTime) * prop.multiProcessorCount), DeviceBuffer(sizeof(uint32_t))};
+    std::printf("megamoe-code-probe on %s (%d SMs, %d MHz): one warp per SM runs N straight instructions once;\n"
+                "median over SMs, then over %d rounds\n", prop.name, prop.multiProcessorCount, clock_khz / 1000,
+                kRounds);
+    std::printf("  %6s | %7s | %8s | %8s | %8s | %15s\n", "N", "code KB", "warm us", "l2 us", "cold us",
+                "cold cycles/KB");
     probe.run_case<1024>();
     probe.run_case<4096>();
     probe.run_case<16384>();

@@ -13,7 +13,7 @@
 # (a gtest filter of the layer suite), every patch variant also runs those GPU tests, so that a
 # wrong variant shows before a full gpu_check.sh is spent on it (a flags: variant runs A's tests,
 # whose options are its own). MEGAMOE_AB_ARGS (e.g. "--launch single_kernel") goes to every
-# variant's bench command.
+# variant's bench command, before a flags: variant's options (which win where both set one).
 # shellcheck source-path=SCRIPTDIR
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: gpu_ab.sh CHANGE.patch|flags:--OPTION[=VALUE][,...] ..."; exit 2; }
@@ -38,9 +38,9 @@ for case in ${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35
     for v in "${!names[@]}"; do
       echo "== ${names[$v]}: $workload $precision, $tokens tokens, L2 scrubbed, round $round of $rounds" | tee -a "$log"
       # shellcheck disable=SC2086  # a flags: variant's arguments and MEGAMOE_AB_ARGS, one word each
-      "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown ${flags[$v]} \
-        ${MEGAMOE_AB_ARGS:-} \
-        >"$log.part" 2>&1 || status=1
+      # A flags: variant's own options come last, so that they win over MEGAMOE_AB_ARGS.
+      "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown \
+        ${MEGAMOE_AB_ARGS:-} ${flags[$v]} >"$log.part" 2>&1 || status=1
       # Node increments, the table line, and the single kernel's role timeline (first / last).
       grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||empty kernel| first .* last |error|Error' "$log.part" | tee -a "$log"
       rm -f "$log.part"

@@ -81,10 +81,11 @@ build_variants() {
     patch_file=$(realpath "${!i}")
     variant=$scratch/B$i
     # The tree without its build folders and virtual environment (GBs with PyTorch); .deps comes along.
-    # A copy left by an earlier call with the same scratch folder is replaced, its build kept.
+    # A copy left by an earlier call with the same scratch folder is replaced; its build folder stays,
+    # and every copied file is stamped now (-m), so that nothing built from another patch survives.
     mkdir -p "$variant" && find "$variant" -mindepth 1 -maxdepth 1 ! -name build-gpu -exec rm -rf {} + &&
       tar -C "$root" --exclude=./.venv --exclude='./build*' --exclude=./.ab-prebuilt --exclude=./gpu-logs -cf - . |
-      tar -C "$variant" -xf -
+      tar -C "$variant" -xmf -
     (cd "$variant" && patch -p1 --quiet <"$patch_file") || { echo "B$i: $patch_file does not apply" | tee -a "$log"; exit 1; }
     echo "B$i = A + $(basename "$patch_file")" | tee -a "$log"
     names+=("B$i")

@@ -452,11 +452,15 @@ TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {
   expect_tight(g.spec.precision, c2);
 }
 
-// Selection takes the lower expert (and the lower group) among equals on every share of experts
-// a lane can hold: 2, 4, 7 (a ragged last lane), 8 and 16 per lane, in both logit modes, through
-// both launches. Logits come from a few values (and half the tokens from a coarse grid), so most
-// tokens tie many experts, with -0 beside +0, NaN (sanitized to -FLT_MAX) and +-inf; biases tie
-// too. A wrong choice among equals swaps in another expert's weights, far outside the bounds.
+// Selection takes the lower expert (and the lower group) among equals for 40 to 512 experts (one
+// to sixteen per lane of the routing warp, some counts ragged over the lanes), in both logit
+// modes, through both launches. Most tokens draw their logits from a few values (odd tokens from a
+// coarse grid), so they tie many experts, with +-inf and tied biases. Two rows are built so that
+// the tie decides an expert that carries weight: token 0 has k - 1 experts at 1 and every other
+// logit zero, -0 and +0 alternating (-0 first), so the k-th pick is the lowest zero whatever its
+// sign; token 2 is all NaN (sanitized to -FLT_MAX), so a softmax token's picks are experts 0 to
+// k - 1 at weight 1/k each. A wrong choice among equals swaps in another expert's weights, far
+// outside the bounds.
 TEST(MoeLayer, RoutingTiesGoToTheLowerExpert) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
@@ -491,10 +495,15 @@ TEST(MoeLayer, RoutingTiesGoToTheLowerExpert) {
         Inputs in = make_inputs(rng, spec, tokens, Skew::uniform);
         for (int t = 0; t < tokens; ++t) {
           const bool grid = t % 2 == 1;
+          float* row = in.logits.data() + static_cast<size_t>(t) * shape.experts;
           for (int e = 0; e < shape.experts; ++e) {
-            in.logits[static_cast<size_t>(t) * shape.experts + e] =
-                grid ? 0.5f * static_cast<float>(rng.integer(-4, 4)) : few[rng.integer(0, static_cast<int>(few.size()) - 1)];
+            row[e] = grid ? 0.5f * static_cast<float>(rng.integer(-4, 4)) : few[rng.integer(0, static_cast<int>(few.size()) - 1)];
           }
+          if (t == 0) {
+            for (int e = 0; e < shape.experts; ++e) row[e] = e % 2 == 0 ? -0.0f : 0.0f;
+            for (int j = 0; j < shape.top_k - 1; ++j) row[rng.integer(0, shape.experts - 1)] = 1.0f;
+          }
+          if (t == 2) std::fill(row, row + shape.experts, NAN);
         }
         std::vector<bf16_t> y_ref(static_cast<size_t>(tokens) * spec.hidden);
         const ref::ReferenceReport ref = ref::reference_forward(spec, packed, in.view(tokens), MoeOutputs{y_ref.data()});

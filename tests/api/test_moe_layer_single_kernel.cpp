@@ -161,7 +161,7 @@ TEST(SingleKernelForward, FinishesBesideKernelsHoldingMostSms) {
 
 // A device token count: the valid rows as the five kernels give them, the padding rows untouched;
 // bad routing ids are counted once each and ignored. Tokens 5 and 6 have no used slot (every id -1,
-// every id out of range): no FC2 tile completes them, and their rows must still be zeros.
+// every id out of range): no FC2 tile stores a row of theirs, and their outputs must still be zeros.
 TEST(SingleKernelForward, DeviceTokenCountAndBadIds) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;

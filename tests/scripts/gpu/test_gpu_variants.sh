@@ -35,6 +35,13 @@ MEGAMOE_AB_SCRATCH=$dir/scratch3 build_variants "megamoe-bench" "$dir/new_file.p
 mkdir -p "$dir/scratch3/B1/build-gpu" && echo kept >"$dir/scratch3/B1/build-gpu/object"
 (MEGAMOE_AB_SCRATCH=$dir/scratch3 build_variants "megamoe-bench" "$dir/new_file.patch") || fail "a reused scratch folder"
 grep -q 'int z' "$dir/scratch3/B1/src/b.cpp" && grep -q kept "$dir/scratch3/B1/build-gpu/object" || fail "reuse"
+# A different patch in the same folder: a file only the first one changed is back as in A, and newer
+# than anything built before, so the build cannot keep that patch's object of it.
+(MEGAMOE_AB_SCRATCH=$dir/scratch4 build_variants "megamoe-bench" "$dir/change.patch") || fail "a patch of a.cpp"
+mkdir -p "$dir/scratch4/B1/build-gpu" && sleep 1 && touch "$dir/scratch4/B1/build-gpu/a.o" && sleep 1
+(MEGAMOE_AB_SCRATCH=$dir/scratch4 build_variants "megamoe-bench" "$dir/new_file.patch") || fail "a second patch"
+grep -q 'int x' "$dir/scratch4/B1/src/a.cpp" && grep -q 'int z' "$dir/scratch4/B1/src/b.cpp" || fail "the second copy"
+[ "$dir/scratch4/B1/src/a.cpp" -nt "$dir/scratch4/B1/build-gpu/a.o" ] || fail "a.cpp as in A is older than the first patch's a.o"
 for bad in flags: flags:32 'flags:--routing=*'; do
   if (MEGAMOE_AB_SCRATCH=$dir/scratch2 build_variants "megamoe-bench" "$bad") >/dev/null 2>&1; then
     fail "$bad was taken"
