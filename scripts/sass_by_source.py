@@ -10,7 +10,7 @@ for its caller). A kernel's non-inlined device functions, if any, are sections o
 not in its total.
 
     scripts/sass_by_source.py build-gpu/libmegamoe_kernels.a --kernel route_and_count
-    scripts/sass_by_source.py some.cubin --kernel sm90_moe_single_kernel --top 12
+    scripts/sass_by_source.py some.cubin --kernel sm90_moe_single_kernel --kernel combine_kernel --top 12
 
 Needs cuobjdump and nvdisasm (CUDA's bin folder, or the nvidia-cuda-cuobjdump and
 nvidia-cuda-nvdisasm wheels) on PATH; an object or archive is unpacked with cuobjdump -xelf.
@@ -87,7 +87,8 @@ def disassemble(path, scratch):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("binary", type=pathlib.Path, help="a .cubin, an object or a static library")
-    parser.add_argument("--kernel", default="", help="only kernels whose mangled name contains this")
+    parser.add_argument("--kernel", action="append", default=[],
+                        help="only kernels whose mangled name contains this (repeatable: any of them)")
     parser.add_argument("--top", type=int, default=20, help="files listed per kernel")
     parser.add_argument("--root", default=str(pathlib.Path(__file__).resolve().parents[1]),
                         help="the repository the binary was built from, as its line info names it "
@@ -100,7 +101,7 @@ def main():
         try:
             for text in disassemble(args.binary, scratch):
                 for kernel, counts in count(text, args.root.rstrip("/")).items():
-                    if args.kernel not in kernel:
+                    if args.kernel and not any(part in kernel for part in args.kernel):
                         continue
                     found += 1
                     print(f"{kernel}: {sum(counts.values())} instructions")
@@ -113,7 +114,7 @@ def main():
             sys.exit(f"sass_by_source: {' '.join(failed.cmd[:2])} failed on {args.binary} (exit {failed.returncode}): "
                      f"not a CUDA object, archive or cubin? {detail}")
     if found == 0:
-        sys.exit(f"sass_by_source: no kernel matching '{args.kernel}' in {args.binary}")
+        sys.exit(f"sass_by_source: no kernel matching {' or '.join(args.kernel) or 'anything'} in {args.binary}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@
 // (scripts/sass_by_source.py).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -38,14 +39,13 @@ constexpr int kInstructionBytes = 16;  // one sm_90 instruction
 constexpr int kFlushInstructions = 16384;  // 256 KB: more than an SM's instruction caches hold
 constexpr int kRounds = 15;
 
-// a * m + k, opaque to ptxas (which would otherwise fold a chain of constant steps into one).
+// a * m + k as one instruction: the front end keeps every asm statement, and m and k are kernel
+// arguments, so ptxas cannot fold a chain of them into fewer (the SASS holds N IMADs).
 __device__ __forceinline__ uint32_t opaque_mad(uint32_t a, uint32_t m, uint32_t k) {
   asm volatile("mad.lo.u32 %0, %0, %1, %2;" : "+r"(a) : "r"(m), "r"(k));
   return a;
 }
 
-// kInstructions multiply-adds in kChains independent chains, all unrolled: kInstructions * 16
-// bytes of straight code. kCopy only makes another copy of the same code at another address.
 // The SM this block runs on, for counting one block per SM.
 __device__ __forceinline__ uint32_t sm_id() {
   uint32_t id;
@@ -58,6 +58,8 @@ struct BlockTime {
   uint32_t sm;
 };
 
+// kInstructions multiply-adds in kChains independent chains, all unrolled: kInstructions * 16
+// bytes of straight code. kCopy only makes another copy of the same code at another address.
 template <int kInstructions, int kCopy>
 __global__ void __launch_bounds__(32) straight_code_kernel(uint32_t m, uint32_t k, BlockTime* times, uint32_t* sink) {
   uint32_t chain[kChains];
@@ -92,19 +94,21 @@ struct Probe {
   }
 
   // The median cycles of the last timed launch over the SMs it ran on (the first block of each).
-  double median_cycles() {
+  float median_cycles() {
     std::vector<BlockTime> blocks(sms);
     MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(blocks.data(), times.as<void>(), sms * sizeof(BlockTime),
                                        cudaMemcpyDeviceToHost, stream));
     MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    std::vector<bool> seen(1024, false);
+    uint32_t last_sm = 0;
+    for (const BlockTime& b : blocks) last_sm = std::max(last_sm, b.sm);
+    std::vector<bool> seen(last_sm + 1, false);
     std::vector<float> cycles;
     for (const BlockTime& b : blocks) {
-      if (b.sm >= seen.size() || seen[b.sm]) continue;
+      if (seen[b.sm]) continue;
       seen[b.sm] = true;
       cycles.push_back(static_cast<float>(b.cycles));
     }
-    return median(cycles);
+    return static_cast<float>(median(cycles));
   }
 
   template <int kInstructions>
@@ -113,14 +117,14 @@ struct Probe {
     for (int round = 0; round < kRounds; ++round) {
       launch<kInstructions, 0>(false);
       launch<kInstructions, 0>(true);
-      warm.push_back(static_cast<float>(median_cycles()));
+      warm.push_back(median_cycles());
       launch<kFlushInstructions, 1>(false);
       launch<kInstructions, 0>(true);
-      l2.push_back(static_cast<float>(median_cycles()));
+      l2.push_back(median_cycles());
       launch<kFlushInstructions, 1>(false);
       scrub();
       launch<kInstructions, 0>(true);
-      cold.push_back(static_cast<float>(median_cycles()));
+      cold.push_back(median_cycles());
     }
     const double kb = kInstructions * kInstructionBytes / 1024.0;
     const double w = median(warm), l = median(l2), c = median(cold);

@@ -108,10 +108,8 @@ note "SASS: $(grep -cE 'HGMMA|QGMMA' "$sass") wgmma (HGMMA bf16, QGMMA fp8), $(g
 # Code size by source file: with the L2 scrubbed a one-shot path's instructions come from HBM
 # (docs/decisions.md#h200-facts).
 by_source=$out/sass_by_source.txt
-: >"$by_source"
-for kernel in route_and_count_kernel sm90_moe_single_kernel; do
-  python3 "$root/scripts/sass_by_source.py" "$build/libmegamoe_kernels.a" --kernel "$kernel" --top 12 >>"$by_source" 2>&1
-done
+python3 "$root/scripts/sass_by_source.py" "$build/libmegamoe_kernels.a" --kernel route_and_count_kernel \
+  --kernel sm90_moe_single_kernel --top 12 >"$by_source" 2>&1
 note "SASS by source file in sass_by_source.txt: router $(grep -m1 route_and_count "$by_source" | grep -oE '[0-9]+ instructions'), single kernel $(grep -m1 sm90_moe_single_kernel "$by_source" | grep -oE '[0-9]+ instructions') (first instantiation)"
 
 echo

@@ -28,8 +28,8 @@ fail() { echo "$1"; exit 1; }
 # shellcheck disable=SC2086  # as the A/B scripts append them
 [ "$(printf '<%s>' ${flags[3]})" = "<--token-tile><64>" ] || fail "flags ${flags[3]} split as $(printf '<%s>' ${flags[3]})"
 # A second call with the same scratch folder (two A/Bs in one device call) patches a fresh copy
-# and keeps the variant's build folder.
-# A patch that adds a file is what a stale copy cannot take twice.
+# and keeps the variant's build folder; a patch that adds a file is what a stale copy cannot take
+# twice.
 printf -- '--- /dev/null\n+++ b/src/b.cpp\n@@ -0,0 +1 @@\n+int z;\n' >"$dir/new_file.patch"
 MEGAMOE_AB_SCRATCH=$dir/scratch3 build_variants "megamoe-bench" "$dir/new_file.patch" || fail "a first patch variant"
 mkdir -p "$dir/scratch3/B1/build-gpu" && echo kept >"$dir/scratch3/B1/build-gpu/object"
