@@ -42,7 +42,7 @@ void print_usage() {
       "usage: megamoe-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3] [--tokens N[,N...]]\n"
       "                     [--precision bf16|fp8_block] [--scales fp32|ue8m0]\n"
       "                     [--routing auto|softmax|grouped|precomputed] [--experts N] [--seed S]\n"
-      "                     [--token-tile auto|16|32|64] [--fc1-token-rows auto|pool|row_copy]\n"
+      "                     [--token-tile auto|16|32|64|128] [--fc1-token-rows auto|pool|row_copy]\n"
       "                     [--combine deterministic|fast] [--num-sms N] [--launch auto|per_stage|single_kernel]\n"
       "                     [--json PATH] [--cpu] [--breakdown] [--warm-l2] [--print-plan]\n"
       "Options take their value as --flag value or --flag=value.\n"
@@ -122,7 +122,7 @@ Options parse(int argc, char** argv) {
       value_option("--json", [&](Value v) { o.json_path = v; }),
       value_option("--token-tile",
                    [&](Value v) {
-                     o.layer.token_tile = v == "auto" ? 0 : parse_option_int("--token-tile", v, "auto, 16, 32 or 64");
+                     o.layer.token_tile = v == "auto" ? 0 : parse_option_int("--token-tile", v, "auto, 16, 32, 64 or 128");
                    }),
       value_option("--fc1-token-rows",
                    [&](Value v) { o.layer.fc1_token_rows = parse_choice("--fc1-token-rows", v, kFc1TokenRows); }),

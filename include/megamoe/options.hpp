@@ -31,8 +31,10 @@ enum class ForwardLaunch {
 };
 
 struct MoeLayerOptions {
-  // Tokens one GEMM tile takes per expert: 16, 32 or 64 for every call, or 0 for the planner's
-  // choice per call (docs/decisions.md#token-tile). The output does not depend on it.
+  // Tokens one GEMM tile takes per expert for every call: 16, 32 or 64 (the swapAB layout: channels
+  // on wgmma M, tokens on N) or 128 (the tokens-on-M layout, for experts with many rows; FC1 reads
+  // the pool), or 0 for the planner's choice per call (docs/decisions.md#token-tile,
+  // #tokens-on-m-tile). The output does not depend on it.
   int token_tile = 0;
   Fc1TokenRows fc1_token_rows = Fc1TokenRows::automatic;
   // The combine of a forward that does not name one.

@@ -149,7 +149,8 @@ def prepare_weights(
     larger batch as consecutive passes of max_tokens tokens.
 
     The planner's choices stay its own unless fixed here (the output does not depend on them):
-    token_tile (16, 32 or 64 tokens per GEMM tile and expert, for every call), fc1_token_rows
+    token_tile (16, 32 or 64 tokens per GEMM tile and expert with channels on wgmma M, or 128 with
+    tokens on M, for every call), fc1_token_rows
     ("pool" or "row_copy": where fp8 FC1 reads its token rows), num_sms (at most that many
     persistent CTAs, leaving the other SMs to work on other streams) and launch ("per_stage": five
     kernels, "single_kernel": the whole forward in one persistent kernel, opt-in and not yet faster;

@@ -9,9 +9,15 @@
 namespace megamoe {
 
 void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
-  if (options.token_tile != 0 && options.token_tile != 16 && options.token_tile != 32 && options.token_tile != 64) {
-    throw Error(ErrorCode::invalid_argument, "options.token_tile=" + std::to_string(options.token_tile) +
-                                                 " must be 16, 32 or 64 (or 0: the planner's choice per call)");
+  const int tile = options.token_tile;
+  if (tile != 0 && tile != 16 && tile != 32 && tile != 64 && tile != 128) {
+    throw Error(ErrorCode::invalid_argument, "options.token_tile=" + std::to_string(tile) +
+                                                 " must be 16, 32, 64 or 128 (or 0: the planner's choice per call)");
+  }
+  if (tile == 128 && options.fc1_token_rows == Fc1TokenRows::row_copy) {
+    throw Error(ErrorCode::invalid_argument,
+                "options.token_tile=128 (tokens on M) reads FC1's rows from the pool: it takes fc1_token_rows=auto or "
+                "pool, not row_copy");
   }
   if (options.fc1_token_rows == Fc1TokenRows::row_copy && spec.precision != Precision::fp8_block) {
     throw Error(ErrorCode::invalid_argument,
@@ -24,9 +30,9 @@ void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
                   "options.launch=single_kernel reads FC1's rows from the pool: it takes fc1_token_rows=auto or pool, "
                   "not row_copy");
     }
-    if (options.token_tile == 64) {
-      throw Error(ErrorCode::invalid_argument,
-                  "options.launch=single_kernel takes token tiles of 16 or 32 (or 0), not 64");
+    if (tile == 64 || tile == 128) {
+      throw Error(ErrorCode::invalid_argument, "options.launch=single_kernel takes token tiles of 16 or 32 (or 0), not " +
+                                                   std::to_string(tile));
     }
   }
   if (options.num_sms < 0) {

@@ -48,9 +48,15 @@ bool copies_rows_for(const MoeSpec& spec, double mean_rows) {
   return spec.precision == Precision::fp8_block && mean_rows <= kMaxRowsPerExpertForRowCopy;
 }
 
+// The row copy fills swapAB's token blocks only.
+bool copies_rows_for(const MoeSpec& spec, double mean_rows, int token_tile) {
+  return !layout::gemm_tokens_on_m(token_tile) && copies_rows_for(spec, mean_rows);
+}
+
 int token_tile_for_rows(double mean_rows) {
+  if (mean_rows >= kMinRowsPerExpertForTokensOnM) return layout::kGemmTokensOnMTile;
   return std::clamp(next_pow2(static_cast<int>(std::ceil(rows_to_cover(mean_rows)))), kMinTokenTile,
-                    layout::kGemmMaxTokenTile);
+                    layout::kGemmSwapAbMaxTokenTile);
 }
 
 GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int token_tile, double mean_rows, double touched_experts,
@@ -60,12 +66,12 @@ GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int token_tile, do
   GemmConfig c;
   c.name = name;
   c.block_k = fp8 ? 128 : 64;
-  c.swap_ab = true;
+  c.swap_ab = !layout::gemm_tokens_on_m(token_tile);
   c.math_warpgroups = layout::kGemmMathWarpgroups;
   c.channel_tile = layout::kGemmChannelTile;
   c.token_tile = token_tile;
-  c.block_m = c.channel_tile;
-  c.block_n = c.token_tile;
+  c.block_m = c.swap_ab ? c.channel_tile : c.token_tile;
+  c.block_n = c.swap_ab ? c.token_tile : c.channel_tile;
   c.stage_bytes = layout::gemm_stage_bytes(c.token_tile, fp8);
   // The kernels are compiled for sm_90's opt-in limit; plan_layer refused devices offering less.
   c.stages = layout::gemm_stages(c.token_tile, fp8, layout::kSm90SmemPerBlockOptin);
@@ -74,10 +80,16 @@ GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int token_tile, do
   const int rows_per_expert = static_cast<int>(std::ceil(mean_rows));
   c.reasons.push_back(fp8 ? "block_k=128: one FP8 scale block per K step, so promotion happens once per stage"
                           : "block_k=64: one 128-byte swizzled row of bf16 per K step");
-  c.reasons.push_back(format("swapAB: expert channels on wgmma M (%lld rows: %lld math warpgroups x %lld x m64), "
-                             "tokens on N, so small batches pad N instead of M=64",
-                             c.channel_tile, c.math_warpgroups,
-                             c.channel_tile / (c.math_warpgroups * kWgmmaRowsPerWarpgroup)));
+  if (c.swap_ab) {
+    c.reasons.push_back(format("swapAB: expert channels on wgmma M (%lld rows: %lld math warpgroups x %lld x m64), "
+                               "tokens on N, so small batches pad N instead of M=64",
+                               c.channel_tile, c.math_warpgroups,
+                               c.channel_tile / (c.math_warpgroups * kWgmmaRowsPerWarpgroup)));
+  } else {
+    c.reasons.push_back(format("tokens on M: %lld token rows (%lld math warpgroups x m64) x %lld channels on N in two "
+                               "n128 halves, 1.5x the MACs per stage byte of a 256 x 64 swapAB tile",
+                               c.token_tile, c.math_warpgroups, c.channel_tile));
+  }
   c.reasons.push_back(format("%lld stages: as many %lld-byte stages as fit next to the epilogue exchange "
                              "(>= 3 hides TMA latency; capped at 8)",
                              c.stages, c.stage_bytes));
@@ -182,7 +194,9 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   }
   const bool fp8 = spec.precision == Precision::fp8_block;
   switch (o.fc1_token_rows) {
-    case Fc1TokenRows::automatic: p.fc1_copies_token_rows = !p.single_kernel && copies_rows_for(spec, mean_rows); break;
+    case Fc1TokenRows::automatic:
+      p.fc1_copies_token_rows = !p.single_kernel && copies_rows_for(spec, mean_rows, p.token_tile);
+      break;
     case Fc1TokenRows::pool: p.fc1_copies_token_rows = false; break;
     case Fc1TokenRows::row_copy: p.fc1_copies_token_rows = fp8; break;
   }
@@ -193,6 +207,11 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   if (!explain) return p;
   if (o.token_tile != 0) {
     p.reasons.push_back(format("token tile %lld: options.token_tile", p.token_tile));
+  } else if (layout::gemm_tokens_on_m(p.token_tile)) {
+    p.reasons.push_back(format("token tile %lld, tokens on M: ~%lld rows per touched expert >= %lld, where the "
+                               "tokens-on-M tile's fewer stage bytes per MAC beat swapAB's narrower padding",
+                               p.token_tile, p.expected_rows_per_expert,
+                               static_cast<long long>(kMinRowsPerExpertForTokensOnM)));
   } else {
     p.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert, ~%lld with their spread, within "
                                "[16, 64] (two fp32 accumulator sets of 256 channels x 64 tokens per CTA are the "
@@ -218,6 +237,8 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   }
   if (!fp8) {
     p.reasons.push_back("FC1 reads the gathered pool: rows are copied from x's fp8 copy only");
+  } else if (layout::gemm_tokens_on_m(p.token_tile)) {
+    p.reasons.push_back("FC1 reads the gathered pool: the row copy fills swapAB's token blocks only");
   } else if (p.single_kernel) {
     p.reasons.push_back("FC1 reads the gathered pool: the single kernel's FC1 loads rows by TMA");
   } else if (o.fc1_token_rows != Fc1TokenRows::automatic) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -33,11 +34,15 @@ struct GemmConfig {
   std::vector<std::string> reasons;  // one line per heuristic decision
 };
 
-// Token tile (wgmma N) of the grouped GEMMs for a call of `tokens` tokens: the narrowest of 16, 32
-// and 64 that holds the expected rows per touched expert under uniform routing plus
-// kTokenTileSpread standard deviations of their spread, so that few experts need a second tile
-// that streams their weights again (docs/decisions.md#token-tile).
+// Token tile of the grouped GEMMs for a call of `tokens` tokens: 128 (the tokens-on-M layout) where
+// the expected rows per touched expert under uniform routing reach kMinRowsPerExpertForTokensOnM
+// (docs/decisions.md#tokens-on-m-tile); else (swapAB, tokens on wgmma N) the narrowest of 16, 32
+// and 64 that holds those rows plus kTokenTileSpread standard deviations of their spread, so that
+// few experts need a second tile that streams their weights again (docs/decisions.md#token-tile).
 inline constexpr double kTokenTileSpread = 2.0;
+// Infinite for now: the tokens-on-M tile is opt-in (options.token_tile = 128) until it is measured
+// faster than swapAB's 64 in a bucket (docs/decisions.md#tokens-on-m-tile).
+inline constexpr double kMinRowsPerExpertForTokensOnM = std::numeric_limits<double>::infinity();
 int choose_token_tile(const MoeSpec& spec, int tokens);
 
 // Whether fp8 FC1 copies its token rows from the gather's one quantized row per token
@@ -69,7 +74,7 @@ struct LayerPlan {
 struct ForwardPlan {
   int tokens = 0;                       // the rows the tiles were chosen for
   int expected_rows_per_expert = 0;     // under uniform routing
-  int token_tile = 0;                   // 16, 32 or 64, for FC1 and FC2
+  int token_tile = 0;                   // 16, 32 or 64 (swapAB) or 128 (tokens on M), for FC1 and FC2
   bool single_kernel = false;           // one persistent launch, else five
   bool fc1_copies_token_rows = false;
   CombineMode combine = CombineMode::deterministic;

@@ -62,15 +62,20 @@ void expect_tight(Precision precision, const Comparison& c) {
   EXPECT_LT(c.max_normalized, fp8 ? 0.15 : 2e-2);
 }
 
-class MoeLayerVsReference : public ::testing::TestWithParam<Case> {};
+// What one device forward of `layer` gave, and the rows of it compared with the references.
+struct CheckedForward {
+  std::vector<bf16_t> y;
+  std::vector<int> rows;
+  std::vector<double> y_ref;  // the quantization-emulating reference on `rows`
+};
 
-TEST_P(MoeLayerVsReference, MatchesCpuReference) {
-  MEGAMOE_REQUIRE_HOPPER();
-  const Case c = GetParam();
-  test::SeededRng rng;
-  LayerFixture& f = fixture_for(c, rng.seed());
-  const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
-  const std::vector<bf16_t> y = run_device(*f.layer, f.spec, in, c.tokens, c.combine);
+// A forward of `layer` (on the fixture's weights) for `in` against the quantization-emulating
+// reference (tightly) and unquantized math (loosely), on a sample of its rows.
+CheckedForward expect_matches_reference(MoeLayer& layer, LayerFixture& f, const Case& c, const Inputs& in,
+                                        test::SeededRng& rng) {
+  CheckedForward out;
+  out.y = run_device(layer, f.spec, in, c.tokens, c.combine);
+  const std::vector<bf16_t>& y = out.y;
 
   long unwritten = 0;
   for (const bf16_t& v : y) unwritten += !std::isfinite(v.to_float());
@@ -85,7 +90,7 @@ TEST_P(MoeLayerVsReference, MatchesCpuReference) {
       ref::reference_forward_unquantized(f.spec, f.weights.view(), sample.view(checked), MoeOutputs{y_exact.data()});
   // make_inputs draws valid, distinct ids: no call here may flag any.
   EXPECT_EQ(ref.invalid_ids, 0);
-  EXPECT_EQ(f.layer->take_invalid_routing_ids(nullptr), 0);
+  EXPECT_EQ(layer.take_invalid_routing_ids(nullptr), 0);
 
   const std::vector<bf16_t> y_sample = take_rows(y, f.spec.hidden, rows);
   const Comparison tight = compare(y_sample, ref.y);
@@ -94,8 +99,24 @@ TEST_P(MoeLayerVsReference, MatchesCpuReference) {
   expect_tight(c.precision, tight);
   // Loose: quantization must not change what the layer computes.
   EXPECT_LT(loose.rel_l2, c.precision == Precision::fp8_block ? 0.1 : 1e-2);
-  RecordProperty("rel_l2_vs_reference", std::to_string(tight.rel_l2));
-  RecordProperty("rel_l2_vs_unquantized", std::to_string(loose.rel_l2));
+  ::testing::Test::RecordProperty("rel_l2_vs_reference", std::to_string(tight.rel_l2));
+  ::testing::Test::RecordProperty("rel_l2_vs_unquantized", std::to_string(loose.rel_l2));
+  out.rows = rows;
+  out.y_ref = ref.y;
+  return out;
+}
+
+class MoeLayerVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeLayerVsReference, MatchesCpuReference) {
+  MEGAMOE_REQUIRE_HOPPER();
+  const Case c = GetParam();
+  test::SeededRng rng;
+  LayerFixture& f = fixture_for(c, rng.seed());
+  const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  const CheckedForward checked = expect_matches_reference(*f.layer, f, c, in, rng);
+  const std::vector<bf16_t>& y = checked.y;
+  const std::vector<int>& rows = checked.rows;
 
   // The single-kernel forward: the same bits as the five kernels where the combine is
   // deterministic, the same bounds where it is not.
@@ -105,7 +126,7 @@ TEST_P(MoeLayerVsReference, MatchesCpuReference) {
   if (c.combine == CombineMode::deterministic) {
     EXPECT_EQ(std::memcmp(single.data(), y.data(), y.size() * sizeof(bf16_t)), 0);
   } else {
-    const Comparison single_tight = compare(take_rows(single, f.spec.hidden, rows), ref.y);
+    const Comparison single_tight = compare(take_rows(single, f.spec.hidden, rows), checked.y_ref);
     EXPECT_EQ(single_tight.non_finite, 0);
     expect_tight(c.precision, single_tight);
   }
@@ -134,6 +155,53 @@ std::vector<Case> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerVsReference, ::testing::ValuesIn(cases()), name_of);
+
+// The tokens-on-M tile (128 tokens x 256 channels, docs/decisions.md#tokens-on-m-tile), fixed by
+// the layer's options, against the references and, deterministic, against the swapAB tile's bits
+// (the same sums in the same order: only the wgmma's operand roles differ). The small shape at
+// counts whose tiles hold one 64-row subtile (the second math warpgroup idles: 1, 7, 64), two (65,
+// 128) and several per expert (1000), in every routing mode; skewed routing (expert 0 takes every
+// token: 333 and 4096 rows on one expert); the named workloads at 2048 and 8192 tokens.
+class MoeLayerTokensOnMVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeLayerTokensOnMVsReference, MatchesCpuReferenceAndTheSwapAbBits) {
+  MEGAMOE_REQUIRE_HOPPER();
+  const Case c = GetParam();
+  test::SeededRng rng;
+  LayerFixture& f = fixture_for(c, rng.seed());
+  MoeLayer tokens_on_m(f.spec, f.packed, c.tokens, {.token_tile = 128});
+  ASSERT_NE(tokens_on_m.describe_plan(c.tokens).find("tokens on M"), std::string::npos);
+  const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  const CheckedForward checked = expect_matches_reference(tokens_on_m, f, c, in, rng);
+  if (c.combine == CombineMode::deterministic) {
+    MoeLayer swap_ab(f.spec, f.packed, c.tokens, {.token_tile = 64});
+    const std::vector<bf16_t> y = run_device(swap_ab, f.spec, in, c.tokens, c.combine);
+    EXPECT_EQ(std::memcmp(y.data(), checked.y.data(), y.size() * sizeof(bf16_t)), 0);
+  }
+}
+
+std::vector<Case> tokens_on_m_cases() {
+  std::vector<Case> out;
+  for (Precision p : {Precision::bf16, Precision::fp8_block}) {
+    for (RoutingKind r : {RoutingKind::softmax, RoutingKind::grouped, RoutingKind::precomputed}) {
+      for (int t : {1, 7, 64, 65, 128, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::deterministic});
+      out.push_back({"small", p, 333, r, Skew::skewed, CombineMode::deterministic});
+      for (int t : {7, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::fast});
+    }
+  }
+  for (const char* w : {"qwen35-a3b", "qwen3-30b-a3b", "dsv3"}) {
+    // dsv3 in bf16 (22 GB of weights on the host) stays with MoeLayerVsReference's swapAB cases.
+    for (Precision p : {Precision::fp8_block, Precision::bf16}) {
+      if (std::string(w) == "dsv3" && p == Precision::bf16) continue;
+      for (int t : {2048, 8192}) out.push_back({w, p, t, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
+      out.push_back({w, p, 4096, RoutingKind::workload, Skew::skewed, CombineMode::deterministic});
+      out.push_back({w, p, 2048, RoutingKind::workload, Skew::uniform, CombineMode::fast});
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerTokensOnMVsReference, ::testing::ValuesIn(tokens_on_m_cases()), name_of);
 
 TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   MEGAMOE_REQUIRE_HOPPER();
@@ -205,13 +273,15 @@ TEST(MoeLayer, TokenRowCopyMatchesThePoolBitForBit) {
 }
 
 // A token's output element is the same sums in the same order whatever the token tile: the tile
-// only decides which tokens share a wgmma. 1000 tokens puts 16-token tiles on experts of ~32 rows,
+// only decides which tokens share a wgmma, and (128) whether they sit on its M or its N. 1000 tokens puts 16-token tiles on experts of ~32 rows,
 // several tiles each, and 64-token tiles on their short last subtiles. A layer for at most 128
 // tokens plans 16-token tiles, so the wider ones need the workspace padded for them.
 TEST(MoeLayer, TokenTileLeavesTheOutputUnchangedBitForBit) {
   MEGAMOE_REQUIRE_HOPPER();
-  expect_same_output_under({{.token_tile = 16}, {.token_tile = 32}, {.token_tile = 64}}, {7, 128, 1000});
-  expect_same_output_under({{.token_tile = 16}, {.token_tile = 32}, {.token_tile = 64}}, {7, 128}, 128);
+  expect_same_output_under({{.token_tile = 16}, {.token_tile = 32}, {.token_tile = 64}, {.token_tile = 128}},
+                           {7, 128, 1000});
+  expect_same_output_under({{.token_tile = 16}, {.token_tile = 32}, {.token_tile = 64}, {.token_tile = 128}}, {7, 128},
+                           128);
 }
 
 // A grid of fewer CTAs than SMs claims the same tiles, more of them per CTA: the same output.

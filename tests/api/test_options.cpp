@@ -43,12 +43,22 @@ TEST(Options, DefaultsLeaveEveryChoiceToThePlanner) {
 }
 
 TEST(Options, TokenTileTakesTheKernelsTilesOnly) {
-  for (int tile : {16, 32, 64}) EXPECT_EQ(rejection({.token_tile = tile}), "") << tile;
-  for (int tile : {-16, 1, 8, 48, 128}) {
+  for (int tile : {16, 32, 64, 128}) EXPECT_EQ(rejection({.token_tile = tile}), "") << tile;
+  EXPECT_EQ(rejection({.token_tile = 128}, Precision::bf16), "");
+  for (int tile : {-16, 1, 8, 48, 96, 256}) {
     const std::string message = rejection({.token_tile = tile});
-    EXPECT_NE(message.find("options.token_tile=" + std::to_string(tile) + " must be 16, 32 or 64"), std::string::npos)
+    EXPECT_NE(message.find("options.token_tile=" + std::to_string(tile) + " must be 16, 32, 64 or 128"),
+              std::string::npos)
         << message;
   }
+}
+
+// The tokens-on-M tile (128) loads the pool by TMA: it cannot take the swapAB row copy.
+TEST(Options, TheTokensOnMTileReadsThePool) {
+  EXPECT_EQ(rejection({.token_tile = 128, .fc1_token_rows = Fc1TokenRows::pool}), "");
+  const std::string message = rejection({.token_tile = 128, .fc1_token_rows = Fc1TokenRows::row_copy});
+  EXPECT_NE(message.find("options.token_tile=128 (tokens on M) reads FC1's rows from the pool"), std::string::npos)
+      << message;
 }
 
 TEST(Options, RowCopyNeedsFp8) {
@@ -72,8 +82,10 @@ TEST(Options, TheSingleKernelTakesPoolRowsAndNarrowTiles) {
   }
   const std::string row_copy = rejection({.fc1_token_rows = Fc1TokenRows::row_copy, .launch = ForwardLaunch::single_kernel});
   EXPECT_NE(row_copy.find("options.launch=single_kernel reads FC1's rows from the pool"), std::string::npos) << row_copy;
-  const std::string wide = rejection({.token_tile = 64, .launch = ForwardLaunch::single_kernel});
-  EXPECT_NE(wide.find("token tiles of 16 or 32"), std::string::npos) << wide;
+  for (int tile : {64, 128}) {
+    const std::string wide = rejection({.token_tile = tile, .launch = ForwardLaunch::single_kernel});
+    EXPECT_NE(wide.find("token tiles of 16 or 32 (or 0), not " + std::to_string(tile)), std::string::npos) << wide;
+  }
   EXPECT_EQ(rejection({.token_tile = 64, .launch = ForwardLaunch::per_stage}), "");
 }
 

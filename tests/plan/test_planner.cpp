@@ -24,7 +24,8 @@ ForwardPlan forward_plan(const MoeSpec& spec, int tokens, int max_tokens, const 
   return plan_forward(spec, plan_layer(spec, max_tokens, options, facts), tokens, options.combine, facts);
 }
 
-TEST(Planner, SwapAbWithTokenTileCoveringRowsPerExpert) {
+// swapAB with a token tile covering the rows per expert, or tokens on M where experts get many.
+TEST(Planner, TileLayoutFollowsTheRowsPerExpert) {
   const DeviceFacts h200 = DeviceFacts::h200_measured();
   for (const Workload& w : named_workloads()) {
     for (Precision precision : {Precision::bf16, Precision::fp8_block}) {
@@ -33,12 +34,22 @@ TEST(Planner, SwapAbWithTokenTileCoveringRowsPerExpert) {
       for (int tokens : kTokenBuckets) {
         const ForwardPlan plan = forward_plan(spec, tokens, 8192);
         SCOPED_TRACE(w.name + " tokens=" + std::to_string(tokens));
+        const bool many_rows = plan.expected_rows_per_expert >= kMinRowsPerExpertForTokensOnM;
         for (const GemmConfig* c : {&plan.fc1, &plan.fc2}) {
-          EXPECT_TRUE(c->swap_ab);
-          EXPECT_GE(c->token_tile, std::min(plan.expected_rows_per_expert, 64));
-          EXPECT_TRUE(c->token_tile == 16 || c->token_tile == 32 || c->token_tile == 64);
-          EXPECT_EQ(c->block_n, c->token_tile);
-          EXPECT_EQ(c->block_m, 256);
+          EXPECT_EQ(c->swap_ab, !many_rows);
+          if (many_rows) {
+            EXPECT_EQ(c->token_tile, 128);
+            EXPECT_EQ(c->block_m, 128) << "tokens on M";
+            EXPECT_EQ(c->block_n, 256) << "channels on N";
+            EXPECT_NE(c->reasons[1].find("tokens on M"), std::string::npos) << c->reasons[1];
+            EXPECT_FALSE(plan.fc1_copies_token_rows) << "the row copy fills swapAB's token blocks only";
+          } else {
+            EXPECT_GE(c->token_tile, std::min(plan.expected_rows_per_expert, 64));
+            EXPECT_TRUE(c->token_tile == 16 || c->token_tile == 32 || c->token_tile == 64);
+            EXPECT_EQ(c->block_n, c->token_tile);
+            EXPECT_EQ(c->block_m, 256);
+          }
+          EXPECT_EQ(c->channel_tile, 256);
           EXPECT_EQ(c->block_k, precision == Precision::fp8_block ? 128 : 64);
           EXPECT_GE(c->stages, 3) << "every named workload must get enough stages to hide TMA latency";
           EXPECT_LE(c->smem_bytes, h200.smem_per_block_optin);
@@ -58,11 +69,27 @@ TEST(Planner, OneTokenTouchesTopKExpertsWithOneRowEach) {
   EXPECT_EQ(plan.fc1.expected_tiles, 8 * (2 * 512 / 256));
 }
 
-TEST(Planner, LargeBatchesTakeTheWidestTokenTile) {
-  const ForwardPlan plan = forward_plan(workload("dsv3", Precision::fp8_block), 8192, 8192);
+TEST(Planner, TheTokensOnMTileAtLargeBatches) {
+  const ForwardPlan plan = forward_plan(workload("dsv3", Precision::fp8_block), 8192, 8192, {.token_tile = 128});
   EXPECT_EQ(plan.expected_rows_per_expert, 256);
-  EXPECT_EQ(plan.fc1.token_tile, 64);
-  EXPECT_EQ(plan.fc1.expected_tiles, 256 * (2 * 2048 / 256) * (256 / 64));
+  EXPECT_EQ(plan.fc1.token_tile, 128);
+  EXPECT_FALSE(plan.fc1.swap_ab);
+  EXPECT_EQ(plan.fc1.expected_tiles, 256 * (2 * 2048 / 256) * (256 / 128));
+  EXPECT_EQ(plan.fc2.expected_tiles, 256 * (7168 / 256) * (256 / 128));
+  // Four 48.5 KB stages (256 weight rows and 128 token rows of 128 bytes, and 128 token scales).
+  EXPECT_EQ(plan.fc1.stage_bytes, (256 + 128) * 128 + 128 * 4);
+  EXPECT_EQ(plan.fc1.stages, 4);
+}
+
+// A layer fixed to the tokens-on-M tile takes it at any token count, and never the row copy.
+TEST(Planner, AFixedTokensOnMTileReadsThePoolAtAnyTokenCount) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  for (int tokens : {1, 16, 128}) {
+    const ForwardPlan plan = forward_plan(spec, tokens, 128, {.token_tile = 128});
+    EXPECT_EQ(plan.token_tile, 128);
+    EXPECT_FALSE(plan.fc1.swap_ab);
+    EXPECT_FALSE(plan.fc1_copies_token_rows) << tokens << " tokens";
+  }
 }
 
 // FC1 copies its token rows only where experts get few rows, where it was measured to win.
@@ -186,6 +213,7 @@ TEST(Planner, AFixedTokenTilePadsTheWorkspaceForIt) {
   const DeviceFacts h200 = DeviceFacts::h200_measured();
   EXPECT_EQ(plan_layer(spec, 128, {}, h200).workspace.row_padding, 16);
   EXPECT_EQ(plan_layer(spec, 128, {.token_tile = 64}, h200).workspace.row_padding, 64);
+  EXPECT_EQ(plan_layer(spec, 128, {.token_tile = 128}, h200).workspace.row_padding, 128);
   EXPECT_EQ(forward_plan(spec, 100, 128, {.token_tile = 64}).token_tile, 64);
 }
 
@@ -231,12 +259,12 @@ TEST(Floors, ExpectedTouchedExpertsMatchesTheClosedForm) {
 
 // The token tile holds the mean rows per touched expert plus their spread (planner.hpp): uniform
 // routing over qwen35-a3b's 256 experts moves to 32-token tiles at a mean of ~9.8 rows (313
-// tokens) and to 64 at ~22.5 (721), and the bench's buckets keep the tiles measured there.
+// tokens) and to 64 at ~22.5 (721); the tokens-on-M tile is opt-in (kMinRowsPerExpertForTokensOnM).
 TEST(Planner, TokenTileCoversTheSpreadOfRowsPerExpert) {
   const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
   const std::pair<int, int> tile_at[] = {{1, 16},    {16, 16},   {128, 16},  {312, 16},  {313, 32},
                                          {512, 32},  {720, 32},  {721, 64},  {1000, 64}, {1024, 64},
-                                         {2048, 64}, {8192, 64}};
+                                         {2048, 64}, {3072, 64}, {8192, 64}};
   for (const auto& [tokens, tile] : tile_at) EXPECT_EQ(choose_token_tile(spec, tokens), tile) << tokens << " tokens";
 }
 

@@ -381,7 +381,7 @@ def test_prepare_weights_checks_its_arguments():
     (dict(max_tokens=8.0), TypeError, "max_tokens must be an int"),
     (dict(top_k=True), TypeError, "top_k must be an int"),
     # The planner's choices a caller may fix, checked by the library's own rules.
-    (dict(token_tile=48), ValueError, "options.token_tile=48 must be 16, 32 or 64"),
+    (dict(token_tile=48), ValueError, "options.token_tile=48 must be 16, 32, 64 or 128"),
     (dict(fc1_token_rows="copy"), ValueError, "fc1_token_rows must be 'auto', 'pool' or 'row_copy'"),
     (dict(fc1_token_rows="row_copy", precision="bf16"), ValueError, "needs precision fp8_block"),
     (dict(num_sms=-1), ValueError, "num_sms=-1 is out of range"),

@@ -1,7 +1,10 @@
-// Persistent, warp-specialized grouped GEMM for the MoE expert layers (sm_90a), swapAB form:
+// Persistent, warp-specialized grouped GEMM for the MoE expert layers (sm_90a). Token tiles of
+// 16/32/64 take the swapAB form:
 //   out^T[channels, tokens] = W_e[channels, K] * X_pool[tokens, K]^T   for each expert e
 // Expert channels sit on wgmma M (256 per tile: 4 x m64 over the math warpgroups), the expert's
-// tokens on N (16/32/64), so a handful of tokens per expert pads N instead of M=64.
+// tokens on N (16/32/64), so a handful of tokens per expert pads N instead of M=64. A token tile
+// of 128 takes the tokens-on-M form (mma/tokens_on_m_mainloop.cuh: 128 tokens x 256 channels),
+// for experts with many rows; the producers are the same for both.
 //
 // Roles (one CTA per SM, 128 + 128 x kGemmMathWarpgroups threads):
 //   warpgroup 0, warp 0     weight producer (lane 0): TMA loads of the weight tile into a ring of
@@ -13,7 +16,7 @@
 //                           of x's quantized copy with cp.async, permute/stage_row_copy.cuh)
 //   warpgroup 0, warp 2     (fp8) weight-scale producer (lane 0): cp.async of the weight tile's two
 //                           block scales into the same stages
-//   warpgroups 1..          consumers: wgmma mainloop with per-K-block FP8 scale promotion, then
+//   warpgroups 1..          consumers (swapAB or tokens on M): wgmma mainloop with per-K-block FP8 scale promotion, then
 //                           the epilogue in registers (FC1: SwiGLU + requant; FC2: slot store or
 //                           atomic combine)
 // The weight producer claims the tiles (GroupedTileScheduler), hands them to the other producers
@@ -30,6 +33,7 @@
 
 #include "kernels/mma/grouped_gemm_config.cuh"
 #include "kernels/mma/swapab_mainloop.cuh"
+#include "kernels/mma/tokens_on_m_mainloop.cuh"
 #include "kernels/producer/token_producer.cuh"
 #include "kernels/producer/weight_producer.cuh"
 #include "kernels/producer/weight_scale_producer.cuh"
@@ -126,7 +130,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // slot table follow the producer's acquire of FC1's tiles (the last arrival on each stage).
   if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
   ptx::setmaxnreg_increase<kConsumerRegisters>();
-  math_warpgroups<Config>(p, smem, k_blocks);
+  if constexpr (Config::kTokensOnM) {
+    tokens_on_m_math_warpgroups<Config>(p, smem, k_blocks);
+  } else {
+    math_warpgroups<Config>(p, smem, k_blocks);
+  }
 }
 
 }  // namespace megamoe::kernels

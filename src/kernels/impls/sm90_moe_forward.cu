@@ -30,7 +30,12 @@ void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, con
     case 16: return launch_gemm<GroupedGemmConfig<Element, 16, kOp, kCopiesRows>>(f, c, g, stages, stream);
     case 32: return launch_gemm<GroupedGemmConfig<Element, 32, kOp, kCopiesRows>>(f, c, g, stages, stream);
     case 64: return launch_gemm<GroupedGemmConfig<Element, 64, kOp, kCopiesRows>>(f, c, g, stages, stream);
-    default: throw Error(ErrorCode::unsupported, "internal: token tile must be 16, 32 or 64");
+    case layout::kGemmTokensOnMTile:
+      if constexpr (!kCopiesRows) {
+        return launch_gemm<GroupedGemmConfig<Element, layout::kGemmTokensOnMTile, kOp, false>>(f, c, g, stages, stream);
+      }
+      throw Error(ErrorCode::unsupported, "internal: the tokens-on-M tile reads the pool, it does not copy rows");
+    default: throw Error(ErrorCode::unsupported, "internal: token tile must be 16, 32, 64 or 128");
   }
 }
 

@@ -6,18 +6,26 @@
 
 namespace megamoe::layout {
 
-inline constexpr int kGemmChannelTile = 256;          // 4 x m64, over the math warpgroups
+// Output channels of one tile in both layouts: swapAB's wgmma M (4 x m64, over the math
+// warpgroups), and the tokens-on-M layout's N (two n128 halves), where 256 packed FC1 rows are the
+// 128 output channels of one requantization block (docs/decisions.md#tokens-on-m-tile).
+inline constexpr int kGemmChannelTile = 256;
 inline constexpr int kGemmKBytes = 128;               // one 128-byte swizzle row of K per stage
-inline constexpr int kGemmMaxTokenTile = 64;
+// Token tiles: 16, 32 or 64 tokens on wgmma N (swapAB), or 128 on M (64 per math warpgroup).
+inline constexpr int kGemmSwapAbMaxTokenTile = 64;
+inline constexpr int kGemmTokensOnMTile = 128;
 inline constexpr int kGemmMaxStages = 8;
 // Math warpgroups per CTA, each owning kGemmChannelTile / kGemmMathWarpgroups consecutive rows
 // (2: two m64 blocks each, 224 registers per thread; 4: one, 112 registers). Four would give each
 // SM sub-partition four consumer warps to hide latency with (docs/decisions.md#four-math-warpgroups).
 inline constexpr int kGemmMathWarpgroups = 2;
 inline constexpr int kGemmConsumerWarps = 4 * kGemmMathWarpgroups;
-inline constexpr int kGemmExchangeBytes = (kGemmConsumerWarps + 1) * kGemmMaxTokenTile * 4;  // FC1 token amaxes
+// swapAB's FC1 token amaxes (the tokens-on-M epilogue reduces a row's amax within a quad of lanes).
+inline constexpr int kGemmExchangeBytes = (kGemmConsumerWarps + 1) * kGemmSwapAbMaxTokenTile * 4;
 inline constexpr int kGemmBarrierBytes = 1024;         // mbarriers, per-stage weight scales and tile tags
 inline constexpr int kSm90SmemPerBlockOptin = 232448;  // 227 KiB
+
+MEGAMOE_HOST_DEVICE constexpr bool gemm_tokens_on_m(int token_tile) { return token_tile == kGemmTokensOnMTile; }
 
 // Floats between the token scales of consecutive stages: TMA writes start on 128-byte lines.
 MEGAMOE_HOST_DEVICE constexpr int gemm_token_scale_stride(int token_tile) { return token_tile < 32 ? 32 : token_tile; }
@@ -27,9 +35,10 @@ MEGAMOE_HOST_DEVICE constexpr int gemm_token_scale_stride(int token_tile) { retu
 // per expert, so without it half of those experts' tiles would be padding, and the math warps
 // spend their time on padded columns), and each expert's pool segment is padded to 32 rows only.
 // Smaller tiles keep one block: a half of 16 rows would put the second half's 16 token scales
-// (64 bytes) off the 128-byte line a TMA write must start on.
+// (64 bytes) off the 128-byte line a TMA write must start on. The tokens-on-M tile's halves are
+// its math warpgroups' rows: a last tile of at most 64 rows leaves the second warpgroup idle.
 MEGAMOE_HOST_DEVICE constexpr int gemm_token_subtile(int token_tile) {
-  return token_tile == kGemmMaxTokenTile ? token_tile / 2 : token_tile;
+  return token_tile >= kGemmSwapAbMaxTokenTile ? token_tile / 2 : token_tile;
 }
 
 MEGAMOE_HOST_DEVICE constexpr int gemm_stage_bytes(int token_tile, bool fp8) {

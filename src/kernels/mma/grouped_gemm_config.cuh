@@ -1,7 +1,9 @@
-// The swapAB grouped GEMM's configuration, shared by all of its roles: the tile shapes, the stage
-// ring and its shared-memory storage, the register budget per role, and a launch's parameters.
-// The kernel (impls/sm90_grouped_gemm_swapab.cuh) composes the roles; each role's header takes
-// this config.
+// The grouped GEMM's configuration, shared by all of its roles: the tile shapes, the stage ring
+// and its shared-memory storage, the register budget per role, and a launch's parameters. A token
+// tile of 16, 32 or 64 is the swapAB layout (channels on wgmma M, tokens on N); 128 is the
+// tokens-on-M layout (mma/tokens_on_m_mainloop.cuh). The producers fill the same stages in both:
+// a block of 256 weight rows and one of the tile's token rows. The kernel
+// (impls/sm90_grouped_gemm_swapab.cuh) composes the roles; each role's header takes this config.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -41,7 +43,9 @@ struct GroupedGemmConfig {
   static constexpr bool kFp8 = std::is_same_v<Element, cutlass::float_e4m3_t>;
   static constexpr GemmOp kGemmOp = kOp;
   static constexpr bool kCopiesTokenRows = kCopiesRows;
+  static constexpr bool kTokensOnM = layout::gemm_tokens_on_m(kTokenTile);
   static_assert(!kCopiesRows || (kFp8 && kOp == GemmOp::fc1_swiglu), "rows are copied from x's fp8 copy, by FC1");
+  static_assert(!(kCopiesRows && kTokensOnM), "the row copy fills swapAB's token blocks only");
   // FC1 waits for the gather's whole grid; FC2 per expert for FC1's tiles (pipeline/fc1_handoff.cuh).
   static constexpr bool kWaitsForFc1 = kOp != GemmOp::fc1_swiglu;
   static constexpr int kBlockM = layout::kGemmChannelTile;
@@ -56,7 +60,8 @@ struct GroupedGemmConfig {
   static_assert(kMBlocks >= 1 && 64 * kMBlocks <= kQuantBlock,
                 "a math warpgroup's rows must lie in one weight scale block");
 
-  static_assert(kTokenTile % 16 == 0 && kTokenTile <= layout::kGemmMaxTokenTile, "token tile 16, 32 or 64");
+  static_assert((kTokenTile % 16 == 0 && kTokenTile <= layout::kGemmSwapAbMaxTokenTile) || kTokensOnM,
+                "token tile 16, 32 or 64 (swapAB), or 128 (tokens on M)");
   static_assert(kStages >= 3, "at least 3 stages to hide TMA latency");
   static_assert(!(kFp8 && kBlockK != kQuantBlock), "fp8 promotion assumes one scale block per stage");
   static constexpr int kWeightScaleRows = kBlockM / kQuantBlock;  // weight scale blocks per stage
@@ -111,7 +116,8 @@ struct GroupedGemmConfig {
     alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutB>> b;
     alignas(128) float token_scales[kStages * kScaleStageStride];
     float weight_scales[kStages][kWeightScaleRows];
-    float amax_exchange[layout::kGemmConsumerWarps + 1][kBlockN];  // per-warp partials, then per-token amax
+    // swapAB FC1: per-warp partials, then per-token amax (tokens on M reduce within a quad of lanes).
+    float amax_exchange[kTokensOnM ? 1 : layout::kGemmConsumerWarps + 1][kTokensOnM ? 1 : kBlockN];
     GroupedTile stage_tile[kStages];  // the tile that starts at the stage; expert -1: no tiles left
     uint64_t full[kStages];
     uint64_t empty[kStages];

@@ -100,7 +100,7 @@ void expect_numbering_covers_every_row(const std::vector<int32_t>& rows, int tok
 
 TEST(TileNumbering, CoversEveryRoutedRowOnceInSchedulerOrder) {
   std::mt19937 rng(20261130);
-  for (int token_tile_rows : {16, 32, 64}) {
+  for (int token_tile_rows : {16, 32, 64, 128}) {
     for (int channel_blocks : {1, 4, 28}) {
       // Random counts, with empty experts and exact multiples of the tile among them.
       std::vector<int32_t> rows(37);
@@ -126,7 +126,7 @@ TEST(TileNumbering, SegmentsFitTheWorkspacePool) {
   // routing of those tokens' k rows.
   std::mt19937 rng(7);
   const int E = 64, k = 4, max_tokens = 300;
-  for (int token_tile_rows : {16, 32, 64}) {
+  for (int token_tile_rows : {16, 32, 64, 128}) {
     const size_t pool = layout::MoeWorkspaceLayout::worst_case_pool_rows(E, k, max_tokens, token_tile_rows);
     for (int trial = 0; trial < 200; ++trial) {
       // k distinct experts per token, over a random subset of the experts.
