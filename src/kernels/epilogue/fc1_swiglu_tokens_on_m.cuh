@@ -7,8 +7,8 @@
 // column groups 2j and 2j + 1 the gate and up rows of the same 8 channels, so both halves of every
 // SwiGLU pair are in the thread, and the tile's 256 packed columns are the 128 output channels of
 // one requantization block: a row's amax is the thread's 32 values and two shuffles within its quad
-// of lanes (the lanes holding that row), with no shared memory. Rows are stored 16 (bf16) or 8
-// (E4M3) bytes per lane after a quad transpose (epilogue/quad_transpose.cuh).
+// of lanes (the lanes holding that row), with no shared memory. Stores are 4 (bf16) or 2 (E4M3)
+// bytes per lane (wider ones: docs/decisions.md#tokens-on-m-tile).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -17,7 +17,6 @@
 
 #include <cstdint>
 
-#include "kernels/epilogue/quad_transpose.cuh"
 #include "kernels/layout/weight_layout.hpp"
 #include "kernels/quant/fp8_block_scale.cuh"
 #include "kernels/scheduler/grouped_tile_scheduler.cuh"
@@ -29,12 +28,14 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
                                                                 const Accumulators& low, const Accumulators& high,
                                                                 int base_row, int base_col) {
   constexpr int kHalfChannels = Config::kBlockM / 2;
-  constexpr int kPairs = kHalfChannels / 16;  // SwiGLU column-group pairs per half: 8 output channels each
-  static_assert(kPairs % 4 == 0, "output groups go through the quad transpose four at a time");
+  constexpr int kPairs = kHalfChannels / 16;  // SwiGLU column-group pairs per half
   float h[2][kPairs][2][2];                   // [half][pair][v1][v0]
+  int channel[2][kPairs];                     // the output channel of v0 = 0
   auto swiglu = [&](const Accumulators& acc, int half) {
 #pragma unroll
-    for (int j = 0; j < kPairs; ++j)
+    for (int j = 0; j < kPairs; ++j) {
+      const int packed = tile.channel_block * Config::kBlockM + half * kHalfChannels + 16 * j + base_col;
+      channel[half][j] = layout::original_w13_row(packed, p.out_channels);  // a gate row: the channel itself
 #pragma unroll
       for (int v1 = 0; v1 < 2; ++v1)
 #pragma unroll
@@ -44,20 +45,11 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
           // The swapAB epilogue's formula (see there), so both layouts give the same bits.
           h[half][j][v1][v0] = gate * __fdividef(1.0f, 1.0f + __expf(-gate)) * up;
         }
+    }
   };
   swiglu(low, 0);
   swiglu(high, 1);
-  // The first output channel of pair j of a half (its gate group's first row, unpacked).
-  auto group_channel = [&](int half, int j) {
-    return layout::original_w13_row(tile.channel_block * Config::kBlockM + half * kHalfChannels + 16 * j,
-                                    p.out_channels);
-  };
-  const int quad_lane = base_col / 2;
 
-  // Per row, four output groups at a time: each lane's two values of each group, transposed across
-  // the quad, so that lane q stores the 8 channels of group 4a + q with one store (16 bytes of
-  // bf16, 8 of E4M3). The rows of a quad are the same, so validity is the quad's; invalid rows take
-  // part in the shuffles and skip the stores.
 #pragma unroll
   for (int v1 = 0; v1 < 2; ++v1) {
     const int row = base_row + 8 * v1;
@@ -68,18 +60,11 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
 #pragma unroll
       for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int a = 0; a < kPairs / 4; ++a) {
-          uint32_t parts[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const __nv_bfloat162 pair = __floats2bfloat162_rn(h[half][4 * a + i][v1][0], h[half][4 * a + i][v1][1]);
-            parts[i] = reinterpret_cast<const uint32_t&>(pair);
-          }
-          quad_transpose(parts);
-          // out_channels is a multiple of 64: a group of 8 is in or out whole.
-          const int channel = group_channel(half, 4 * a + quad_lane);
-          if (valid && channel < p.out_channels) {
-            *reinterpret_cast<uint4*>(out + channel) = make_uint4(parts[0], parts[1], parts[2], parts[3]);
+        for (int j = 0; j < kPairs; ++j) {
+          // channel is even and out_channels a multiple of 64: both columns are in or out.
+          if (valid && channel[half][j] < p.out_channels) {
+            *reinterpret_cast<__nv_bfloat162*>(out + channel[half][j]) =
+                __floats2bfloat162_rn(h[half][j][v1][0], h[half][j][v1][1]);
           }
         }
     } else {
@@ -91,24 +76,17 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
         for (int j = 0; j < kPairs; ++j) a = fmaxf(a, fmaxf(fabsf(h[half][j][v1][0]), fabsf(h[half][j][v1][1])));
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+      if (!valid) continue;
       const BlockScale s = block_scale(a, p.ue8m0);
-      if (valid && quad_lane == 0) p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + pool_row] = s.scale;
+      if (base_col == 0) p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + pool_row] = s.scale;
       uint8_t* out = static_cast<uint8_t*>(p.out) + pool_row * p.out_channels;
 #pragma unroll
       for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int g = 0; g < kPairs / 4; ++g) {
-          uint32_t parts[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            parts[i] = static_cast<uint32_t>(encode_e4m3(h[half][4 * g + i][v1][0] * s.factor)) |
-                       static_cast<uint32_t>(encode_e4m3(h[half][4 * g + i][v1][1] * s.factor)) << 8;
-          }
-          quad_transpose(parts);
-          if (valid) {
-            *reinterpret_cast<uint2*>(out + group_channel(half, 4 * g + quad_lane)) =
-                make_uint2(parts[0] | parts[1] << 16, parts[2] | parts[3] << 16);
-          }
+        for (int j = 0; j < kPairs; ++j) {
+          *reinterpret_cast<uint16_t*>(out + channel[half][j]) =
+              static_cast<uint16_t>(encode_e4m3(h[half][j][v1][0] * s.factor)) |
+              static_cast<uint16_t>(encode_e4m3(h[half][j][v1][1] * s.factor)) << 8;
         }
     }
   }

@@ -2,18 +2,14 @@
 // each routed row's expert output to its bf16 slot row (the deterministic combine reduces them
 // later) or, weighted, into the fp32 output accumulator, as the swapAB epilogue
 // (epilogue/fc2_combine.cuh) does from the other fragment layout. A thread holds rows r and r + 8
-// of the tile and two adjacent channels per column group; slot rows are stored 16 bytes per lane
-// after a quad transpose (epilogue/quad_transpose.cuh).
+// of the tile and two adjacent channels per column group: one 4-byte store per group.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include <cuda_bf16.h>
 
-#include <cstdint>
-
 #include "kernels/epilogue/gemm_op.hpp"
-#include "kernels/epilogue/quad_transpose.cuh"
 #include "kernels/scheduler/grouped_tile_scheduler.cuh"
 
 namespace megamoe::kernels::gemm_detail {
@@ -39,48 +35,28 @@ __device__ __forceinline__ void fc2_tokens_on_m_epilogue(const Params& p, const 
                                                          int base_row, int base_col, const Fc2RowSlots& slots) {
   constexpr int kHalfChannels = Config::kBlockM / 2;
   constexpr int kColGroups = kHalfChannels / 8;
-  static_assert(kColGroups % 4 == 0, "column groups go through the quad transpose four at a time");
-  // The rows of a quad's lanes are the same (lane / 4), so validity is the quad's; the transpose's
-  // shuffles need the whole warp, so invalid rows take part and only skip their stores.
   auto store_half = [&](const Accumulators& acc, int half, int v1) {
     const int slot = slots.slot[v1];
-    const bool valid = base_row + 8 * v1 < tile.valid_rows;
-    const int first = tile.channel_block * Config::kBlockM + half * kHalfChannels;
-    if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) {
-      if (!valid) return;
-      const float weight = p.routed_weights[slot];
-      float* y_row = p.y_accumulator + static_cast<size_t>(slot / p.top_k) * p.out_channels;
+    const int first = tile.channel_block * Config::kBlockM + half * kHalfChannels + base_col;
 #pragma unroll
-      for (int v2 = 0; v2 < kColGroups; ++v2) {
-        const int channel = first + 8 * v2 + base_col;  // even, out_channels a multiple of 64: both in or out
-        if (channel >= p.out_channels) continue;
-        atomicAdd(y_row + channel, weight * acc(cute::make_coord(0, v1, v2), 0, 0));
-        atomicAdd(y_row + channel + 1, weight * acc(cute::make_coord(1, v1, v2), 0, 0));
-      }
-    } else {
-      // Four column groups at a time: each lane's bf16 pair of each group, transposed across the
-      // quad, so that lane q stores the 8 channels (16 bytes) of group 4a + q: a warp's store
-      // writes whole 32-byte sectors of eight slot rows.
-      __nv_bfloat16* slot_row = static_cast<__nv_bfloat16*>(p.out) + static_cast<size_t>(slot) * p.out_channels;
-#pragma unroll
-      for (int a = 0; a < kColGroups / 4; ++a) {
-        uint32_t parts[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const __nv_bfloat162 pair = __floats2bfloat162_rn(acc(cute::make_coord(0, v1, 4 * a + i), 0, 0),
-                                                            acc(cute::make_coord(1, v1, 4 * a + i), 0, 0));
-          parts[i] = reinterpret_cast<const uint32_t&>(pair);
-        }
-        quad_transpose(parts);
-        const int channel = first + 8 * (4 * a + base_col / 2);  // out_channels a multiple of 64: the 8 in or out
-        if (valid && channel < p.out_channels) {
-          *reinterpret_cast<uint4*>(slot_row + channel) = make_uint4(parts[0], parts[1], parts[2], parts[3]);
-        }
+    for (int v2 = 0; v2 < kColGroups; ++v2) {
+      const int channel = first + 8 * v2;  // even, and out_channels a multiple of 64: both in or out
+      if (channel >= p.out_channels) continue;
+      const float at0 = acc(cute::make_coord(0, v1, v2), 0, 0), at1 = acc(cute::make_coord(1, v1, v2), 0, 0);
+      if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) {
+        const float weight = p.routed_weights[slot];
+        float* y_row = p.y_accumulator + static_cast<size_t>(slot / p.top_k) * p.out_channels;
+        atomicAdd(y_row + channel, weight * at0);
+        atomicAdd(y_row + channel + 1, weight * at1);
+      } else {
+        __nv_bfloat16* slot_row = static_cast<__nv_bfloat16*>(p.out) + static_cast<size_t>(slot) * p.out_channels;
+        *reinterpret_cast<__nv_bfloat162*>(slot_row + channel) = __floats2bfloat162_rn(at0, at1);
       }
     }
   };
 #pragma unroll
   for (int v1 = 0; v1 < 2; ++v1) {
+    if (base_row + 8 * v1 >= tile.valid_rows) continue;
     store_half(low, 0, v1);
     store_half(high, 1, v1);
   }
