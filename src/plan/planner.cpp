@@ -54,7 +54,6 @@ bool copies_rows_for(const MoeSpec& spec, double mean_rows, int token_tile) {
 }
 
 int token_tile_for_rows(double mean_rows) {
-  if (mean_rows >= kMinRowsPerExpertForTokensOnM) return layout::kGemmTokensOnMTile;
   return std::clamp(next_pow2(static_cast<int>(std::ceil(rows_to_cover(mean_rows)))), kMinTokenTile,
                     layout::kGemmSwapAbMaxTokenTile);
 }
@@ -207,11 +206,6 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   if (!explain) return p;
   if (o.token_tile != 0) {
     p.reasons.push_back(format("token tile %lld: options.token_tile", p.token_tile));
-  } else if (layout::gemm_tokens_on_m(p.token_tile)) {
-    p.reasons.push_back(format("token tile %lld, tokens on M: ~%lld rows per touched expert >= %lld, where the "
-                               "tokens-on-M tile's fewer stage bytes per MAC beat swapAB's narrower padding",
-                               p.token_tile, p.expected_rows_per_expert,
-                               static_cast<long long>(kMinRowsPerExpertForTokensOnM)));
   } else {
     p.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert, ~%lld with their spread, within "
                                "[16, 64] (two fp32 accumulator sets of 256 channels x 64 tokens per CTA are the "

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <iosfwd>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -34,15 +33,13 @@ struct GemmConfig {
   std::vector<std::string> reasons;  // one line per heuristic decision
 };
 
-// Token tile of the grouped GEMMs for a call of `tokens` tokens: 128 (the tokens-on-M layout) where
-// the expected rows per touched expert under uniform routing reach kMinRowsPerExpertForTokensOnM
-// (docs/decisions.md#tokens-on-m-tile); else (swapAB, tokens on wgmma N) the narrowest of 16, 32
-// and 64 that holds those rows plus kTokenTileSpread standard deviations of their spread, so that
-// few experts need a second tile that streams their weights again (docs/decisions.md#token-tile).
+// Token tile (swapAB: tokens on wgmma N) of the grouped GEMMs for a call of `tokens` tokens: the
+// narrowest of 16, 32 and 64 that holds the expected rows per touched expert under uniform routing
+// plus kTokenTileSpread standard deviations of their spread, so that few experts need a second tile
+// that streams their weights again (docs/decisions.md#token-tile). The tokens-on-M tile (128) is
+// opt-in through options.token_tile until it is measured faster in a bucket
+// (docs/decisions.md#tokens-on-m-tile).
 inline constexpr double kTokenTileSpread = 2.0;
-// Infinite for now: the tokens-on-M tile is opt-in (options.token_tile = 128) until it is measured
-// faster than swapAB's 64 in a bucket (docs/decisions.md#tokens-on-m-tile).
-inline constexpr double kMinRowsPerExpertForTokensOnM = std::numeric_limits<double>::infinity();
 int choose_token_tile(const MoeSpec& spec, int tokens);
 
 // Whether fp8 FC1 copies its token rows from the gather's one quantized row per token

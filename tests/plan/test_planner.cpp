@@ -24,8 +24,9 @@ ForwardPlan forward_plan(const MoeSpec& spec, int tokens, int max_tokens, const 
   return plan_forward(spec, plan_layer(spec, max_tokens, options, facts), tokens, options.combine, facts);
 }
 
-// swapAB with a token tile covering the rows per expert, or tokens on M where experts get many.
-TEST(Planner, TileLayoutFollowsTheRowsPerExpert) {
+// The planner's own choice is swapAB with a token tile covering the rows per expert (tokens on M
+// is opt-in).
+TEST(Planner, SwapAbWithTokenTileCoveringRowsPerExpert) {
   const DeviceFacts h200 = DeviceFacts::h200_measured();
   for (const Workload& w : named_workloads()) {
     for (Precision precision : {Precision::bf16, Precision::fp8_block}) {
@@ -34,21 +35,12 @@ TEST(Planner, TileLayoutFollowsTheRowsPerExpert) {
       for (int tokens : kTokenBuckets) {
         const ForwardPlan plan = forward_plan(spec, tokens, 8192);
         SCOPED_TRACE(w.name + " tokens=" + std::to_string(tokens));
-        const bool many_rows = plan.expected_rows_per_expert >= kMinRowsPerExpertForTokensOnM;
         for (const GemmConfig* c : {&plan.fc1, &plan.fc2}) {
-          EXPECT_EQ(c->swap_ab, !many_rows);
-          if (many_rows) {
-            EXPECT_EQ(c->token_tile, 128);
-            EXPECT_EQ(c->block_m, 128) << "tokens on M";
-            EXPECT_EQ(c->block_n, 256) << "channels on N";
-            EXPECT_NE(c->reasons[1].find("tokens on M"), std::string::npos) << c->reasons[1];
-            EXPECT_FALSE(plan.fc1_copies_token_rows) << "the row copy fills swapAB's token blocks only";
-          } else {
-            EXPECT_GE(c->token_tile, std::min(plan.expected_rows_per_expert, 64));
-            EXPECT_TRUE(c->token_tile == 16 || c->token_tile == 32 || c->token_tile == 64);
-            EXPECT_EQ(c->block_n, c->token_tile);
-            EXPECT_EQ(c->block_m, 256);
-          }
+          EXPECT_TRUE(c->swap_ab);
+          EXPECT_GE(c->token_tile, std::min(plan.expected_rows_per_expert, 64));
+          EXPECT_TRUE(c->token_tile == 16 || c->token_tile == 32 || c->token_tile == 64);
+          EXPECT_EQ(c->block_n, c->token_tile);
+          EXPECT_EQ(c->block_m, 256);
           EXPECT_EQ(c->channel_tile, 256);
           EXPECT_EQ(c->block_k, precision == Precision::fp8_block ? 128 : 64);
           EXPECT_GE(c->stages, 3) << "every named workload must get enough stages to hide TMA latency";
@@ -74,6 +66,11 @@ TEST(Planner, TheTokensOnMTileAtLargeBatches) {
   EXPECT_EQ(plan.expected_rows_per_expert, 256);
   EXPECT_EQ(plan.fc1.token_tile, 128);
   EXPECT_FALSE(plan.fc1.swap_ab);
+  for (const GemmConfig* c : {&plan.fc1, &plan.fc2}) {
+    EXPECT_EQ(c->block_m, 128) << "tokens on M";
+    EXPECT_EQ(c->block_n, 256) << "channels on N";
+    EXPECT_NE(c->reasons[1].find("tokens on M"), std::string::npos) << c->reasons[1];
+  }
   EXPECT_EQ(plan.fc1.expected_tiles, 256 * (2 * 2048 / 256) * (256 / 128));
   EXPECT_EQ(plan.fc2.expected_tiles, 256 * (7168 / 256) * (256 / 128));
   // Four 48.5 KB stages (256 weight rows and 128 token rows of 128 bytes, and 128 token scales).
@@ -259,7 +256,7 @@ TEST(Floors, ExpectedTouchedExpertsMatchesTheClosedForm) {
 
 // The token tile holds the mean rows per touched expert plus their spread (planner.hpp): uniform
 // routing over qwen35-a3b's 256 experts moves to 32-token tiles at a mean of ~9.8 rows (313
-// tokens) and to 64 at ~22.5 (721); the tokens-on-M tile is opt-in (kMinRowsPerExpertForTokensOnM).
+// tokens) and to 64 at ~22.5 (721); the tokens-on-M tile is opt-in.
 TEST(Planner, TokenTileCoversTheSpreadOfRowsPerExpert) {
   const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
   const std::pair<int, int> tile_at[] = {{1, 16},    {16, 16},   {128, 16},  {312, 16},  {313, 32},

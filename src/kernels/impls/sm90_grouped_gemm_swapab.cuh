@@ -16,9 +16,9 @@
 //                           of x's quantized copy with cp.async, permute/stage_row_copy.cuh)
 //   warpgroup 0, warp 2     (fp8) weight-scale producer (lane 0): cp.async of the weight tile's two
 //                           block scales into the same stages
-//   warpgroups 1..          consumers (swapAB or tokens on M): wgmma mainloop with per-K-block FP8 scale promotion, then
-//                           the epilogue in registers (FC1: SwiGLU + requant; FC2: slot store or
-//                           atomic combine)
+//   warpgroups 1..          consumers (swapAB or tokens on M): wgmma mainloop with per-K-block
+//                           FP8 scale promotion, then the epilogue in registers (FC1: SwiGLU +
+//                           requant; FC2: slot store or atomic combine)
 // The weight producer claims the tiles (GroupedTileScheduler), hands them to the other producers
 // and tags each tile's first stage, so the consumers walk the same sequence without a claim or a
 // tile search of their own; a stage tagged with expert -1 ends it. FC1 waits for the gather's
