@@ -159,9 +159,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerVsReference, ::testing::ValuesIn(cases()
 // The tokens-on-M tile (128 tokens x 256 channels, docs/decisions.md#tokens-on-m-tile), fixed by
 // the layer's options, against the references and, deterministic, against the swapAB tile's bits
 // (the same sums in the same order: only the wgmma's operand roles differ). The small shape at
-// counts whose tiles hold one 64-row subtile (the second math warpgroup idles: 1, 7, 64), two (65,
-// 128) and several per expert (1000), in every routing mode; skewed routing (expert 0 takes every
-// token: 333 and 4096 rows on one expert); the named workloads at 2048 and 8192 tokens.
+// counts whose tiles hold one 64-row subtile (both math warpgroups on its rows, a channel half
+// each: 1, 7, 64), two (65, 128) and several per expert (1000), in every routing mode; skewed
+// routing (expert 0 takes every token: 333 and 4096 rows on one expert); the named workloads at
+// 2048 and 8192 tokens.
 class MoeLayerTokensOnMVsReference : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeLayerTokensOnMVsReference, MatchesCpuReferenceAndTheSwapAbBits) {

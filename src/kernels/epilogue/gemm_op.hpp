@@ -14,6 +14,7 @@ enum class NamedBarrier : uint32_t {
   kTileStored = 3,        // the same for an FC2 tile (single-kernel forward)
   kCombineShare = 4,      // every FC2 tile is stored: the math threads combine (single-kernel forward)
   kRingIdle = 5,          // the whole block, between the two GEMMs (single-kernel forward)
+  kRowAmaxExchanged = 6,  // both math warpgroups wrote their half's row amaxes (tokens-on-M FC1, short tile)
 };
 
 }  // namespace megamoe::kernels

@@ -24,9 +24,9 @@
 // tile search of their own; a stage tagged with expert -1 ends it. FC1 waits for the gather's
 // whole grid; FC2 waits per expert for FC1's tiles of that expert (pipeline/fc1_handoff.cuh).
 // Each role is a header of its own (producer/weight_producer.cuh, producer/weight_scale_producer.cuh,
-// producer/token_producer.cuh, mma/swapab_mainloop.cuh, with the hand-off in
-// pipeline/tile_queue.cuh and the shared configuration in mma/grouped_gemm_config.cuh); this
-// kernel sets up the barriers and composes them.
+// producer/token_producer.cuh, mma/swapab_mainloop.cuh, mma/tokens_on_m_mainloop.cuh, with the
+// hand-offs in pipeline/tile_queue.cuh and mma/tile_walk.cuh and the shared configuration in
+// mma/grouped_gemm_config.cuh); this kernel sets up the barriers and composes them.
 #pragma once
 
 #include <cute/tensor.hpp>

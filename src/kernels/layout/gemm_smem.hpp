@@ -36,7 +36,8 @@ MEGAMOE_HOST_DEVICE constexpr int gemm_token_scale_stride(int token_tile) { retu
 // spend their time on padded columns), and each expert's pool segment is padded to 32 rows only.
 // Smaller tiles keep one block: a half of 16 rows would put the second half's 16 token scales
 // (64 bytes) off the 128-byte line a TMA write must start on. The tokens-on-M tile's halves are
-// its math warpgroups' rows: a last tile of at most 64 rows leaves the second warpgroup idle.
+// its math warpgroups' rows; a last tile of at most 64 rows loads one, which both warpgroups then
+// multiply (a channel half each).
 MEGAMOE_HOST_DEVICE constexpr int gemm_token_subtile(int token_tile) {
   return token_tile >= kGemmSwapAbMaxTokenTile ? token_tile / 2 : token_tile;
 }

@@ -116,8 +116,9 @@ struct GroupedGemmConfig {
     alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutB>> b;
     alignas(128) float token_scales[kStages * kScaleStageStride];
     float weight_scales[kStages][kWeightScaleRows];
-    // swapAB FC1: per-warp partials, then per-token amax (tokens on M reduce within a quad of lanes).
-    float amax_exchange[kTokensOnM ? 1 : layout::kGemmConsumerWarps + 1][kTokensOnM ? 1 : kBlockN];
+    // FC1: swapAB's per-warp partials, then per-token amax; tokens on M, a short tile's per-row
+    // amax of each warpgroup's half (a whole tile reduces a row within a quad of lanes).
+    float amax_exchange[kTokensOnM ? kMathWarpgroups : layout::kGemmConsumerWarps + 1][kTokensOnM ? kTokenSubtile : kBlockN];
     GroupedTile stage_tile[kStages];  // the tile that starts at the stage; expert -1: no tiles left
     uint64_t full[kStages];
     uint64_t empty[kStages];
@@ -129,6 +130,8 @@ struct GroupedGemmConfig {
                         kTileQueue * (2 * sizeof(uint64_t) + sizeof(GroupedTile)) <=
                     layout::kGemmBarrierBytes,
                 "barriers, weight scales and tile tags outgrew what the planner's stage count leaves them");
+  static_assert(sizeof(SharedStorage::amax_exchange) <= layout::kGemmExchangeBytes,
+                "the amax exchange outgrew what the planner's stage count leaves it");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= layout::kSm90SmemPerBlockOptin, "shared memory over the sm_90 limit");
 };

@@ -12,7 +12,7 @@
 #include "kernels/epilogue/fc2_combine.cuh"
 #include "kernels/epilogue/gemm_op.hpp"
 #include "kernels/mma/grouped_gemm_config.cuh"
-#include "kernels/pipeline/fc1_handoff.cuh"
+#include "kernels/mma/tile_walk.cuh"
 #include "kernels/pipeline/pipeline_state.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mbarrier.cuh"
@@ -135,29 +135,18 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
 
     if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
       gemm_detail::fc1_swiglu_epilogue<Columns>(p, tile, acc, base_row, base_col, smem, consumer_thread);
-      publish_fc1_tile(p.fc1_tiles_done, tile.expert, p.num_experts, static_cast<uint32_t>(NamedBarrier::kFc1TileStored),
-                       Config::kConsumerThreads, consumer_thread);
     } else {
       gemm_detail::fc2_epilogue<Columns>(p, tile, acc, base_row, base_col, slots);
-      if (p.tiles_stored != nullptr) {
-        publish_stored_tile(p.tiles_stored, static_cast<uint32_t>(NamedBarrier::kTileStored), Config::kConsumerThreads,
-                            consumer_thread);
-      }
     }
+    publish_tile<Config>(p, tile, consumer_thread);
   };
 
-  // The first stage of each tile names it. Lane 0, which hands stages back, reads the tag for its
-  // warp (as with the weight scale above, its own arrival then orders the read before any rewrite).
-  auto stage_tile = [&](int stage) { return broadcast_from_lane0(lane == 0 ? smem.stage_tile[stage] : GroupedTile{}); };
   using WholeTile = GemmTileColumns<Config, Config::kBlockN>;
   using ShortTile = GemmTileColumns<Config, Config::kTokenSubtile>;
-  ptx::wait_parity(&smem.full[state.stage], state.phase);
-  for (GroupedTile tile = stage_tile(state.stage); tile.expert >= 0;) {
+  for_each_tagged_tile<Config>(smem, state, lane, [&](const GroupedTile& tile) {
     if (Config::tile_subtiles(tile) < Config::kSubtiles) consume_tile(ShortTile{}, tile);
     else consume_tile(WholeTile{}, tile);
-    ptx::wait_parity(&smem.full[state.stage], state.phase);
-    tile = stage_tile(state.stage);
-  }
+  });
 }
 
 }  // namespace megamoe::kernels

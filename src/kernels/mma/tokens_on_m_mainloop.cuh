@@ -5,20 +5,19 @@
 // producers fill the same stages as for swapAB (a block of 256 weight rows, the tile's token rows
 // in two 64-row subtiles); only the wgmma's operand roles and the fragments differ. fp8 promotes
 // each half's K block through one temporary fragment: 2 x 64 accumulators and 64 temporaries per
-// thread, where two full n256 fragments (256) would not fit the registers. A tile of at most 64
-// rows loads one subtile, and the second warpgroup waits and hands its stages back without math.
+// thread, where two full n256 fragments (256) would not fit the registers. A short tile (an
+// expert's last, of at most 64 rows) loads one subtile, and both warpgroups multiply its rows, one
+// n128 half of the channels each, so that neither idles.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "kernels/epilogue/fc1_swiglu_tokens_on_m.cuh"
 #include "kernels/epilogue/fc2_tokens_on_m.cuh"
-#include "kernels/epilogue/gemm_op.hpp"
 #include "kernels/mma/grouped_gemm_config.cuh"
-#include "kernels/pipeline/fc1_handoff.cuh"
+#include "kernels/mma/tile_walk.cuh"
 #include "kernels/pipeline/pipeline_state.cuh"
 #include "kernels/ptx/mbarrier.cuh"
-#include "kernels/scheduler/grouped_tile_scheduler.cuh"
 
 namespace megamoe::kernels {
 
@@ -59,31 +58,38 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   const int lane = consumer_thread % 32;
   const int warpgroup = consumer_thread / 128;
   typename Tile::TiledMma mma;
+  // This thread's slice for the warpgroup's own rows, and (a short tile) the first warpgroup's
+  // slice at the same place, whose rows are the only ones loaded.
   ThrMMA thr_mma = mma.get_thread_slice(consumer_thread);
-  Tensor tCrX = thr_mma.make_fragment_A(thr_mma.partition_A(sX));  // (MMA, 1, MMA_K, S)
-  Tensor tCrW = thr_mma.make_fragment_B(thr_mma.partition_B(sW));  // (MMA, 1, MMA_K, 2S)
+  ThrMMA thr_mma_short = mma.get_thread_slice(consumer_thread % 128);
+  Tensor tCrX = thr_mma.make_fragment_A(thr_mma.partition_A(sX));              // (MMA, 1, MMA_K, S)
+  Tensor tCrX_short = thr_mma_short.make_fragment_A(thr_mma_short.partition_A(sX));
+  Tensor tCrW = thr_mma.make_fragment_B(thr_mma.partition_B(sW));              // (MMA, 1, MMA_K, 2S)
   // Per half: (MMA=(2,2,16), 1, 1); element (v0, v1, v2) sits at row base_row + 8 v1 and column
   // base_col + 8 v2 + v0 of the half (the sm90 GMMA accumulator layout).
-  Tensor acc_low = partition_fragment_C(mma, typename Tile::HalfMN{});
+  Tensor acc_low = partition_fragment_C(mma, typename Tile::HalfMN{});   // a short tile: this warpgroup's half
   Tensor acc_high = partition_fragment_C(mma, typename Tile::HalfMN{});
   Tensor partial = partition_fragment_C(mma, typename Tile::HalfMN{});  // fp8: one half's K block, unscaled
-  Tensor coords = thr_mma.partition_C(make_identity_tensor(typename Tile::HalfMN{}));
-  const int base_row = get<0>(coords(make_coord(0, 0, 0), 0, 0));
-  const int base_col = get<1>(coords(make_coord(0, 0, 0), 0, 0));
+  auto first_coord = [&](auto& slice) {
+    return slice.partition_C(make_identity_tensor(typename Tile::HalfMN{}))(make_coord(0, 0, 0), 0, 0);
+  };
+  const int base_row = get<0>(first_coord(thr_mma));
+  const int short_base_row = get<0>(first_coord(thr_mma_short));
+  const int base_col = get<1>(first_coord(thr_mma));
   pipeline::PipelineState<kStages> state;
   // As in the swapAB mainloop: one lane's arrival after __syncwarp hands a stage back.
   auto release_stage = [&](int stage) {
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
   };
-  // The k steps of one half's K block in `stage`, as one wgmma batch into `out`.
-  auto issue_half = [&](auto& out, int stage, int half, bool accumulate) {
+  // The k steps of one half's K block in `stage`, from token fragment `x`, as one wgmma batch into `out`.
+  auto issue_half = [&](auto& out, auto& x, int stage, int half, bool accumulate) {
     warpgroup_fence_operand(out);
     warpgroup_arrive();
     mma.accumulate_ = accumulate ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
     CUTE_UNROLL
-    for (int k = 0; k < size<2>(tCrX); ++k) {
-      gemm(mma, tCrX(_, _, k, stage), tCrW(_, _, k, Tile::kHalves * stage + half), out);
+    for (int k = 0; k < size<2>(x); ++k) {
+      gemm(mma, x(_, _, k, stage), tCrW(_, _, k, Tile::kHalves * stage + half), out);
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
@@ -99,67 +105,99 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
         CUTE_UNROLL
         for (int v0 = 0; v0 < 2; ++v0) acc(make_coord(v0, v1, v2), 0, 0) += partial(make_coord(v0, v1, v2), 0, 0) * scale[v1];
   };
-
-  auto consume_tile = [&](const GroupedTile& tile) {
-    // The second warpgroup's rows were loaded only if the tile has more than one subtile of them.
-    const bool has_rows = warpgroup < Config::tile_subtiles(tile);
-    gemm_detail::Fc2RowSlots slots;
-    if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, base_row);
-    clear(acc_low);
-    clear(acc_high);
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);  // K block 0's: before the tile
-      if (!has_rows) {
-        release_stage(state.stage);
-      } else if constexpr (Config::kFp8) {
-        // The lane that hands the stage back reads the weight scales (see the swapAB mainloop).
-        const float low_mine = lane == 0 ? smem.weight_scales[state.stage][0] : 0.0f;
-        const float high_mine = lane == 0 ? smem.weight_scales[state.stage][1] : 0.0f;
-        const float weight_low = __shfl_sync(0xffffffffu, low_mine, 0);
-        const float weight_high = __shfl_sync(0xffffffffu, high_mine, 0);
-        const float* stage_scales = smem.token_scales + state.stage * Config::kScaleStageStride;
-        const float token_scale[2] = {stage_scales[base_row], stage_scales[base_row + 8]};
-        issue_half(partial, state.stage, 0, false);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(partial);
-        promote(acc_low, weight_low, token_scale);
-        issue_half(partial, state.stage, 1, false);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(partial);
-        release_stage(state.stage);
-        promote(acc_high, weight_high, token_scale);
-      } else {
-        issue_half(acc_low, state.stage, 0, true);
-        issue_half(acc_high, state.stage, 1, true);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_low);
-        warpgroup_fence_operand(acc_high);
-        release_stage(state.stage);
-      }
-      state.advance();
-    }
-
-    if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
-      if (has_rows) gemm_detail::fc1_swiglu_tokens_on_m_epilogue<Config>(p, tile, acc_low, acc_high, base_row, base_col);
-      publish_fc1_tile(p.fc1_tiles_done, tile.expert, p.num_experts, static_cast<uint32_t>(NamedBarrier::kFc1TileStored),
-                       Config::kConsumerThreads, consumer_thread);
+  // fp8: the stage's weight scale of `half`, read by the lane that hands the stage back (see the
+  // swapAB mainloop), and the token scales of rows `row` and `row + 8`.
+  auto weight_scale = [&](int stage, int half) {
+    return __shfl_sync(0xffffffffu, lane == 0 ? smem.weight_scales[stage][half] : 0.0f, 0);
+  };
+  auto token_scales = [&](int stage, int row, float (&scale)[2]) {
+    const float* stage_scales = smem.token_scales + stage * Config::kScaleStageStride;
+    scale[0] = stage_scales[row];
+    scale[1] = stage_scales[row + 8];
+  };
+  // A K block of the warpgroup's own 64 rows: both halves, into acc_low and acc_high.
+  auto whole_rows_block = [&](int stage) {
+    if constexpr (Config::kFp8) {
+      const float weight_low = weight_scale(stage, 0), weight_high = weight_scale(stage, 1);
+      float token_scale[2];
+      token_scales(stage, base_row, token_scale);
+      issue_half(partial, tCrX, stage, 0, false);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(partial);
+      promote(acc_low, weight_low, token_scale);
+      issue_half(partial, tCrX, stage, 1, false);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(partial);
+      release_stage(stage);
+      promote(acc_high, weight_high, token_scale);
     } else {
-      if (has_rows) gemm_detail::fc2_tokens_on_m_epilogue<Config>(p, tile, acc_low, acc_high, base_row, base_col, slots);
-      if (p.tiles_stored != nullptr) {
-        publish_stored_tile(p.tiles_stored, static_cast<uint32_t>(NamedBarrier::kTileStored), Config::kConsumerThreads,
-                            consumer_thread);
-      }
+      issue_half(acc_low, tCrX, stage, 0, true);
+      issue_half(acc_high, tCrX, stage, 1, true);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_low);
+      warpgroup_fence_operand(acc_high);
+      release_stage(stage);
+    }
+  };
+  // A K block of a short tile: the first subtile's rows, this warpgroup's half, into acc_low.
+  auto short_rows_block = [&](int stage) {
+    if constexpr (Config::kFp8) {
+      const float weight = weight_scale(stage, warpgroup);
+      float token_scale[2];
+      token_scales(stage, short_base_row, token_scale);
+      issue_half(partial, tCrX_short, stage, warpgroup, false);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(partial);
+      release_stage(stage);
+      promote(acc_low, weight, token_scale);
+    } else {
+      issue_half(acc_low, tCrX_short, stage, warpgroup, true);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_low);
+      release_stage(stage);
     }
   };
 
-  // The first stage of each tile names it; lane 0 reads the tag for its warp (see the swapAB mainloop).
-  auto stage_tile = [&](int stage) { return broadcast_from_lane0(lane == 0 ? smem.stage_tile[stage] : GroupedTile{}); };
-  ptx::wait_parity(&smem.full[state.stage], state.phase);
-  for (GroupedTile tile = stage_tile(state.stage); tile.expert >= 0;) {
-    consume_tile(tile);
-    ptx::wait_parity(&smem.full[state.stage], state.phase);
-    tile = stage_tile(state.stage);
-  }
+  auto consume_tile = [&](const GroupedTile& tile) {
+    // A tile of one subtile has rows for the first warpgroup only: both take them, a half each.
+    const bool short_tile = Config::tile_subtiles(tile) == 1;
+    const int row = short_tile ? short_base_row : base_row;
+    gemm_detail::Fc2RowSlots slots;
+    if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, row);
+    clear(acc_low);
+    clear(acc_high);
+    // One loop per kind of tile rather than a branch per K block, whose join keeps both kinds'
+    // registers live (the fp8 build spilled).
+    auto k_loop = [&](auto k_block) {
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);  // K block 0's: before the tile
+        k_block(state.stage);
+        state.advance();
+      }
+    };
+    if (short_tile) {
+      k_loop(short_rows_block);
+    } else {
+      k_loop(whole_rows_block);
+    }
+
+    float* row_amax = &smem.amax_exchange[0][0];
+    if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
+      if (short_tile) {
+        gemm_detail::fc1_swiglu_tokens_on_m_epilogue<Config, 1>(p, tile, acc_low, acc_low, warpgroup, row, base_col,
+                                                                row_amax, warpgroup);
+      } else {
+        gemm_detail::fc1_swiglu_tokens_on_m_epilogue<Config, 2>(p, tile, acc_low, acc_high, 0, row, base_col, row_amax,
+                                                                warpgroup);
+      }
+    } else if (short_tile) {
+      gemm_detail::fc2_tokens_on_m_epilogue<Config, 1>(p, tile, acc_low, acc_low, warpgroup, row, base_col, slots);
+    } else {
+      gemm_detail::fc2_tokens_on_m_epilogue<Config, 2>(p, tile, acc_low, acc_high, 0, row, base_col, slots);
+    }
+    publish_tile<Config>(p, tile, consumer_thread);
+  };
+  for_each_tagged_tile<Config>(smem, state, lane, consume_tile);
 }
 
 }  // namespace megamoe::kernels
