@@ -53,9 +53,10 @@ bool copies_rows_for(const MoeSpec& spec, double mean_rows, int token_tile) {
   return !layout::gemm_tokens_on_m(token_tile) && copies_rows_for(spec, mean_rows);
 }
 
+// 16, 32 or 64 (swapAB) while the rows to cover fit 64, else 128 (tokens on M).
 int token_tile_for_rows(double mean_rows) {
   return std::clamp(next_pow2(static_cast<int>(std::ceil(rows_to_cover(mean_rows)))), kMinTokenTile,
-                    layout::kGemmSwapAbMaxTokenTile);
+                    layout::kGemmTokensOnMTile);
 }
 
 GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int token_tile, double mean_rows, double touched_experts,
@@ -176,6 +177,10 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   p.tokens = tokens;
   p.expected_rows_per_expert = static_cast<int>(std::ceil(mean_rows));
   p.token_tile = o.token_tile != 0 ? o.token_tile : token_tile_for_rows(mean_rows);
+  // The row copy fills swapAB's token blocks only (validate() refused an explicit 128 with it).
+  const bool caps_for_row_copy = o.token_tile == 0 && o.fc1_token_rows == Fc1TokenRows::row_copy &&
+                                 layout::gemm_tokens_on_m(p.token_tile);
+  if (caps_for_row_copy) p.token_tile = layout::kGemmSwapAbMaxTokenTile;
   switch (o.launch) {
     case ForwardLaunch::automatic:
       p.single_kernel = p.token_tile <= kMaxSingleKernelTokenTile && tokens <= kMaxSingleKernelTokens;
@@ -206,10 +211,19 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   if (!explain) return p;
   if (o.token_tile != 0) {
     p.reasons.push_back(format("token tile %lld: options.token_tile", p.token_tile));
+  } else if (caps_for_row_copy) {
+    p.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert would take the tokens-on-M tile, "
+                               "but options.fc1_token_rows=row_copy fills swapAB's token blocks only",
+                               p.token_tile, p.expected_rows_per_expert));
+  } else if (layout::gemm_tokens_on_m(p.token_tile)) {
+    p.reasons.push_back(format("token tile %lld (tokens on M): ~%lld rows per touched expert, ~%lld with their "
+                               "spread, more than a 64-token swapAB tile holds",
+                               p.token_tile, p.expected_rows_per_expert,
+                               static_cast<long long>(std::ceil(rows_to_cover(mean_rows)))));
   } else {
     p.reasons.push_back(format("token tile %lld: ~%lld rows per touched expert, ~%lld with their spread, within "
                                "[16, 64] (two fp32 accumulator sets of 256 channels x 64 tokens per CTA are the "
-                               "register budget)",
+                               "register budget of swapAB; more rows take the tokens-on-M tile of 128)",
                                p.token_tile, p.expected_rows_per_expert,
                                static_cast<long long>(std::ceil(rows_to_cover(mean_rows)))));
   }

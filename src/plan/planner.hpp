@@ -33,12 +33,11 @@ struct GemmConfig {
   std::vector<std::string> reasons;  // one line per heuristic decision
 };
 
-// Token tile (swapAB: tokens on wgmma N) of the grouped GEMMs for a call of `tokens` tokens: the
-// narrowest of 16, 32 and 64 that holds the expected rows per touched expert under uniform routing
-// plus kTokenTileSpread standard deviations of their spread, so that few experts need a second tile
-// that streams their weights again (docs/decisions.md#token-tile). The tokens-on-M tile (128) is
-// opt-in through options.token_tile until it is measured faster in a bucket
-// (docs/decisions.md#tokens-on-m-tile).
+// Token tile of the grouped GEMMs for a call of `tokens` tokens: the narrowest of 16, 32 and 64
+// (swapAB: tokens on wgmma N) that holds the expected rows per touched expert under uniform
+// routing plus kTokenTileSpread standard deviations of their spread, so that few experts need a
+// second tile that streams their weights again (docs/decisions.md#token-tile); where those rows
+// exceed 64, the tokens-on-M tile of 128 (docs/decisions.md#tokens-on-m-tile).
 inline constexpr double kTokenTileSpread = 2.0;
 int choose_token_tile(const MoeSpec& spec, int tokens);
 

@@ -24,9 +24,9 @@ ForwardPlan forward_plan(const MoeSpec& spec, int tokens, int max_tokens, const 
   return plan_forward(spec, plan_layer(spec, max_tokens, options, facts), tokens, options.combine, facts);
 }
 
-// The planner's own choice is swapAB with a token tile covering the rows per expert (tokens on M
-// is opt-in).
-TEST(Planner, SwapAbWithTokenTileCoveringRowsPerExpert) {
+// The planner's own choice is a token tile covering the rows per expert: swapAB up to 64 rows, the
+// tokens-on-M tile of 128 beyond.
+TEST(Planner, TokenTileCoveringRowsPerExpertInEitherLayout) {
   const DeviceFacts h200 = DeviceFacts::h200_measured();
   for (const Workload& w : named_workloads()) {
     for (Precision precision : {Precision::bf16, Precision::fp8_block}) {
@@ -36,11 +36,12 @@ TEST(Planner, SwapAbWithTokenTileCoveringRowsPerExpert) {
         const ForwardPlan plan = forward_plan(spec, tokens, 8192);
         SCOPED_TRACE(w.name + " tokens=" + std::to_string(tokens));
         for (const GemmConfig* c : {&plan.fc1, &plan.fc2}) {
-          EXPECT_TRUE(c->swap_ab);
-          EXPECT_GE(c->token_tile, std::min(plan.expected_rows_per_expert, 64));
-          EXPECT_TRUE(c->token_tile == 16 || c->token_tile == 32 || c->token_tile == 64);
-          EXPECT_EQ(c->block_n, c->token_tile);
-          EXPECT_EQ(c->block_m, 256);
+          EXPECT_EQ(c->token_tile, plan.token_tile);
+          EXPECT_GE(c->token_tile, std::min(plan.expected_rows_per_expert, 128));
+          EXPECT_TRUE(c->token_tile == 16 || c->token_tile == 32 || c->token_tile == 64 || c->token_tile == 128);
+          EXPECT_EQ(c->swap_ab, c->token_tile <= 64);
+          EXPECT_EQ(c->swap_ab ? c->block_n : c->block_m, c->token_tile);
+          EXPECT_EQ(c->swap_ab ? c->block_m : c->block_n, 256);
           EXPECT_EQ(c->channel_tile, 256);
           EXPECT_EQ(c->block_k, precision == Precision::fp8_block ? 128 : 64);
           EXPECT_GE(c->stages, 3) << "every named workload must get enough stages to hide TMA latency";
@@ -48,6 +49,7 @@ TEST(Planner, SwapAbWithTokenTileCoveringRowsPerExpert) {
           EXPECT_EQ(c->block_m % 64, 0) << "wgmma M is 64 per warpgroup";
           EXPECT_FALSE(c->reasons.empty());
         }
+        EXPECT_FALSE(plan.token_tile == 128 && plan.fc1_copies_token_rows) << "the row copy fills swapAB's blocks";
       }
     }
   }
@@ -161,7 +163,7 @@ TEST(Planner, TheExplainedPlanHoldsTheLaunchedDecisions) {
 TEST(Planner, OptionsReplaceThePlannersChoices) {
   const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
   const ForwardPlan planner = forward_plan(spec, 2048, 8192);
-  EXPECT_EQ(planner.token_tile, 64);
+  EXPECT_EQ(planner.token_tile, 128);
   EXPECT_FALSE(planner.fc1_copies_token_rows);
   EXPECT_EQ(planner.grid, 132);
 
@@ -256,13 +258,26 @@ TEST(Floors, ExpectedTouchedExpertsMatchesTheClosedForm) {
 
 // The token tile holds the mean rows per touched expert plus their spread (planner.hpp): uniform
 // routing over qwen35-a3b's 256 experts moves to 32-token tiles at a mean of ~9.8 rows (313
-// tokens) and to 64 at ~22.5 (721); the tokens-on-M tile is opt-in.
+// tokens), to 64 at ~22.5 (721) and to the tokens-on-M tile of 128 at ~49.9 (1597).
 TEST(Planner, TokenTileCoversTheSpreadOfRowsPerExpert) {
   const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
   const std::pair<int, int> tile_at[] = {{1, 16},    {16, 16},   {128, 16},  {312, 16},  {313, 32},
                                          {512, 32},  {720, 32},  {721, 64},  {1000, 64}, {1024, 64},
-                                         {2048, 64}, {3072, 64}, {8192, 64}};
+                                         {1596, 64}, {1597, 128}, {2048, 128}, {3072, 128}, {8192, 128}};
   for (const auto& [tokens, tile] : tile_at) EXPECT_EQ(choose_token_tile(spec, tokens), tile) << tokens << " tokens";
+}
+
+// A forced row copy keeps the planner's tile in swapAB, whose token blocks it fills, and says so.
+TEST(Planner, AForcedRowCopyKeepsTheTileInSwapAb) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  const ForwardPlan automatic = forward_plan(spec, 8192, 8192);
+  EXPECT_EQ(automatic.token_tile, 128);
+  EXPECT_FALSE(automatic.fc1_copies_token_rows);
+  const ForwardPlan copying = forward_plan(spec, 8192, 8192, {.fc1_token_rows = Fc1TokenRows::row_copy});
+  EXPECT_EQ(copying.token_tile, 64);
+  EXPECT_TRUE(copying.fc1_copies_token_rows);
+  EXPECT_TRUE(copying.fc1.swap_ab);
+  EXPECT_NE(copying.reasons[0].find("row_copy"), std::string::npos) << copying.reasons[0];
 }
 
 }  // namespace
