@@ -44,7 +44,7 @@ void print_usage() {
       "                     [--routing auto|softmax|grouped|precomputed] [--experts N] [--seed S]\n"
       "                     [--token-tile auto|16|32|64|128] [--fc1-token-rows auto|pool|row_copy]\n"
       "                     [--combine deterministic|fast] [--num-sms N] [--launch auto|per_stage|single_kernel]\n"
-      "                     [--json PATH] [--cpu] [--breakdown] [--warm-l2] [--print-plan]\n"
+      "                     [--weight-multicast] [--json PATH] [--cpu] [--breakdown] [--warm-l2] [--print-plan]\n"
       "Options take their value as --flag value or --flag=value.\n"
       "  --workload        named workload (default qwen35-a3b)\n"
       "  --tokens          token counts, comma-separated (GPU default the buckets 1..8192;\n"
@@ -59,6 +59,8 @@ void print_usage() {
       "  --combine         MoeLayerOptions::combine, the forward's combine (default deterministic)\n"
       "  --num-sms         MoeLayerOptions::num_sms: CTAs of the GEMMs (default 0, every SM)\n"
       "  --launch          MoeLayerOptions::launch: five kernels or one (default auto, the planner's)\n"
+      "  --weight-multicast  MoeLayerOptions::weight_multicast: tokens-on-M GEMMs in CTA pairs sharing\n"
+      "                    each weight block (experimental, default off)\n"
       "  --json PATH       also write the measured figures as JSON (one record per token count)\n"
       "  --cpu             run the CPU reference even when a Hopper GPU is present\n"
       "  --breakdown       GPU: also time the forward's CUDA graph cut after each node (where time goes);\n"
@@ -109,6 +111,7 @@ Options parse(int argc, char** argv) {
       switch_option("--breakdown", set(o.breakdown)),
       switch_option("--warm-l2", set(o.warm_l2)),
       switch_option("--print-plan", set(o.print_plan)),
+      switch_option("--weight-multicast", set(o.layer.weight_multicast)),
       value_option("--workload", [&](Value v) { o.workload = v; }),
       value_option("--tokens", [&](Value v) { o.tokens = cli::parse_count_list("--tokens", v, kMaxLayerTokens); }),
       value_option("--experts",
@@ -167,7 +170,8 @@ Json options_json(const MoeLayerOptions& options) {
       .set("fc1_token_rows", to_string(options.fc1_token_rows))
       .set("combine", to_string(options.combine))
       .set("num_sms", options.num_sms)
-      .set("launch", to_string(options.launch));
+      .set("launch", to_string(options.launch))
+      .set("weight_multicast", options.weight_multicast);
 }
 
 Json& set_plan_decisions(Json& record, const plan::ForwardPlan& plan) {
@@ -175,7 +179,8 @@ Json& set_plan_decisions(Json& record, const plan::ForwardPlan& plan) {
       .set("single_kernel", plan.single_kernel)
       .set("fc1_copies_token_rows", plan.fc1_copies_token_rows)
       .set("combine", to_string(plan.combine))
-      .set("grid", plan.grid);
+      .set("grid", plan.grid)
+      .set("weight_multicast", plan.weight_multicast);
 }
 
 namespace {

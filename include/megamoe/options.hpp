@@ -43,6 +43,10 @@ struct MoeLayerOptions {
   // leave SMs to work on other streams (communication kernels beside the layer).
   int num_sms = 0;
   ForwardLaunch launch = ForwardLaunch::automatic;
+  // Experimental, off by default: where a call's token tile is 128 (tokens on M), the GEMMs run
+  // their CTAs in clusters of two that share each weight block by TMA multicast, each loading one
+  // half into both (docs/decisions.md#weight-multicast-pairs). The output does not depend on it.
+  bool weight_multicast = false;
 };
 
 // Throws megamoe::Error(invalid_argument) naming the field and what it takes.

@@ -251,6 +251,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   const plan::ForwardPlan plan = plan::plan_forward(spec_, impl_->plan, planned_tokens(inputs), mode, impl_->facts,
                                                     plan::PlanDetail::decisions);
   const kernels::MoeLaunchChoices choices{plan.token_tile,
+                                          plan.weight_multicast,
                                           plan.fc1_copies_token_rows,
                                           mode == CombineMode::deterministic,
                                           plan.single_kernel,

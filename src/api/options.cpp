@@ -81,7 +81,7 @@ std::ostream& operator<<(std::ostream& os, const MoeLayerOptions& o) {
   } else {
     os << o.num_sms;
   }
-  return os << ", launch=" << to_string(o.launch) << "}";
+  return os << ", launch=" << to_string(o.launch) << (o.weight_multicast ? ", weight_multicast" : "") << "}";
 }
 
 }  // namespace megamoe

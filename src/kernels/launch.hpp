@@ -27,20 +27,32 @@ void allow_dynamic_smem(int bytes) {
   configured_devices.fetch_or(bit, std::memory_order_release);
 }
 
+// `cluster_size` > 1 launches the grid in thread-block clusters of that many CTAs along x (the
+// grid a multiple of it).
 template <class... Params, class... Args>
-void launch_overlapping_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                                 cudaStream_t stream, const char* name, Args&&... args) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
+void launch_overlapping_previous_in_clusters(int cluster_size, void (*kernel)(Params...), dim3 grid, dim3 block,
+                                             size_t smem_bytes, cudaStream_t stream, const char* name, Args&&... args) {
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = static_cast<unsigned>(cluster_size);
+  attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  config.attrs = attributes;
+  config.numAttrs = cluster_size > 1 ? 2 : 1;
   cuda_check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name, __FILE__, __LINE__);
+}
+
+template <class... Params, class... Args>
+void launch_overlapping_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                                 cudaStream_t stream, const char* name, Args&&... args) {
+  launch_overlapping_previous_in_clusters(1, kernel, grid, block, smem_bytes, stream, name, std::forward<Args>(args)...);
 }
 
 }  // namespace megamoe::kernels

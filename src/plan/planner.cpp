@@ -206,6 +206,9 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   }
   p.combine = combine;
   p.grid = o.num_sms != 0 ? std::min(o.num_sms, facts.num_sms) : facts.num_sms;
+  // CTA pairs where the tile is tokens on M; a pair needs two SMs, so an odd grid loses one CTA.
+  p.weight_multicast = o.weight_multicast && layout::gemm_tokens_on_m(p.token_tile) && p.grid >= 2;
+  if (p.weight_multicast) p.grid -= p.grid % 2;
   p.fc1 = choose_gemm("fc1", spec, p.token_tile, mean_rows, touched, 2 * spec.intermediate, detail);
   p.fc2 = choose_gemm("fc2", spec, p.token_tile, mean_rows, touched, spec.hidden, detail);
   if (!explain) return p;
@@ -263,6 +266,13 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   p.reasons.push_back(o.num_sms != 0 ? format("grid %lld CTAs: options.num_sms (device has %lld SMs)", p.grid,
                                               facts.num_sms)
                                      : format("grid %lld CTAs: one per SM", p.grid));
+  if (p.weight_multicast) {
+    p.reasons.push_back(format("weight multicast: options.weight_multicast, %lld CTA pairs each sharing a weight "
+                               "block by TMA multicast",
+                               p.grid / 2));
+  } else if (o.weight_multicast) {
+    p.reasons.push_back("no weight multicast: options.weight_multicast applies to the tokens-on-M tile only");
+  }
   return p;
 }
 
@@ -298,7 +308,7 @@ std::ostream& operator<<(std::ostream& os, const ForwardPlan& p) {
   os << "forward of " << p.tokens << " tokens (~" << p.expected_rows_per_expert << " rows per touched expert): "
      << (p.single_kernel ? "one kernel" : "five kernels") << ", token tile " << p.token_tile << ", FC1 "
      << (p.fc1_copies_token_rows ? "copies token rows" : "reads the pool") << ", combine "
-     << to_string(p.combine) << ", grid " << p.grid;
+     << to_string(p.combine) << ", grid " << p.grid << (p.weight_multicast ? " in CTA pairs" : "");
   for (const std::string& reason : p.reasons) os << "\n    - " << reason;
   return os << "\n  " << p.fc1 << "\n  " << p.fc2;
 }

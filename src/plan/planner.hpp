@@ -72,6 +72,7 @@ struct ForwardPlan {
   int expected_rows_per_expert = 0;     // under uniform routing
   int token_tile = 0;                   // 16, 32 or 64 (swapAB) or 128 (tokens on M), for FC1 and FC2
   bool single_kernel = false;           // one persistent launch, else five
+  bool weight_multicast = false;        // tokens on M: the GEMMs' CTAs in pairs sharing weight blocks
   bool fc1_copies_token_rows = false;
   CombineMode combine = CombineMode::deterministic;
   int grid = 0;                         // persistent CTAs of each GEMM

@@ -165,20 +165,26 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerVsReference, ::testing::ValuesIn(cases()
 // 2048 and 8192 tokens.
 class MoeLayerTokensOnMVsReference : public ::testing::TestWithParam<Case> {};
 
-TEST_P(MoeLayerTokensOnMVsReference, MatchesCpuReferenceAndTheSwapAbBits) {
-  MEGAMOE_REQUIRE_HOPPER();
-  const Case c = GetParam();
+// A layer built with `tested` (whose plan names `plan_mark`) against the references and, where the
+// combine is deterministic, bit for bit against a layer built with `control`.
+void expect_reference_and_control_bits(const Case& c, const MoeLayerOptions& tested, const char* plan_mark,
+                                       const MoeLayerOptions& control) {
   test::SeededRng rng;
   LayerFixture& f = fixture_for(c, rng.seed());
-  MoeLayer tokens_on_m(f.spec, f.packed, c.tokens, {.token_tile = 128});
-  ASSERT_NE(tokens_on_m.describe_plan(c.tokens).find("tokens on M"), std::string::npos);
+  MoeLayer layer(f.spec, f.packed, c.tokens, tested);
+  ASSERT_NE(layer.describe_plan(c.tokens).find(plan_mark), std::string::npos) << plan_mark;
   const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
-  const CheckedForward checked = expect_matches_reference(tokens_on_m, f, c, in, rng);
+  const CheckedForward checked = expect_matches_reference(layer, f, c, in, rng);
   if (c.combine == CombineMode::deterministic) {
-    MoeLayer swap_ab(f.spec, f.packed, c.tokens, {.token_tile = 64});
-    const std::vector<bf16_t> y = run_device(swap_ab, f.spec, in, c.tokens, c.combine);
+    MoeLayer reference_layer(f.spec, f.packed, c.tokens, control);
+    const std::vector<bf16_t> y = run_device(reference_layer, f.spec, in, c.tokens, c.combine);
     EXPECT_EQ(std::memcmp(y.data(), checked.y.data(), y.size() * sizeof(bf16_t)), 0);
   }
+}
+
+TEST_P(MoeLayerTokensOnMVsReference, MatchesCpuReferenceAndTheSwapAbBits) {
+  MEGAMOE_REQUIRE_HOPPER();
+  expect_reference_and_control_bits(GetParam(), {.token_tile = 128}, "tokens on M", {.token_tile = 64});
 }
 
 std::vector<Case> tokens_on_m_cases() {
@@ -203,6 +209,36 @@ std::vector<Case> tokens_on_m_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerTokensOnMVsReference, ::testing::ValuesIn(tokens_on_m_cases()), name_of);
+
+// CTA pairs that share each weight block by TMA multicast (options.weight_multicast, experimental:
+// docs/decisions.md#weight-multicast-pairs) against the references and, deterministic, against
+// single CTAs on the same tokens-on-M tile, bit for bit: experts with odd and even tile counts
+// (the odd ones' empty partner tiles), short tiles, skewed routing, both combines.
+class MoeLayerWeightMulticast : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeLayerWeightMulticast, MatchesTheSingleCtaTileBitForBit) {
+  MEGAMOE_REQUIRE_HOPPER();
+  expect_reference_and_control_bits(GetParam(), {.token_tile = 128, .weight_multicast = true}, "in CTA pairs",
+                                    {.token_tile = 128});
+}
+
+std::vector<Case> weight_multicast_cases() {
+  std::vector<Case> out;
+  for (Precision p : {Precision::bf16, Precision::fp8_block}) {
+    for (int t : {1, 7, 65, 200, 1000}) {
+      out.push_back({"small", p, t, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic});
+    }
+    out.push_back({"small", p, 333, RoutingKind::grouped, Skew::skewed, CombineMode::deterministic});
+    out.push_back({"small", p, 1000, RoutingKind::precomputed, Skew::uniform, CombineMode::fast});
+  }
+  out.push_back({"qwen35-a3b", Precision::fp8_block, 2048, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
+  out.push_back({"qwen35-a3b", Precision::fp8_block, 8192, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
+  out.push_back({"qwen35-a3b", Precision::bf16, 2048, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
+  out.push_back({"qwen3-30b-a3b", Precision::fp8_block, 4096, RoutingKind::workload, Skew::skewed, CombineMode::deterministic});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerWeightMulticast, ::testing::ValuesIn(weight_multicast_cases()), name_of);
 
 TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   MEGAMOE_REQUIRE_HOPPER();

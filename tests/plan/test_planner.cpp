@@ -280,5 +280,24 @@ TEST(Planner, AForcedRowCopyKeepsTheTileInSwapAb) {
   EXPECT_NE(copying.reasons[0].find("row_copy"), std::string::npos) << copying.reasons[0];
 }
 
+// Weight multicast pairs the GEMMs' CTAs where the tile is tokens on M, on an even grid, and says
+// why not elsewhere.
+TEST(Planner, WeightMulticastPairsTheTokensOnMTilesOnAnEvenGrid) {
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  const ForwardPlan large = forward_plan(spec, 8192, 8192, {.weight_multicast = true});
+  EXPECT_TRUE(large.weight_multicast);
+  EXPECT_EQ(large.grid, 132);
+  const ForwardPlan odd = forward_plan(spec, 8192, 8192, {.num_sms = 101, .weight_multicast = true});
+  EXPECT_TRUE(odd.weight_multicast);
+  EXPECT_EQ(odd.grid, 100) << "a pair needs two SMs";
+  const ForwardPlan small = forward_plan(spec, 16, 8192, {.num_sms = 101, .weight_multicast = true});
+  EXPECT_FALSE(small.weight_multicast) << "swapAB tiles run alone";
+  EXPECT_EQ(small.grid, 101);
+  std::ostringstream os;
+  os << small;
+  EXPECT_NE(os.str().find("tokens-on-M tile only"), std::string::npos) << os.str();
+  EXPECT_FALSE(forward_plan(spec, 8192, 8192).weight_multicast) << "off by default";
+}
+
 }  // namespace
 }  // namespace megamoe::plan

@@ -52,8 +52,17 @@ auto make_gemm_params(const MoeLayerParams& f, const GemmArguments& g, int first
                                make_stride(static_cast<int64_t>(g.k), _1{}, static_cast<int64_t>(g.a_rows) * g.k));
   Tensor pool = make_tensor(make_gmem_ptr(static_cast<const Element*>(g.pool)), make_shape(pool_rows, g.k),
                             make_stride(static_cast<int64_t>(g.k), _1{}));
-  auto tma_a = make_tma_atom(SM90_TMA_LOAD{}, weights, typename Config::SmemLayoutA{}(_, _, 0),
-                             make_shape(Int<Config::kBlockM>{}, Int<Config::kBlockK>{}));
+  // A CTA pair loads each weight block as two halves, each into both CTAs (multicast).
+  auto make_weights_tma = [&] {
+    if constexpr (Config::kSharesWeights) {
+      return make_tma_atom(SM90_TMA_LOAD_MULTICAST{}, weights, typename Config::SmemLayoutA{}(_, _, 0),
+                           make_shape(Int<Config::kBlockM>{}, Int<Config::kBlockK>{}), Int<Config::kClusterSize>{});
+    } else {
+      return make_tma_atom(SM90_TMA_LOAD{}, weights, typename Config::SmemLayoutA{}(_, _, 0),
+                           make_shape(Int<Config::kBlockM>{}, Int<Config::kBlockK>{}));
+    }
+  };
+  auto tma_a = make_weights_tma();
   // Token rows and their scales travel in subtiles (a stage holds one or kSubtiles of them).
   auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, pool,
                              typename GemmTileColumns<Config, Config::kTokenSubtile>::SmemLayoutB{}(_, _, 0),
@@ -134,6 +143,7 @@ inline RoutingParams make_routing_params(const MoeLayerParams& f, const MoeLaunc
   routing.blocks_done = w.at<uint32_t>(ws, w.routing_blocks_done);
   routing.expert_rows = w.at<int32_t>(ws, w.expert_rows);
   routing.token_tile_rows = c.token_tile;
+  routing.paired_tiles = c.weight_multicast;
   routing.expert_offsets = w.at<int32_t>(ws, w.expert_offsets);
   routing.token_tile_prefix = w.at<int32_t>(ws, w.token_tile_prefix);
   routing.token_tile_expert = w.at<int32_t>(ws, w.token_tile_expert);

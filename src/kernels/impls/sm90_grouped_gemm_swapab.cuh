@@ -37,6 +37,7 @@
 #include "kernels/producer/token_producer.cuh"
 #include "kernels/producer/weight_producer.cuh"
 #include "kernels/producer/weight_scale_producer.cuh"
+#include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mbarrier.cuh"
 
@@ -64,7 +65,7 @@ template <class Config>
 __device__ __forceinline__ void init_gemm_barriers(typename Config::SharedStorage& smem) {
   for (int s = 0; s < Config::kStages; ++s) {
     ptx::mbarrier_init(&smem.full[s], Config::kFullArrivals);
-    ptx::mbarrier_init(&smem.empty[s], layout::kGemmConsumerWarps * Config::kEmptyArrivalsPerWarp);
+    ptx::mbarrier_init(&smem.empty[s], Config::kEmptyArrivals);
   }
   for (int q = 0; q < Config::kTileQueue; ++q) {
     ptx::mbarrier_init(&smem.queue_full[q], 1);
@@ -112,7 +113,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
   }
-  __syncthreads();
+  // A CTA pair's weight loads and stage hand-backs reach the other CTA's barriers: both CTAs'
+  // barriers are initialized before either starts.
+  if constexpr (Config::kSharesWeights) {
+    ptx::cluster_sync();
+  } else {
+    __syncthreads();
+  }
   // The next kernel may launch as soon as every CTA of this one runs: it too reads only weights
   // and routing results before its own dependency wait (see the producer below).
   ptx::allow_dependent_launch();
@@ -122,18 +129,25 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   if (warpgroup == 0) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     producer_roles<Config>(p, smem, k_blocks);
-    return;
-  }
-  // The math warpgroups read the previous kernel's output only through the stages. FC1's wait all
-  // the same, so that no write of FC1 can overtake a read of the gather; FC2's writes (slot rows or
-  // the accumulator) are read by no kernel before it in this forward, and its reads of the gather's
-  // slot table follow the producer's acquire of FC1's tiles (the last arrival on each stage).
-  if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
-  ptx::setmaxnreg_increase<kConsumerRegisters>();
-  if constexpr (Config::kTokensOnM) {
-    tokens_on_m_math_warpgroups<Config>(p, smem, k_blocks);
   } else {
-    math_warpgroups<Config>(p, smem, k_blocks);
+    // The math warpgroups read the previous kernel's output only through the stages. FC1's wait
+    // all the same, so that no write of FC1 can overtake a read of the gather; FC2's writes (slot
+    // rows or the accumulator) are read by no kernel before it in this forward, and its reads of
+    // the gather's slot table follow the producer's acquire of FC1's tiles (the last arrival on
+    // each stage).
+    if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
+    ptx::setmaxnreg_increase<kConsumerRegisters>();
+    if constexpr (Config::kTokensOnM) {
+      tokens_on_m_math_warpgroups<Config>(p, smem, k_blocks);
+    } else {
+      math_warpgroups<Config>(p, smem, k_blocks);
+    }
+  }
+  // Neither CTA of a pair leaves while the other may still hand a stage back to it (each warp
+  // converged first: the cluster barrier is .aligned, and the producer roles ran on single lanes).
+  if constexpr (Config::kSharesWeights) {
+    __syncwarp();
+    ptx::cluster_sync();
   }
 }
 

@@ -19,8 +19,11 @@ void launch_gemm(const MoeLayerParams& f, const MoeLaunchChoices& c, const GemmA
   using Params = std::remove_const_t<decltype(p)>;
   constexpr auto kernel = &sm90_grouped_gemm_swapab_kernel<Config, Params>;
   allow_dynamic_smem<kernel>(Config::kSmemBytes);
-  launch_overlapping_previous(kernel, c.grid, Config::kThreads, Config::kSmemBytes, stream,
-                              "sm90_grouped_gemm_swapab_kernel", p);
+  if (c.grid % Config::kClusterSize != 0) {
+    throw Error(ErrorCode::unsupported, "internal: a grid of CTA pairs needs an even CTA count (planner bug)");
+  }
+  launch_overlapping_previous_in_clusters(Config::kClusterSize, kernel, c.grid, Config::kThreads, Config::kSmemBytes,
+                                          stream, "sm90_grouped_gemm_swapab_kernel", p);
 }
 
 template <class Element, GemmOp kOp, bool kCopiesRows>
@@ -32,6 +35,10 @@ void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, con
     case 64: return launch_gemm<GroupedGemmConfig<Element, 64, kOp, kCopiesRows>>(f, c, g, stages, stream);
     case layout::kGemmTokensOnMTile:
       if constexpr (!kCopiesRows) {
+        if (c.weight_multicast) {
+          return launch_gemm<GroupedGemmConfig<Element, layout::kGemmTokensOnMTile, kOp, false, true>>(f, c, g, stages,
+                                                                                                       stream);
+        }
         return launch_gemm<GroupedGemmConfig<Element, layout::kGemmTokensOnMTile, kOp, false>>(f, c, g, stages, stream);
       }
       throw Error(ErrorCode::unsupported, "internal: the tokens-on-M tile reads the pool, it does not copy rows");

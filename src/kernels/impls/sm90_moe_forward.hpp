@@ -42,6 +42,7 @@ struct MoeLayerParams {
 // kernels it instantiates, so that the printed plan cannot drift from the launched one.
 struct MoeLaunchChoices {
   int token_tile;              // 16, 32 or 64 (swapAB), or 128 (tokens on M)
+  bool weight_multicast;       // tokens on M: the GEMMs' CTAs in pairs sharing each weight block
   bool fc1_copies_token_rows;  // fp8: the gather writes a row per token, FC1 copies its rows from it
   bool deterministic;          // slot store + ordered combine, else atomic combine
   bool single_kernel;          // the whole forward in one launch (pool rows only), else five

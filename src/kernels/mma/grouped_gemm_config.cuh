@@ -37,15 +37,21 @@ static_assert(128 * kProducerRegisters + 128 * layout::kGemmMathWarpgroups * kCo
 
 // kCopiesRows: the token role is a whole warp copying the tile's rows of x's quantized copy
 // (permute/stage_row_copy.cuh) instead of one lane's TMA loads of the gathered pool (FC1, fp8).
-template <class Element_, int kTokenTile, GemmOp kOp, bool kCopiesRows = false>
+// kPairs: the CTAs run in clusters of two on the tiles 2u and 2u + 1 of the paired numbering
+// (scheduler/tile_numbering.hpp), which share a weight block: each loads half of it into both by
+// TMA multicast (docs/decisions.md#weight-multicast-pairs).
+template <class Element_, int kTokenTile, GemmOp kOp, bool kCopiesRows = false, bool kPairs = false>
 struct GroupedGemmConfig {
   using Element = Element_;
   static constexpr bool kFp8 = std::is_same_v<Element, cutlass::float_e4m3_t>;
   static constexpr GemmOp kGemmOp = kOp;
   static constexpr bool kCopiesTokenRows = kCopiesRows;
   static constexpr bool kTokensOnM = layout::gemm_tokens_on_m(kTokenTile);
+  static constexpr bool kSharesWeights = kPairs;
+  static constexpr int kClusterSize = kPairs ? 2 : 1;
   static_assert(!kCopiesRows || (kFp8 && kOp == GemmOp::fc1_swiglu), "rows are copied from x's fp8 copy, by FC1");
   static_assert(!(kCopiesRows && kTokensOnM), "the row copy fills swapAB's token blocks only");
+  static_assert(!kPairs || kTokensOnM, "CTA pairs share the weight blocks of the tokens-on-M layout only");
   // FC1 waits for the gather's whole grid; FC2 per expert for FC1's tiles (pipeline/fc1_handoff.cuh).
   static constexpr bool kWaitsForFc1 = kOp != GemmOp::fc1_swiglu;
   static constexpr int kBlockM = layout::kGemmChannelTile;
@@ -75,8 +81,10 @@ struct GroupedGemmConfig {
   static constexpr uint32_t kFullArrivals = (kFp8 ? 2 : 1) + kTokenArrivals;
   // A math warp hands a stage back with one lane's arrival after __syncwarp, or, where the token
   // scales it read came by cp.async (generic writes the next copy may overwrite), with every
-  // lane's: compute-sanitizer racecheck does not follow the __syncwarp there.
+  // lane's: compute-sanitizer racecheck does not follow the __syncwarp there. In a CTA pair both
+  // CTAs' math warps hand each stage back to both (either CTA's weight load writes both).
   static constexpr uint32_t kEmptyArrivalsPerWarp = kCopiesRows ? 32 : 1;
+  static constexpr uint32_t kEmptyArrivals = layout::kGemmConsumerWarps * kEmptyArrivalsPerWarp * kClusterSize;
   // Tiles the weight producer may have started ahead of the token producer: with fewer K blocks
   // than stages (FC2 at small I) a stage ring holds parts of up to kStages / k_blocks + 1 tiles.
   static constexpr int kTileQueue = 4;
@@ -105,6 +113,8 @@ struct GroupedGemmConfig {
   __device__ __forceinline__ static int tile_subtiles(const GroupedTile& tile) {
     return kernels::tile_subtiles(tile, kTokenTile);
   }
+  // A stage's bytes: the whole weight block (in a pair, half of it from each CTA's load) and the
+  // tile's token subtiles.
   __device__ __forceinline__ static uint32_t stage_tx_bytes(int subtiles) {
     constexpr int kWeightBytes = kBlockM * kBlockK * sizeof(Element);
     constexpr int kSubtileBytes = kTokenSubtile * kBlockK * sizeof(Element) + (kFp8 ? kTokenSubtile * sizeof(float) : 0);

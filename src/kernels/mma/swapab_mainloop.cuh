@@ -143,7 +143,7 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
 
   using WholeTile = GemmTileColumns<Config, Config::kBlockN>;
   using ShortTile = GemmTileColumns<Config, Config::kTokenSubtile>;
-  for_each_tagged_tile<Config>(smem, state, lane, [&](const GroupedTile& tile) {
+  for_each_tagged_tile<Config>(smem, state, lane, 0, [&](const GroupedTile& tile) {
     if (Config::tile_subtiles(tile) < Config::kSubtiles) consume_tile(ShortTile{}, tile);
     else consume_tile(WholeTile{}, tile);
   });

@@ -12,14 +12,16 @@
 namespace megamoe::kernels {
 
 // Calls consume(tile) for each tile, its first stage already full; consume advances `state` over
-// the tile's stages. The first stage of each tile names it. Lane 0, which hands stages back, reads
-// the tag for its warp: its own arrival on the stage's empty barrier then orders the read before
-// any rewrite.
+// the tile's stages. The first stage of each tile names it. The lane that hands stages back to
+// this CTA (`reader_lane`) reads the tag for its warp: its own arrival on the stage's empty barrier
+// then orders the read before any rewrite.
 template <class Config, class Consume>
 __device__ __forceinline__ void for_each_tagged_tile(typename Config::SharedStorage& smem,
                                                      pipeline::PipelineState<Config::kStages>& state, int lane,
-                                                     Consume&& consume) {
-  auto stage_tile = [&](int stage) { return broadcast_from_lane0(lane == 0 ? smem.stage_tile[stage] : GroupedTile{}); };
+                                                     int reader_lane, Consume&& consume) {
+  auto stage_tile = [&](int stage) {
+    return broadcast_from_lane(lane == reader_lane ? smem.stage_tile[stage] : GroupedTile{}, reader_lane);
+  };
   ptx::wait_parity(&smem.full[state.stage], state.phase);
   for (GroupedTile tile = stage_tile(state.stage); tile.expert >= 0;) {
     consume(tile);

@@ -17,6 +17,7 @@
 #include "kernels/mma/grouped_gemm_config.cuh"
 #include "kernels/mma/tile_walk.cuh"
 #include "kernels/pipeline/pipeline_state.cuh"
+#include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/mbarrier.cuh"
 
 namespace megamoe::kernels {
@@ -77,10 +78,17 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   const int short_base_row = get<0>(first_coord(thr_mma_short));
   const int base_col = get<1>(first_coord(thr_mma));
   pipeline::PipelineState<kStages> state;
-  // As in the swapAB mainloop: one lane's arrival after __syncwarp hands a stage back.
+  // As in the swapAB mainloop: one lane's arrival after __syncwarp hands a stage back; in a CTA
+  // pair lane c's to CTA c, whose weight load also wrote this CTA's stage. The lane that arrives
+  // here reads what the producers rewrite once the stage is free (tile tags, weight scales).
+  const int reader_lane = Config::kSharesWeights ? static_cast<int>(ptx::cluster_cta_rank()) : 0;
   auto release_stage = [&](int stage) {
     __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
+    if constexpr (Config::kSharesWeights) {
+      if (lane < Config::kClusterSize) ptx::mbarrier_arrive_cluster(&smem.empty[stage], static_cast<uint32_t>(lane));
+    } else if (lane == 0) {
+      ptx::mbarrier_arrive(&smem.empty[stage]);
+    }
   };
   // The k steps of one half's K block in `stage`, from token fragment `x`, as one wgmma batch into `out`.
   auto issue_half = [&](auto& out, auto& x, int stage, int half, bool accumulate) {
@@ -108,7 +116,7 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   // fp8: the stage's weight scale of `half`, read by the lane that hands the stage back (see the
   // swapAB mainloop), and the token scales of rows `row` and `row + 8`.
   auto weight_scale = [&](int stage, int half) {
-    return __shfl_sync(0xffffffffu, lane == 0 ? smem.weight_scales[stage][half] : 0.0f, 0);
+    return __shfl_sync(0xffffffffu, lane == reader_lane ? smem.weight_scales[stage][half] : 0.0f, reader_lane);
   };
   auto token_scales = [&](int stage, int row, float (&scale)[2]) {
     const float* stage_scales = smem.token_scales + stage * Config::kScaleStageStride;
@@ -159,6 +167,16 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   };
 
   auto consume_tile = [&](const GroupedTile& tile) {
+    if (Config::tile_subtiles(tile) == 0) {
+      // A pair's empty tile: its stages hold the weights for the other CTA's tile only.
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);
+        release_stage(state.stage);
+        state.advance();
+      }
+      publish_tile<Config>(p, tile, consumer_thread);  // FC2 counts an expert's tiles with it
+      return;
+    }
     // A tile of one subtile has rows for the first warpgroup only: both take them, a half each.
     const bool short_tile = Config::tile_subtiles(tile) == 1;
     const int row = short_tile ? short_base_row : base_row;
@@ -197,7 +215,7 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     }
     publish_tile<Config>(p, tile, consumer_thread);
   };
-  for_each_tagged_tile<Config>(smem, state, lane, consume_tile);
+  for_each_tagged_tile<Config>(smem, state, lane, reader_lane, consume_tile);
 }
 
 }  // namespace megamoe::kernels

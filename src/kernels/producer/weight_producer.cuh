@@ -11,6 +11,7 @@
 #include "kernels/mma/grouped_gemm_config.cuh"
 #include "kernels/pipeline/pipeline_state.cuh"
 #include "kernels/pipeline/tile_queue.cuh"
+#include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mbarrier.cuh"
 
@@ -23,8 +24,11 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (BM, BK, S)
   Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k, p.num_experts));
   Tensor gA = local_tile(mA, typename Config::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,E)
-  // (Named tensors rather than structured bindings: the loader below captures them.)
-  const auto a_slices = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+  // (Named tensors rather than structured bindings: the loader below captures them.) In a CTA
+  // pair each CTA's slice is its half of the block's rows, which its load writes into both CTAs.
+  const int cta_rank = Config::kSharesWeights ? static_cast<int>(ptx::cluster_cta_rank()) : 0;
+  const auto a_slices = tma_partition(p.tma_a, cta_rank, Layout<Int<Config::kClusterSize>>{}, group_modes<0, 2>(sA),
+                                      group_modes<0, 2>(gA));
   Tensor tAgA = get<0>(a_slices);
   Tensor tAsA = get<1>(a_slices);
   // A tile's first stage carries its tag, written before the stage's first arrival, which
@@ -38,7 +42,21 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
     if (kb == 0) smem.stage_tile[stage] = tile;
     ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::stage_tx_bytes(Config::tile_subtiles(tile)));
     const auto hint = tile.expert_token_tiles == 1 ? TMA::CacheHintSm90::EVICT_FIRST : TMA::CacheHintSm90::EVICT_NORMAL;
-    copy(p.tma_a.with(smem.full[stage], 0, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
+    if constexpr (Config::kSharesWeights) {
+      constexpr uint16_t kBothCtas = 0b11;
+      copy(p.tma_a.with(smem.full[stage], kBothCtas, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
+    } else {
+      copy(p.tma_a.with(smem.full[stage], 0, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
+    }
+  };
+  // A pair's CTAs walk the same units, tile 2u + rank of unit u: CTA b takes tile b, then every
+  // grid-th (the grid's CTA indices are the pairs' tiles side by side), both always together.
+  auto next_tile = [&](int linear) {
+    if constexpr (Config::kSharesWeights) {
+      return linear + static_cast<int>(gridDim.x);
+    } else {
+      return p.scheduler.claim_next_tile();
+    }
   };
   TileQueueState<Config> queue;
   auto hand_over = [&](const GroupedTile& tile) { hand_over_tile<Config>(smem, queue, tile); };
@@ -63,7 +81,7 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   int issued = 0;
   while (linear < num_tiles) {
     // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
-    const int next = p.scheduler.claim_next_tile();
+    const int next = next_tile(linear);
     for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
       if (issued >= prefetched) {
         ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);

@@ -19,20 +19,22 @@
 
 namespace megamoe::kernels {
 
-// Lane 0's tile in every lane (called by the whole warp): the tile tags and queue entries are read
-// by one lane, whose own arrival then orders the read before any rewrite.
-__device__ __forceinline__ GroupedTile broadcast_from_lane0(const GroupedTile& tile) {
+// Lane `source`'s tile in every lane (called by the whole warp): the tile tags and queue entries
+// are read by one lane, whose own arrival then orders the read before any rewrite.
+__device__ __forceinline__ GroupedTile broadcast_from_lane(const GroupedTile& tile, int source) {
   static_assert(sizeof(GroupedTile) % sizeof(int) == 0 && std::is_trivially_copyable_v<GroupedTile>,
                 "a tile travels as ints");
   constexpr int kWords = sizeof(GroupedTile) / sizeof(int);
   int words[kWords];
   memcpy(words, &tile, sizeof tile);
 #pragma unroll
-  for (int i = 0; i < kWords; ++i) words[i] = __shfl_sync(0xffffffffu, words[i], 0);
+  for (int i = 0; i < kWords; ++i) words[i] = __shfl_sync(0xffffffffu, words[i], source);
   GroupedTile out;
   memcpy(&out, words, sizeof out);
   return out;
 }
+
+__device__ __forceinline__ GroupedTile broadcast_from_lane0(const GroupedTile& tile) { return broadcast_from_lane(tile, 0); }
 
 struct GroupedTileScheduler {
   const int32_t* token_tile_expert;  // [token tiles]: the expert of each (mark_expert_token_tiles)
@@ -86,13 +88,14 @@ struct GemmTileCounters {
 
 // Padded segment offsets, token-tile prefix and token tiles' experts from the routing counters, by one
 // whole block (every thread must call it) once every counter is final (segments as
-// expert_segment() pads them). It moves the counters to expert_rows and leaves them
+// expert_segment() pads them, its tile counts even where paired_tiles). It moves the counters to expert_rows and leaves them
 // zero, so each forward (and each graph replay, whole or cut short) starts from zero without a
 // memset, and zeroes the GEMMs' counters. Global counters are read from L2 (other blocks' atomics
 // wrote them); kSharedCounts: the counters are this block's shared memory. `sums` is kThreads / 32
 // entries of the block's shared memory (each warp's tiles and padded rows).
 template <int kThreads, bool kSharedCounts = false>
 __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int num_experts, int token_tile_rows,
+                                                     bool paired_tiles,
                                                      int32_t* expert_rows, int32_t* expert_offsets,
                                                      int32_t* token_tile_prefix, int32_t* token_tile_expert,
                                                      const GemmTileCounters& gemm, int2* sums) {
@@ -109,7 +112,7 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
       expert_rows[e] = rows;
       gemm.fc1_tiles_done[e] = 0;
     }
-    const ExpertSegment segment = expert_segment(rows, token_tile_rows);
+    const ExpertSegment segment = expert_segment(rows, token_tile_rows, paired_tiles);
     const int2 mine = make_int2(segment.token_tiles, segment.rows);
     // Inclusive scan within the warp by shuffles, then each thread adds the warps before its own:
     // one block barrier per round instead of one per doubling step.

@@ -25,13 +25,13 @@ struct Segments {
   std::vector<int32_t> token_tile_expert;  // [token tiles]
 };
 
-Segments segments_for(const std::vector<int32_t>& rows, int token_tile_rows) {
+Segments segments_for(const std::vector<int32_t>& rows, int token_tile_rows, bool paired_tiles = false) {
   Segments s;
   s.rows = rows;
   s.token_tile_prefix.assign(rows.size() + 1, 0);
   s.offsets.assign(rows.size() + 1, 0);
   for (size_t e = 0; e < rows.size(); ++e) {
-    const ExpertSegment segment = expert_segment(rows[e], token_tile_rows);
+    const ExpertSegment segment = expert_segment(rows[e], token_tile_rows, paired_tiles);
     s.token_tile_prefix[e + 1] = s.token_tile_prefix[e] + segment.token_tiles;
     s.offsets[e + 1] = s.offsets[e] + segment.rows;
   }
@@ -118,6 +118,49 @@ TEST(TileNumbering, CoversEveryRoutedRowOnceInSchedulerOrder) {
       expect_numbering_covers_every_row(one_expert, token_tile_rows, channel_blocks);
       expect_numbering_covers_every_row(std::vector<int32_t>(256, 1), token_tile_rows, channel_blocks);
     }
+  }
+}
+
+// Paired tiles (CTA pairs sharing weight blocks): every expert's tile count is even, tiles 2u and
+// 2u + 1 share an (expert, channel block), the real tiles are the unpaired numbering's, and the
+// extra tile of an odd expert holds no rows and loads no subtile; the tiles' experts still fit the
+// workspace's T x k + E entries.
+TEST(TileNumbering, PairedTilesShareAnExpertAndChannelBlock) {
+  std::mt19937 rng(20261202);
+  const int token_tile_rows = 128;
+  for (int channel_blocks : {1, 4, 28}) {
+    std::vector<int32_t> rows(41);
+    for (auto& r : rows) r = rng() % 3 == 0 ? 0 : static_cast<int>(rng() % 700);
+    rows[3] = 128;  // exactly one tile: an odd count
+    rows[4] = 256;  // exactly two
+    const int E = static_cast<int>(rows.size());
+    const Segments s = segments_for(rows, token_tile_rows, true);
+    const int num_tiles = s.token_tile_prefix[E] * channel_blocks;
+    ASSERT_EQ(num_tiles % 2, 0);
+    int routed = 0, empty = 0;
+    for (int e = 0; e < E; ++e) routed += rows[e];
+    for (int linear = 0; linear < num_tiles; linear += 2) {
+      const GroupedTile first = number_tile(linear, s.token_tile_expert.data(), s.token_tile_prefix.data(),
+                                            s.offsets.data(), s.rows.data(), channel_blocks, token_tile_rows);
+      const GroupedTile second = number_tile(linear + 1, s.token_tile_expert.data(), s.token_tile_prefix.data(),
+                                             s.offsets.data(), s.rows.data(), channel_blocks, token_tile_rows);
+      ASSERT_EQ(first.expert, second.expert) << linear;
+      ASSERT_EQ(first.channel_block, second.channel_block) << linear;
+      ASSERT_EQ(first.token_tile + 1, second.token_tile) << linear;
+      ASSERT_GT(first.valid_rows, 0) << "the first of a pair is always real";
+      ASSERT_EQ(first.expert_token_tiles % 2, 0);
+      const int real_tiles = expert_segment(rows[first.expert], token_tile_rows).token_tiles;
+      ASSERT_EQ(first.expert_token_tiles, real_tiles + real_tiles % 2);
+      if (second.valid_rows == 0) {
+        ASSERT_EQ(second.token_tile, real_tiles) << "only an odd expert's extra tile is empty";
+        ASSERT_EQ(tile_subtiles(second, token_tile_rows), 0);
+        ++empty;
+      } else {
+        ASSERT_LT(second.token_tile, real_tiles);
+      }
+    }
+    EXPECT_LE(s.token_tile_prefix[E], routed + E);
+    EXPECT_LE(empty, E * channel_blocks);
   }
 }
 
