@@ -263,15 +263,19 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   p.reasons.push_back(std::string("combine ") + to_string(combine) +
                       (combine == CombineMode::deterministic ? ": slot store, then a fixed-order reduction"
                                                              : ": FC2 adds weighted rows with fp32 atomics"));
+  const int requested_grid = o.num_sms != 0 ? std::min(o.num_sms, facts.num_sms) : facts.num_sms;
   p.reasons.push_back(o.num_sms != 0 ? format("grid %lld CTAs: options.num_sms (device has %lld SMs)", p.grid,
                                               facts.num_sms)
                                      : format("grid %lld CTAs: one per SM", p.grid));
   if (p.weight_multicast) {
     p.reasons.push_back(format("weight multicast: options.weight_multicast, %lld CTA pairs each sharing a weight "
                                "block by TMA multicast",
-                               p.grid / 2));
+                               p.grid / 2) +
+                        (p.grid < requested_grid ? " (one CTA fewer: an odd grid leaves one SM without a pair)" : ""));
   } else if (o.weight_multicast) {
-    p.reasons.push_back("no weight multicast: options.weight_multicast applies to the tokens-on-M tile only");
+    p.reasons.push_back(layout::gemm_tokens_on_m(p.token_tile)
+                            ? "no weight multicast: a grid of one CTA has no pair"
+                            : "no weight multicast: options.weight_multicast applies to the tokens-on-M tile only");
   }
   return p;
 }

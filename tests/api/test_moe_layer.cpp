@@ -176,8 +176,8 @@ void expect_reference_and_control_bits(const Case& c, const MoeLayerOptions& tes
   const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
   const CheckedForward checked = expect_matches_reference(layer, f, c, in, rng);
   if (c.combine == CombineMode::deterministic) {
-    MoeLayer reference_layer(f.spec, f.packed, c.tokens, control);
-    const std::vector<bf16_t> y = run_device(reference_layer, f.spec, in, c.tokens, c.combine);
+    MoeLayer control_layer(f.spec, f.packed, c.tokens, control);
+    const std::vector<bf16_t> y = run_device(control_layer, f.spec, in, c.tokens, c.combine);
     EXPECT_EQ(std::memcmp(y.data(), checked.y.data(), y.size() * sizeof(bf16_t)), 0);
   }
 }

@@ -290,6 +290,12 @@ TEST(Planner, WeightMulticastPairsTheTokensOnMTilesOnAnEvenGrid) {
   const ForwardPlan odd = forward_plan(spec, 8192, 8192, {.num_sms = 101, .weight_multicast = true});
   EXPECT_TRUE(odd.weight_multicast);
   EXPECT_EQ(odd.grid, 100) << "a pair needs two SMs";
+  std::ostringstream odd_plan;
+  odd_plan << odd;
+  EXPECT_NE(odd_plan.str().find("one CTA fewer"), std::string::npos) << odd_plan.str();
+  const ForwardPlan single_cta = forward_plan(spec, 8192, 8192, {.num_sms = 1, .weight_multicast = true});
+  EXPECT_FALSE(single_cta.weight_multicast);
+  EXPECT_EQ(single_cta.grid, 1);
   const ForwardPlan small = forward_plan(spec, 16, 8192, {.num_sms = 101, .weight_multicast = true});
   EXPECT_FALSE(small.weight_multicast) << "swapAB tiles run alone";
   EXPECT_EQ(small.grid, 101);

@@ -40,7 +40,7 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
   constexpr int kHalfChannels = Config::kBlockM / 2;
   constexpr int kPairs = kHalfChannels / 16;  // SwiGLU column-group pairs (8 output channels each) per half
   static_assert(kPairs % 4 == 0, "whole quad transposes");
-  constexpr int kExchangeRows = 64;
+  constexpr int kExchangeRows = Config::kTokenSubtile;  // a short tile's rows: SharedStorage::amax_exchange's rows
   const int quad_lane = base_col / 2;
   float h[kHeld][kPairs][2][2];  // [held half][pair][v1][v0]
   auto swiglu = [&](const Accumulators& acc, int held) {
@@ -80,12 +80,15 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {
       const bool valid = base_row + 8 * v1 < tile.valid_rows;  // the same for the whole quad
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<size_t>(tile.pool_row + base_row + 8 * v1) * p.out_channels;
+      const size_t pool_row = static_cast<size_t>(tile.pool_row + base_row + 8 * v1);
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + pool_row * p.out_channels;
 #pragma unroll
       for (int held = 0; held < kHeld; ++held) {
         transpose_and_store(held, v1, bf16x2_bits, [&](int channel, const uint32_t (&x)[4]) {
           // out_channels is a multiple of 64: a group of 8 channels is all in or all out.
-          if (valid && channel < p.out_channels) *reinterpret_cast<uint4*>(out + channel) = make_uint4(x[0], x[1], x[2], x[3]);
+          if (valid && channel < p.out_channels) {
+            *reinterpret_cast<uint4*>(out + channel) = make_uint4(x[0], x[1], x[2], x[3]);
+          }
         });
       }
     }

@@ -73,6 +73,9 @@ void launch_moe_forward(const MoeLayerParams& f, const MoeLaunchChoices& c, cons
   if (c.fc1_copies_token_rows && !f.fp8) {
     throw Error(ErrorCode::unsupported, "internal: FC1 copies token rows from the fp8 copy of x only");
   }
+  if (c.single_kernel && c.weight_multicast) {
+    throw Error(ErrorCode::unsupported, "internal: the single kernel has no CTA pairs (planner bug)");
+  }
   if (c.single_kernel) return launch_single_kernel_forward(f, c, call, stream);
   const RoutingParams routing = make_routing_params(f, c, call);
   // For the most experts the router takes, once per device.

@@ -20,7 +20,8 @@ inline constexpr int kGemmMaxStages = 8;
 // SM sub-partition four consumer warps to hide latency with (docs/decisions.md#four-math-warpgroups).
 inline constexpr int kGemmMathWarpgroups = 2;
 inline constexpr int kGemmConsumerWarps = 4 * kGemmMathWarpgroups;
-// swapAB's FC1 token amaxes (the tokens-on-M epilogue reduces a row's amax within a quad of lanes).
+// FC1's amax exchange: swapAB's per-warp partials and token amaxes; the tokens-on-M tile uses 512
+// bytes of it, for a short tile's row amaxes of the two warpgroups.
 inline constexpr int kGemmExchangeBytes = (kGemmConsumerWarps + 1) * kGemmSwapAbMaxTokenTile * 4;
 inline constexpr int kGemmBarrierBytes = 1024;         // mbarriers, per-stage weight scales and tile tags
 inline constexpr int kSm90SmemPerBlockOptin = 232448;  // 227 KiB

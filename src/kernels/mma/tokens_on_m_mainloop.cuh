@@ -167,7 +167,7 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   };
 
   auto consume_tile = [&](const GroupedTile& tile) {
-    if (Config::tile_subtiles(tile) == 0) {
+    if (Config::kSharesWeights && Config::tile_subtiles(tile) == 0) {
       // A pair's empty tile: its stages hold the weights for the other CTA's tile only.
       for (int kb = 0; kb < k_blocks; ++kb) {
         if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);

@@ -41,6 +41,8 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
     if (kb == 0) smem.stage_tile[stage] = tile;
     ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::stage_tx_bytes(Config::tile_subtiles(tile)));
+    // (Paired numbering gives every expert at least two tiles, so pairs never take the hint:
+    // docs/decisions.md#weight-multicast-pairs.)
     const auto hint = tile.expert_token_tiles == 1 ? TMA::CacheHintSm90::EVICT_FIRST : TMA::CacheHintSm90::EVICT_NORMAL;
     if constexpr (Config::kSharesWeights) {
       constexpr uint16_t kBothCtas = 0b11;
@@ -49,11 +51,10 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
       copy(p.tma_a.with(smem.full[stage], 0, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
     }
   };
-  // A pair's CTAs walk the same units, tile 2u + rank of unit u: CTA b takes tile b, then every
-  // grid-th (the grid's CTA indices are the pairs' tiles side by side), both always together.
+  // A pair's CTAs walk the same units statically (tile 2u + rank of unit u); single CTAs claim.
   auto next_tile = [&](int linear) {
     if constexpr (Config::kSharesWeights) {
-      return linear + static_cast<int>(gridDim.x);
+      return p.scheduler.next_paired_tile(linear);
     } else {
       return p.scheduler.claim_next_tile();
     }

@@ -7,6 +7,9 @@
 // CTA with one tile more, or the slowest, sets the end of the whole grid. The single-kernel forward
 // claims every tile (first_wave 0): there a tile that other tiles wait for must belong to a CTA
 // that is running, never to one that has not started (docs/design.md#single-kernel-forward).
+// CTA pairs sharing weight blocks (paired numbering) walk statically instead: tile b, then every
+// grid-th, so that both CTAs of a pair always hold tiles 2u and 2u + 1 of the same unit
+// (docs/decisions.md#weight-multicast-pairs).
 #pragma once
 
 #include <cstdint>
@@ -72,6 +75,8 @@ struct GroupedTileScheduler {
   __device__ __forceinline__ int claim_next_tile() const {
     return first_wave + static_cast<int>(atomicAdd(tiles_claimed, 1u));
   }
+  // The tile after `linear` in the static walk of CTA pairs (whose first tile is blockIdx.x).
+  __device__ __forceinline__ int next_paired_tile(int linear) const { return linear + static_cast<int>(gridDim.x); }
 
   __device__ __forceinline__ GroupedTile tile(int linear) const {
     return number_tile(linear, token_tile_expert, token_tile_prefix, expert_offsets, expert_rows, channel_blocks,
@@ -86,17 +91,17 @@ struct GemmTileCounters {
   uint32_t* fc1_tiles_done;  // [E+1]: FC1 tiles stored per expert, then in all (pipeline/fc1_handoff.cuh)
 };
 
-// Padded segment offsets, token-tile prefix and token tiles' experts from the routing counters, by one
-// whole block (every thread must call it) once every counter is final (segments as
-// expert_segment() pads them, its tile counts even where paired_tiles). It moves the counters to expert_rows and leaves them
-// zero, so each forward (and each graph replay, whole or cut short) starts from zero without a
-// memset, and zeroes the GEMMs' counters. Global counters are read from L2 (other blocks' atomics
-// wrote them); kSharedCounts: the counters are this block's shared memory. `sums` is kThreads / 32
-// entries of the block's shared memory (each warp's tiles and padded rows).
+// Padded segment offsets, token-tile prefix and token tiles' experts from the routing counters, by
+// one whole block (every thread must call it) once every counter is final (segments as
+// expert_segment() pads them, its tile counts even where paired_tiles). It moves the counters to
+// expert_rows and leaves them zero, so each forward (and each graph replay, whole or cut short)
+// starts from zero without a memset, and zeroes the GEMMs' counters. Global counters are read from
+// L2 (other blocks' atomics wrote them); kSharedCounts: the counters are this block's shared
+// memory. `sums` is kThreads / 32 entries of the block's shared memory (each warp's tiles and
+// padded rows).
 template <int kThreads, bool kSharedCounts = false>
 __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int num_experts, int token_tile_rows,
-                                                     bool paired_tiles,
-                                                     int32_t* expert_rows, int32_t* expert_offsets,
+                                                     bool paired_tiles, int32_t* expert_rows, int32_t* expert_offsets,
                                                      int32_t* token_tile_prefix, int32_t* token_tile_expert,
                                                      const GemmTileCounters& gemm, int2* sums) {
   constexpr int kWarps = kThreads / 32;

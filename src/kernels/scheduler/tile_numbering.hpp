@@ -80,7 +80,8 @@ MEGAMOE_HOST_DEVICE MEGAMOE_FORCEINLINE GroupedTile number_tile(int linear, cons
   t.token_tile = local % tiles_of_expert;
   t.pool_row = expert_offsets[expert] + t.token_tile * token_tile_rows;
   const int remaining = expert_rows[expert] - t.token_tile * token_tile_rows;
-  t.valid_rows = remaining < token_tile_rows ? (remaining > 0 ? remaining : 0) : token_tile_rows;
+  const int clamped = remaining < token_tile_rows ? remaining : token_tile_rows;
+  t.valid_rows = clamped > 0 ? clamped : 0;  // 0: a paired expert's empty extra tile
   t.expert_token_tiles = tiles_of_expert;
   return t;
 }
