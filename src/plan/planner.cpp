@@ -205,7 +205,8 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
     case Fc1TokenRows::row_copy: p.fc1_copies_token_rows = fp8; break;
   }
   p.combine = combine;
-  p.grid = o.num_sms != 0 ? std::min(o.num_sms, facts.num_sms) : facts.num_sms;
+  const int requested_grid = o.num_sms != 0 ? std::min(o.num_sms, facts.num_sms) : facts.num_sms;
+  p.grid = requested_grid;
   // CTA pairs where the tile is tokens on M; a pair needs two SMs, so an odd grid loses one CTA.
   p.weight_multicast = o.weight_multicast && layout::gemm_tokens_on_m(p.token_tile) && p.grid >= 2;
   if (p.weight_multicast) p.grid -= p.grid % 2;
@@ -263,7 +264,6 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   p.reasons.push_back(std::string("combine ") + to_string(combine) +
                       (combine == CombineMode::deterministic ? ": slot store, then a fixed-order reduction"
                                                              : ": FC2 adds weighted rows with fp32 atomics"));
-  const int requested_grid = o.num_sms != 0 ? std::min(o.num_sms, facts.num_sms) : facts.num_sms;
   p.reasons.push_back(o.num_sms != 0 ? format("grid %lld CTAs: options.num_sms (device has %lld SMs)", p.grid,
                                               facts.num_sms)
                                      : format("grid %lld CTAs: one per SM", p.grid));

@@ -29,13 +29,14 @@
 namespace megamoe::kernels::gemm_detail {
 
 // kHeld halves of the tile's packed columns, the i-th in accumulator i (`first`, then `second`),
-// which is half first_half + i. With one held half, `row_amax` is the [2][64] shared exchange of
-// the two warpgroups (warpgroup w writes row r of its half at [w][r]); every math thread calls.
+// which is half first_half + i. With one held half (warpgroup w holds half w), `row_amax` is the
+// [2][64] shared exchange of the two warpgroups (w writes row r of its half at [w][r]); every math
+// thread calls.
 template <class Config, int kHeld, class Params, class Accumulators>
 __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p, const GroupedTile& tile,
                                                                 const Accumulators& first, const Accumulators& second,
                                                                 int first_half, int base_row, int base_col,
-                                                                float* row_amax, int warpgroup) {
+                                                                float* row_amax) {
   static_assert(kHeld == 1 || kHeld == 2, "one or both n128 halves");
   constexpr int kHalfChannels = Config::kBlockM / 2;
   constexpr int kPairs = kHalfChannels / 16;  // SwiGLU column-group pairs (8 output channels each) per half
@@ -107,6 +108,7 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
     if constexpr (kHeld == 1) {
       // The other warpgroup holds the other 64 channels of the same rows. The exchange is rewritten
       // only after the tile's publication barrier, which every math thread reaches after its reads.
+      const int warpgroup = first_half;
       if (quad_lane == 0) {
         row_amax[warpgroup * kExchangeRows + base_row] = amax[0];
         row_amax[warpgroup * kExchangeRows + base_row + 8] = amax[1];
@@ -123,7 +125,7 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
       const bool valid = row < tile.valid_rows;
       const size_t pool_row = static_cast<size_t>(tile.pool_row + row);
       const BlockScale s = block_scale(amax[v1], p.ue8m0);
-      if (valid && base_col == 0 && (kHeld == 2 || warpgroup == 0)) {
+      if (valid && base_col == 0 && first_half == 0) {  // one writer per row: the holder of half 0
         p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + pool_row] = s.scale;
       }
       uint8_t* out = static_cast<uint8_t*>(p.out) + pool_row * p.out_channels;

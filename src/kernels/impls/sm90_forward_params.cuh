@@ -6,6 +6,7 @@
 #include <cute/tensor.hpp>
 
 #include <string>
+#include <type_traits>
 
 #include "kernels/combine/combine_slots.cuh"
 #include "kernels/cuda_check.hpp"
@@ -53,16 +54,9 @@ auto make_gemm_params(const MoeLayerParams& f, const GemmArguments& g, int first
   Tensor pool = make_tensor(make_gmem_ptr(static_cast<const Element*>(g.pool)), make_shape(pool_rows, g.k),
                             make_stride(static_cast<int64_t>(g.k), _1{}));
   // A CTA pair loads each weight block as two halves, each into both CTAs (multicast).
-  auto make_weights_tma = [&] {
-    if constexpr (Config::kSharesWeights) {
-      return make_tma_atom(SM90_TMA_LOAD_MULTICAST{}, weights, typename Config::SmemLayoutA{}(_, _, 0),
-                           make_shape(Int<Config::kBlockM>{}, Int<Config::kBlockK>{}), Int<Config::kClusterSize>{});
-    } else {
-      return make_tma_atom(SM90_TMA_LOAD{}, weights, typename Config::SmemLayoutA{}(_, _, 0),
-                           make_shape(Int<Config::kBlockM>{}, Int<Config::kBlockK>{}));
-    }
-  };
-  auto tma_a = make_weights_tma();
+  using WeightsLoad = std::conditional_t<Config::kSharesWeights, SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
+  auto tma_a = make_tma_atom(WeightsLoad{}, weights, typename Config::SmemLayoutA{}(_, _, 0),
+                             make_shape(Int<Config::kBlockM>{}, Int<Config::kBlockK>{}), Int<Config::kClusterSize>{});
   // Token rows and their scales travel in subtiles (a stage holds one or kSubtiles of them).
   auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, pool,
                              typename GemmTileColumns<Config, Config::kTokenSubtile>::SmemLayoutB{}(_, _, 0),

@@ -166,14 +166,21 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     }
   };
 
+  // A tile's K blocks, k_block(stage) for each once its stage is full. One loop per kind of tile
+  // rather than a branch per K block, whose join keeps both kinds' registers live (the fp8 build
+  // spilled).
+  auto k_loop = [&](auto k_block) {
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);  // K block 0's: before the tile
+      k_block(state.stage);
+      state.advance();
+    }
+  };
+
   auto consume_tile = [&](const GroupedTile& tile) {
     if (Config::kSharesWeights && Config::tile_subtiles(tile) == 0) {
       // A pair's empty tile: its stages hold the weights for the other CTA's tile only.
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);
-        release_stage(state.stage);
-        state.advance();
-      }
+      k_loop(release_stage);
       publish_tile<Config>(p, tile, consumer_thread);  // FC2 counts an expert's tiles with it
       return;
     }
@@ -184,15 +191,6 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, row);
     clear(acc_low);
     clear(acc_high);
-    // One loop per kind of tile rather than a branch per K block, whose join keeps both kinds'
-    // registers live (the fp8 build spilled).
-    auto k_loop = [&](auto k_block) {
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);  // K block 0's: before the tile
-        k_block(state.stage);
-        state.advance();
-      }
-    };
     if (short_tile) {
       k_loop(short_rows_block);
     } else {
@@ -203,10 +201,9 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
       if (short_tile) {
         gemm_detail::fc1_swiglu_tokens_on_m_epilogue<Config, 1>(p, tile, acc_low, acc_low, warpgroup, row, base_col,
-                                                                row_amax, warpgroup);
+                                                                row_amax);
       } else {
-        gemm_detail::fc1_swiglu_tokens_on_m_epilogue<Config, 2>(p, tile, acc_low, acc_high, 0, row, base_col, row_amax,
-                                                                warpgroup);
+        gemm_detail::fc1_swiglu_tokens_on_m_epilogue<Config, 2>(p, tile, acc_low, acc_high, 0, row, base_col, row_amax);
       }
     } else if (short_tile) {
       gemm_detail::fc2_tokens_on_m_epilogue<Config, 1>(p, tile, acc_low, acc_low, warpgroup, row, base_col, slots);

@@ -44,12 +44,9 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
     // (Paired numbering gives every expert at least two tiles, so pairs never take the hint:
     // docs/decisions.md#weight-multicast-pairs.)
     const auto hint = tile.expert_token_tiles == 1 ? TMA::CacheHintSm90::EVICT_FIRST : TMA::CacheHintSm90::EVICT_NORMAL;
-    if constexpr (Config::kSharesWeights) {
-      constexpr uint16_t kBothCtas = 0b11;
-      copy(p.tma_a.with(smem.full[stage], kBothCtas, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
-    } else {
-      copy(p.tma_a.with(smem.full[stage], 0, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
-    }
+    constexpr uint16_t kDestinationCtas = Config::kSharesWeights ? 0b11 : 0;  // multicast: both CTAs of the pair
+    copy(p.tma_a.with(smem.full[stage], kDestinationCtas, hint), tAgA(_, tile.channel_block, kb, tile.expert),
+         tAsA(_, stage));
   };
   // A pair's CTAs walk the same units statically (tile 2u + rank of unit u); single CTAs claim.
   auto next_tile = [&](int linear) {
