@@ -71,6 +71,12 @@ __device__ __forceinline__ void init_gemm_barriers(typename Config::SharedStorag
     ptx::mbarrier_init(&smem.queue_full[q], 1);
     ptx::mbarrier_init(&smem.queue_empty[q], Config::kTileFollowers);
   }
+  if constexpr (Config::kSharesWeights) {
+    for (int q = 0; q < kPairMailboxSlots; ++q) {
+      ptx::mbarrier_init(&smem.pair_mailbox_full[q], 1);
+      ptx::mbarrier_init(&smem.pair_mailbox_empty[q], 1);
+    }
+  }
   ptx::fence_barrier_init();
 }
 

@@ -19,6 +19,7 @@
 #include "kernels/epilogue/gemm_op.hpp"
 #include "kernels/layout/gemm_smem.hpp"
 #include "kernels/permute/stage_row_copy.cuh"
+#include "kernels/pipeline/pair_claims.cuh"
 #include "kernels/scheduler/grouped_tile_scheduler.cuh"
 
 namespace megamoe::kernels {
@@ -135,9 +136,14 @@ struct GroupedGemmConfig {
     GroupedTile tile_queue[kTileQueue];  // weight producer -> the other producers, in claim order; expert -1 ends
     uint64_t queue_full[kTileQueue];
     uint64_t queue_empty[kTileQueue];
+    // A CTA pair's claimed units, first CTA -> second (pipeline/pair_claims.cuh).
+    int32_t pair_mailbox[kPairMailboxSlots];
+    uint64_t pair_mailbox_full[kPairMailboxSlots];
+    uint64_t pair_mailbox_empty[kPairMailboxSlots];
   };
   static_assert(kStages * (2 * sizeof(uint64_t) + kWeightScaleRows * sizeof(float) + sizeof(GroupedTile)) +
-                        kTileQueue * (2 * sizeof(uint64_t) + sizeof(GroupedTile)) <=
+                        kTileQueue * (2 * sizeof(uint64_t) + sizeof(GroupedTile)) +
+                        kPairMailboxSlots * (sizeof(int32_t) + 2 * sizeof(uint64_t)) <=
                     layout::kGemmBarrierBytes,
                 "barriers, weight scales and tile tags outgrew what the planner's stage count leaves them");
   static_assert(sizeof(SharedStorage::amax_exchange) <= layout::kGemmExchangeBytes,

@@ -9,6 +9,7 @@
 #include <cute/tensor.hpp>
 
 #include "kernels/mma/grouped_gemm_config.cuh"
+#include "kernels/pipeline/pair_claims.cuh"
 #include "kernels/pipeline/pipeline_state.cuh"
 #include "kernels/pipeline/tile_queue.cuh"
 #include "kernels/ptx/cluster.cuh"
@@ -48,10 +49,11 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
     copy(p.tma_a.with(smem.full[stage], kDestinationCtas, hint), tAgA(_, tile.channel_block, kb, tile.expert),
          tAsA(_, stage));
   };
-  // A pair's CTAs walk the same units statically (tile 2u + rank of unit u); single CTAs claim.
-  auto next_tile = [&](int linear) {
+  // Single CTAs claim tiles; a pair's first CTA claims units for both (tile 2u + rank of unit u).
+  PairClaims<typename Config::SharedStorage> pair_claims;
+  auto next_tile = [&] {
     if constexpr (Config::kSharesWeights) {
-      return p.scheduler.next_paired_tile(linear);
+      return pair_claims.next_tile(p.scheduler, smem, static_cast<uint32_t>(cta_rank));
     } else {
       return p.scheduler.claim_next_tile();
     }
@@ -79,7 +81,7 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   int issued = 0;
   while (linear < num_tiles) {
     // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
-    const int next = next_tile(linear);
+    const int next = next_tile();
     for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
       if (issued >= prefetched) {
         ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);

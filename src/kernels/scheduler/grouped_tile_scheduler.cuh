@@ -7,9 +7,9 @@
 // CTA with one tile more, or the slowest, sets the end of the whole grid. The single-kernel forward
 // claims every tile (first_wave 0): there a tile that other tiles wait for must belong to a CTA
 // that is running, never to one that has not started (docs/design.md#single-kernel-forward).
-// CTA pairs sharing weight blocks (paired numbering) walk statically instead: tile b, then every
-// grid-th, so that both CTAs of a pair always hold tiles 2u and 2u + 1 of the same unit
-// (docs/decisions.md#weight-multicast-pairs).
+// CTA pairs sharing weight blocks (paired numbering) claim units of two tiles instead: pair c takes
+// tiles 2c and 2c + 1 first, then its first CTA claims unit u for both, which hold tiles 2u and
+// 2u + 1 (pipeline/pair_claims.cuh, docs/decisions.md#weight-multicast-pairs).
 #pragma once
 
 #include <cstdint>
@@ -75,8 +75,11 @@ struct GroupedTileScheduler {
   __device__ __forceinline__ int claim_next_tile() const {
     return first_wave + static_cast<int>(atomicAdd(tiles_claimed, 1u));
   }
-  // The tile after `linear` in the static walk of CTA pairs (whose first tile is blockIdx.x).
-  __device__ __forceinline__ int next_paired_tile(int linear) const { return linear + static_cast<int>(gridDim.x); }
+  // The first tile (2u) of the next unclaimed unit of a CTA pair's two tiles, past the first wave's
+  // units (the pairs' first tiles, by CTA index).
+  __device__ __forceinline__ int claim_next_unit() const {
+    return first_wave + 2 * static_cast<int>(atomicAdd(tiles_claimed, 1u));
+  }
 
   __device__ __forceinline__ GroupedTile tile(int linear) const {
     return number_tile(linear, token_tile_expert, token_tile_prefix, expert_offsets, expert_rows, channel_blocks,
