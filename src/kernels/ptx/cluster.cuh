@@ -1,6 +1,7 @@
-// Thread-block cluster wrappers (PTX ISA "barrier.cluster", "mapa", "mbarrier.arrive" with
-// .shared::cluster, "cp.async.bulk" with .multicast::cluster): CTAs of one cluster signal each
-// other's barriers and receive one copy of the same bytes.
+// Thread-block cluster wrappers (PTX ISA "barrier.cluster", "mapa", "st" and "mbarrier.arrive"
+// with .shared::cluster, "mbarrier.try_wait" with .acquire.cluster, "cp.async.bulk" with
+// .multicast::cluster): CTAs of one cluster write each other's shared memory, signal each other's
+// barriers and receive one copy of the same bytes.
 #pragma once
 
 #include <cstdint>
