@@ -44,8 +44,9 @@ struct MoeLayerOptions {
   int num_sms = 0;
   ForwardLaunch launch = ForwardLaunch::automatic;
   // Experimental, off by default: where a call's token tile is 128 (tokens on M), the GEMMs run
-  // their CTAs in clusters of two that share each weight block by TMA multicast, each loading one
-  // half into both (docs/decisions.md#weight-multicast-pairs). The output does not depend on it.
+  // their CTAs in clusters of two on neighbouring tiles, which share their weight block by TMA
+  // multicast where both tiles multiply it, each CTA loading one half into both
+  // (docs/decisions.md#weight-multicast-pairs). The output does not depend on it.
   bool weight_multicast = false;
 };
 

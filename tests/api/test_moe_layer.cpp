@@ -212,8 +212,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerTokensOnMVsReference, ::testing::ValuesI
 
 // CTA pairs that share each weight block by TMA multicast (options.weight_multicast, experimental:
 // docs/decisions.md#weight-multicast-pairs) against the references and, deterministic, against
-// single CTAs on the same tokens-on-M tile, bit for bit: experts with odd and even tile counts
-// (the odd ones' empty partner tiles), short tiles, skewed routing, both combines.
+// single CTAs on the same tokens-on-M tile, bit for bit: pairs that share a weight block and
+// pairs that straddle a channel block, odd tile counts (the last tile alone; the small shape's FC2
+// has one channel block), short tiles, skewed routing, both combines.
 class MoeLayerWeightMulticast : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeLayerWeightMulticast, MatchesTheSingleCtaTileBitForBit) {

@@ -137,7 +137,6 @@ inline RoutingParams make_routing_params(const MoeLayerParams& f, const MoeLaunc
   routing.blocks_done = w.at<uint32_t>(ws, w.routing_blocks_done);
   routing.expert_rows = w.at<int32_t>(ws, w.expert_rows);
   routing.token_tile_rows = c.token_tile;
-  routing.paired_tiles = c.weight_multicast;
   routing.expert_offsets = w.at<int32_t>(ws, w.expert_offsets);
   routing.token_tile_prefix = w.at<int32_t>(ws, w.token_tile_prefix);
   routing.token_tile_expert = w.at<int32_t>(ws, w.token_tile_expert);

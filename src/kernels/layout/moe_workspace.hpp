@@ -34,8 +34,7 @@ struct MoeWorkspaceLayout {
   size_t expert_rows = 0;        // int32 [E]: routed rows per expert in this forward
   size_t expert_offsets = 0;     // int32 [E+1]: first pool row of each expert, segments padded
   size_t token_tile_prefix = 0;  // int32 [E+1]: token tiles of the experts before each expert
-  size_t token_tile_expert = 0;  // int32 [T*k + E]: the expert of each token tile (a tile holds >= 1 routed
-                                 // row, or is the empty partner of an expert's odd last tile)
+  size_t token_tile_expert = 0;  // int32 [T*k]: the expert of each token tile (a tile holds >= 1 routed row)
   size_t gemm_tiles_claimed = 0; // uint32 [2]: tiles FC1 / FC2 claimed past their first wave
   size_t fc1_tiles_done = 0;     // uint32 [E+1]: FC1 tiles stored per expert, then in all; FC2 waits on them
   size_t routed_ids = 0;         // int32 [T*k]: expert of each slot, -1 when unused
@@ -92,7 +91,7 @@ struct MoeWorkspaceLayout {
     l.expert_rows = take(sizeof(int32_t) * num_experts);
     l.expert_offsets = take(sizeof(int32_t) * (num_experts + 1));
     l.token_tile_prefix = take(sizeof(int32_t) * (num_experts + 1));
-    l.token_tile_expert = take(sizeof(int32_t) * (slots + num_experts));
+    l.token_tile_expert = take(sizeof(int32_t) * slots);
     l.gemm_tiles_claimed = take(sizeof(uint32_t) * 2);
     l.fc1_tiles_done = take(sizeof(uint32_t) * (num_experts + 1));
     l.routed_ids = take(sizeof(int32_t) * slots);

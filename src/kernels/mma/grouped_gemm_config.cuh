@@ -38,9 +38,9 @@ static_assert(128 * kProducerRegisters + 128 * layout::kGemmMathWarpgroups * kCo
 
 // kCopiesRows: the token role is a whole warp copying the tile's rows of x's quantized copy
 // (permute/stage_row_copy.cuh) instead of one lane's TMA loads of the gathered pool (FC1, fp8).
-// kPairs: the CTAs run in clusters of two on the tiles 2u and 2u + 1 of the paired numbering
-// (scheduler/tile_numbering.hpp), which share a weight block: each loads half of it into both by
-// TMA multicast (docs/decisions.md#weight-multicast-pairs).
+// kPairs: the CTAs run in clusters of two on the tiles 2u and 2u + 1 of the numbering
+// (scheduler/tile_numbering.hpp); where those share a weight block each CTA loads half of it into
+// both by TMA multicast (docs/decisions.md#weight-multicast-pairs).
 template <class Element_, int kTokenTile, GemmOp kOp, bool kCopiesRows = false, bool kPairs = false>
 struct GroupedGemmConfig {
   using Element = Element_;

@@ -79,13 +79,16 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   const int base_col = get<1>(first_coord(thr_mma));
   pipeline::PipelineState<kStages> state;
   // As in the swapAB mainloop: one lane's arrival after __syncwarp hands a stage back; in a CTA
-  // pair lane c's to CTA c, whose weight load also wrote this CTA's stage. The lane that arrives
-  // here reads what the producers rewrite once the stage is free (tile tags, weight scales).
+  // pair lane c's to CTA c, whose weight load may also have written this CTA's stage, and a tile
+  // alone in its pair (the other tile past the last) both lanes' to this CTA, whose producer alone
+  // waits for it. The lane that arrives here reads what the producers rewrite once the stage is
+  // free (tile tags, weight scales).
   const int reader_lane = Config::kSharesWeights ? static_cast<int>(ptx::cluster_cta_rank()) : 0;
+  uint32_t hand_back_cta = static_cast<uint32_t>(lane);  // pairs, lanes below the cluster size
   auto release_stage = [&](int stage) {
     __syncwarp();
     if constexpr (Config::kSharesWeights) {
-      if (lane < Config::kClusterSize) ptx::mbarrier_arrive_cluster(&smem.empty[stage], static_cast<uint32_t>(lane));
+      if (lane < Config::kClusterSize) ptx::mbarrier_arrive_cluster(&smem.empty[stage], hand_back_cta);
     } else if (lane == 0) {
       ptx::mbarrier_arrive(&smem.empty[stage]);
     }
@@ -178,12 +181,7 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   };
 
   auto consume_tile = [&](const GroupedTile& tile) {
-    if (Config::kSharesWeights && Config::tile_subtiles(tile) == 0) {
-      // A pair's empty tile: its stages hold the weights for the other CTA's tile only.
-      k_loop(release_stage);
-      publish_tile<Config>(p, tile, consumer_thread);  // FC2 counts an expert's tiles with it
-      return;
-    }
+    hand_back_cta = static_cast<uint32_t>(tile.alone_in_pair ? reader_lane : lane);
     // A tile of one subtile has rows for the first warpgroup only: both take them, a half each.
     const bool short_tile = Config::tile_subtiles(tile) == 1;
     const int row = short_tile ? short_base_row : base_row;

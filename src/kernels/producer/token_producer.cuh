@@ -58,8 +58,8 @@ __device__ __forceinline__ void token_producer(const Params& p, typename Config:
   };
   auto load_tokens = [&](const GroupedTile& tile, int kb, int stage) {
     const int first_subtile = tile.pool_row / Config::kTokenSubtile;
-    const int subtiles = Config::tile_subtiles(tile);  // 0: a pair's empty tile, weights only
-    if (subtiles >= 1) load_subtile(first_subtile, kb, stage, stage * Config::kSubtiles);
+    const int subtiles = Config::tile_subtiles(tile);
+    load_subtile(first_subtile, kb, stage, stage * Config::kSubtiles);
     if (Config::kSubtiles == 2 && subtiles == 2) load_subtile(first_subtile + 1, kb, stage, stage * Config::kSubtiles + 1);
     ptx::mbarrier_arrive(&smem.full[stage]);
   };

@@ -26,12 +26,16 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k, p.num_experts));
   Tensor gA = local_tile(mA, typename Config::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,E)
   // (Named tensors rather than structured bindings: the loader below captures them.) In a CTA
-  // pair each CTA's slice is its half of the block's rows, which its load writes into both CTAs.
+  // pair the block's rows are two slices, one per CTA: where the pair's tiles share the block,
+  // each CTA's load writes its own slice into both CTAs; where not, each CTA loads both slices
+  // into itself.
   const int cta_rank = Config::kSharesWeights ? static_cast<int>(ptx::cluster_cta_rank()) : 0;
-  const auto a_slices = tma_partition(p.tma_a, cta_rank, Layout<Int<Config::kClusterSize>>{}, group_modes<0, 2>(sA),
-                                      group_modes<0, 2>(gA));
-  Tensor tAgA = get<0>(a_slices);
-  Tensor tAsA = get<1>(a_slices);
+  auto slice = [&](int rank) {
+    return tma_partition(p.tma_a, rank, Layout<Int<Config::kClusterSize>>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+  };
+  const auto own_slice = slice(cta_rank);
+  Tensor tAgA = get<0>(own_slice);
+  Tensor tAsA = get<1>(own_slice);
   // A tile's first stage carries its tag, written before the stage's first arrival, which
   // orders it before the consumers' wait (they read the tag only where a tile starts).
   // The weights of an expert with one token tile are read once in the forward: they go into
@@ -39,27 +43,60 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   // the slot rows the combine reads) stays. An expert with more token tiles has them running
   // side by side on other CTAs, so even its last tile's loads may come before another tile's
   // reads of the same rows (with the hint there, 2048 tokens lost ~9 us).
+  // (A shared block belongs to an expert with two token tiles or more: pairs that share never
+  // take the hint.)
+  bool shared_block = false;  // a pair's current tiles multiply one weight block
   auto load_weights = [&](const GroupedTile& tile, int kb, int stage) {
     if (kb == 0) smem.stage_tile[stage] = tile;
     ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::stage_tx_bytes(Config::tile_subtiles(tile)));
-    // (Paired numbering gives every expert at least two tiles, so pairs never take the hint:
-    // docs/decisions.md#weight-multicast-pairs.)
     const auto hint = tile.expert_token_tiles == 1 ? TMA::CacheHintSm90::EVICT_FIRST : TMA::CacheHintSm90::EVICT_NORMAL;
-    constexpr uint16_t kDestinationCtas = Config::kSharesWeights ? 0b11 : 0;  // multicast: both CTAs of the pair
-    copy(p.tma_a.with(smem.full[stage], kDestinationCtas, hint), tAgA(_, tile.channel_block, kb, tile.expert),
-         tAsA(_, stage));
+    if constexpr (Config::kSharesWeights) {
+      constexpr uint16_t kBothCtas = 0b11;
+      const uint16_t own_cta = static_cast<uint16_t>(1u << cta_rank);
+      copy(p.tma_a.with(smem.full[stage], shared_block ? kBothCtas : own_cta, hint),
+           tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
+      if (!shared_block) {
+        const auto other_slice = slice(cta_rank ^ 1);
+        copy(p.tma_a.with(smem.full[stage], own_cta, hint), get<0>(other_slice)(_, tile.channel_block, kb, tile.expert),
+             get<1>(other_slice)(_, stage));
+      }
+    } else {
+      copy(p.tma_a.with(smem.full[stage], 0, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
+    }
   };
   // Single CTAs claim tiles; a pair's first CTA claims units for both (tile 2u + rank of unit u).
+  // Claimed as a tile starts and taken after its loads, so that the claim's round trip (and a
+  // pair's exchange) overlaps the tile's loads.
   PairClaims<typename Config::SharedStorage> pair_claims;
-  auto next_tile = [&] {
+  auto claim = [&] {
     if constexpr (Config::kSharesWeights) {
-      return pair_claims.next_tile(p.scheduler, smem, static_cast<uint32_t>(cta_rank));
+      return PairClaims<typename Config::SharedStorage>::claim(p.scheduler, static_cast<uint32_t>(cta_rank));
     } else {
       return p.scheduler.claim_next_tile();
     }
   };
+  auto claimed_tile = [&](int claimed) {
+    if constexpr (Config::kSharesWeights) {
+      return pair_claims.exchange(claimed, smem, static_cast<uint32_t>(cta_rank));
+    } else {
+      return claimed;
+    }
+  };
   TileQueueState<Config> queue;
-  auto hand_over = [&](const GroupedTile& tile) { hand_over_tile<Config>(smem, queue, tile); };
+  const int num_tiles = p.scheduler.num_tiles();
+  // Tile `linear` (< num_tiles) decoded and handed to the other producers. A pair's other tile is
+  // `linear ^ 1` (units are 2u, 2u + 1): past the last tile, this one's stages go back to this CTA
+  // alone.
+  auto take = [&](int linear) {
+    GroupedTile tile = p.scheduler.tile(linear);
+    if constexpr (Config::kSharesWeights) {
+      const int other = linear ^ 1;
+      tile.alone_in_pair = other >= num_tiles;
+      shared_block = other < num_tiles && pair_shares_weights(tile, p.scheduler.tile(other));
+    }
+    hand_over_tile<Config>(smem, queue, tile);
+    return tile;
+  };
 
   // Weights and routing results do not depend on the previous kernel: the routing was
   // complete before this grid could launch (the router and the gather each wait for their
@@ -67,21 +104,18 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   // after every CTA has started). So the first tile's first kStages weight blocks stream in
   // before the dependency wait, overlapping the previous kernel's tail (FC1 waits for the
   // whole previous grid after them; FC2 only per expert, in the token producer).
-  const int num_tiles = p.scheduler.num_tiles();
   int linear = p.scheduler.first_tile();
   int prefetched = 0;
   GroupedTile tile{};
   if (linear < num_tiles) {
-    tile = p.scheduler.tile(linear);
-    hand_over(tile);
+    tile = take(linear);
     for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(tile, prefetched, prefetched);
   }
   if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
   pipeline::PipelineState<kStages> state;
   int issued = 0;
   while (linear < num_tiles) {
-    // Claimed as the tile starts, so that the atomic's round trip overlaps the tile's loads.
-    const int next = next_tile();
+    const int claimed = claim();
     for (int kb = 0; kb < k_blocks; ++kb, ++issued) {
       if (issued >= prefetched) {
         ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
@@ -89,15 +123,12 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
       }
       state.advance();
     }
-    linear = next;
-    if (linear < num_tiles) {
-      tile = p.scheduler.tile(linear);
-      hand_over(tile);
-    }
+    linear = claimed_tile(claimed);
+    if (linear < num_tiles) tile = take(linear);
   }
   GroupedTile end{};
   end.expert = -1;
-  hand_over(end);
+  hand_over_tile<Config>(smem, queue, end);
   // The end tag: a stage with no bytes, full after this producer's arrivals alone.
   ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
   smem.stage_tile[state.stage].expert = -1;

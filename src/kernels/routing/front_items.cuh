@@ -88,13 +88,13 @@ __device__ __forceinline__ bool route_item(const FrontParams& p, FrontScratch& s
   if (alone) {
     __syncthreads();
     scan_expert_segments<kFrontThreads, true>(s.counts, p.routing.num_experts, p.routing.token_tile_rows,
-                                              p.routing.paired_tiles, p.routing.expert_rows, p.routing.expert_offsets,
+                                              p.routing.expert_rows, p.routing.expert_offsets,
                                               p.routing.token_tile_prefix, p.routing.token_tile_expert,
                                               p.routing.gemm, s.scan_sums);
   } else {
     if (!last_to_finish(p.items.counter(kRoutedItems), p.items.route_items, &s.last)) return false;
     scan_expert_segments<kFrontThreads>(p.routing.expert_counts, p.routing.num_experts, p.routing.token_tile_rows,
-                                        p.routing.paired_tiles, p.routing.expert_rows, p.routing.expert_offsets,
+                                        p.routing.expert_rows, p.routing.expert_offsets,
                                         p.routing.token_tile_prefix, p.routing.token_tile_expert, p.routing.gemm,
                                         s.scan_sums);
   }

@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kRouterThreads, 1) route_and_count_kernel(Rout
   __shared__ int2 scan_sums[kRouterThreads / 32];
   if (one_block) {
     __syncthreads();
-    scan_expert_segments<kRouterThreads, true>(block_counts, p.num_experts, p.token_tile_rows, p.paired_tiles,
+    scan_expert_segments<kRouterThreads, true>(block_counts, p.num_experts, p.token_tile_rows,
                                                p.expert_rows, p.expert_offsets, p.token_tile_prefix,
                                                p.token_tile_expert, p.gemm, scan_sums);
     return;
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kRouterThreads, 1) route_and_count_kernel(Rout
 
   // The last block to finish scans the counts: one launch fewer than a scan kernel of its own.
   if (!last_block_to_finish(p.blocks_done)) return;
-  scan_expert_segments<kRouterThreads>(p.expert_counts, p.num_experts, p.token_tile_rows, p.paired_tiles,
+  scan_expert_segments<kRouterThreads>(p.expert_counts, p.num_experts, p.token_tile_rows,
                                        p.expert_rows, p.expert_offsets, p.token_tile_prefix, p.token_tile_expert,
                                        p.gemm, scan_sums);
 }

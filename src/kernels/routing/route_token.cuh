@@ -44,10 +44,9 @@ struct RoutingParams {
   uint32_t* blocks_done;      // [1], zero on entry and on exit
   int32_t* expert_rows;       // [E] out: routed rows per expert
   int token_tile_rows;        // each expert's segment is padded to this many rows
-  bool paired_tiles;          // each expert's token tiles rounded up to even (GEMM CTA pairs)
   int32_t* expert_offsets;    // [E+1] out: first pool row of each expert
   int32_t* token_tile_prefix; // [E+1] out: token tiles of the experts before each expert
-  int32_t* token_tile_expert; // [T*k + E] out: the expert of each token tile (its first entries)
+  int32_t* token_tile_expert; // [T*k] out: the expert of each token tile (its first entries)
   int32_t* routed_ids;        // [T, k] out; -1 = unused
   float* routed_weights;      // [T, k] out
   int32_t* slot_rank;         // [T, k] out

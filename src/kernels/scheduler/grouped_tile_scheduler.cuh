@@ -7,9 +7,9 @@
 // CTA with one tile more, or the slowest, sets the end of the whole grid. The single-kernel forward
 // claims every tile (first_wave 0): there a tile that other tiles wait for must belong to a CTA
 // that is running, never to one that has not started (docs/design.md#single-kernel-forward).
-// CTA pairs sharing weight blocks (paired numbering) claim units of two tiles instead: pair c takes
-// tiles 2c and 2c + 1 first, then its first CTA claims unit u for both, which hold tiles 2u and
-// 2u + 1 (pipeline/pair_claims.cuh, docs/decisions.md#weight-multicast-pairs).
+// CTA pairs (weight multicast) claim units of two tiles instead: pair c takes tiles 2c and 2c + 1
+// first, then its first CTA claims unit u for both, which hold tiles 2u and 2u + 1
+// (pipeline/pair_claims.cuh, docs/decisions.md#weight-multicast-pairs).
 #pragma once
 
 #include <cstdint>
@@ -96,7 +96,7 @@ struct GemmTileCounters {
 
 // Padded segment offsets, token-tile prefix and token tiles' experts from the routing counters, by
 // one whole block (every thread must call it) once every counter is final (segments as
-// expert_segment() pads them, its tile counts even where paired_tiles). It moves the counters to
+// expert_segment() pads them). It moves the counters to
 // expert_rows and leaves them zero, so each forward (and each graph replay, whole or cut short)
 // starts from zero without a memset, and zeroes the GEMMs' counters. Global counters are read from
 // L2 (other blocks' atomics wrote them); kSharedCounts: the counters are this block's shared
@@ -104,7 +104,7 @@ struct GemmTileCounters {
 // padded rows).
 template <int kThreads, bool kSharedCounts = false>
 __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int num_experts, int token_tile_rows,
-                                                     bool paired_tiles, int32_t* expert_rows, int32_t* expert_offsets,
+                                                     int32_t* expert_rows, int32_t* expert_offsets,
                                                      int32_t* token_tile_prefix, int32_t* token_tile_expert,
                                                      const GemmTileCounters& gemm, int2* sums) {
   constexpr int kWarps = kThreads / 32;
@@ -120,7 +120,7 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
       expert_rows[e] = rows;
       gemm.fc1_tiles_done[e] = 0;
     }
-    const ExpertSegment segment = expert_segment(rows, token_tile_rows, paired_tiles);
+    const ExpertSegment segment = expert_segment(rows, token_tile_rows);
     const int2 mine = make_int2(segment.token_tiles, segment.rows);
     // Inclusive scan within the warp by shuffles, then each thread adds the warps before its own:
     // one block barrier per round instead of one per doubling step.

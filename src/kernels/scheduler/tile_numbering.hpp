@@ -20,43 +20,45 @@ struct GroupedTile {
   int token_tile;       // within the expert
   int pool_row;         // first pool row of the tile
   int valid_rows;       // rows of the tile that hold routed tokens (the rest is padding); a last
-                        // tile with at most one subtile of them is one subtile high; 0: the
-                        // empty partner of an expert's odd last tile (paired tiles, below)
+                        // tile with at most one subtile of them is one subtile high
   int expert_token_tiles;  // token tiles of the expert
+  int alone_in_pair;    // CTA pairs: set by the weight producer where the pair's other tile is past
+                        // the last one (an odd tile count), so this tile's stages go back to its
+                        // own CTA only (docs/decisions.md#weight-multicast-pairs); 0 from number_tile
 };
 
 // An expert's share of the pool: its token tiles, and its rows padded to the token subtile
 // (layout::gemm_token_subtile): whole tiles, then a last tile of one subtile when that holds
-// what is left. With paired tiles (the CTA pairs that share each weight block by multicast) an
-// expert's tile count is rounded up to even, so that the tiles 2u and 2u + 1 of the numbering
-// below always share an (expert, channel block); the extra tile holds no rows.
+// what is left.
 struct ExpertSegment {
   int token_tiles;
   int rows;
 };
 
-MEGAMOE_HOST_DEVICE constexpr ExpertSegment expert_segment(int routed_rows, int token_tile_rows,
-                                                           bool paired_tiles = false) {
+MEGAMOE_HOST_DEVICE constexpr ExpertSegment expert_segment(int routed_rows, int token_tile_rows) {
   const int subtile_rows = layout::gemm_token_subtile(token_tile_rows);
-  const int tiles = (routed_rows + token_tile_rows - 1) / token_tile_rows;
-  return ExpertSegment{paired_tiles ? (tiles + 1) / 2 * 2 : tiles,
+  return ExpertSegment{(routed_rows + token_tile_rows - 1) / token_tile_rows,
                        (routed_rows + subtile_rows - 1) / subtile_rows * subtile_rows};
 }
 
-// Token subtiles a tile loads and multiplies: one for an expert's short last tile, none for the
-// empty partner of paired tiles, else all.
+// Token subtiles a tile loads and multiplies: one for an expert's short last tile, else all.
 MEGAMOE_HOST_DEVICE constexpr int tile_subtiles(const GroupedTile& tile, int token_tile_rows) {
   const int subtile_rows = layout::gemm_token_subtile(token_tile_rows);
-  if (tile.valid_rows == 0) return 0;
   return subtile_rows < token_tile_rows && tile.valid_rows <= subtile_rows ? 1 : token_tile_rows / subtile_rows;
+}
+
+// Whether a CTA pair's two tiles (2u and 2u + 1 of the numbering below) multiply the same weight
+// block, which the pair then loads once for both by multicast; else each CTA loads its own
+// (docs/decisions.md#weight-multicast-pairs).
+MEGAMOE_HOST_DEVICE constexpr bool pair_shares_weights(const GroupedTile& first, const GroupedTile& second) {
+  return first.expert == second.expert && first.channel_block == second.channel_block;
 }
 
 // The expert of every token tile, in token_tile_prefix's numbering (token tiles of the experts
 // before each expert): the routing scan writes it, one expert's run per thread, so that finding a
 // tile's expert is one load instead of a binary search over the prefix (a chain of ~log2(E)
 // dependent loads, microseconds when the tables are not yet in L1). There are at most as many
-// token tiles as routed rows, since each tile holds at least one, plus (paired tiles) one empty
-// tile per expert.
+// token tiles as routed rows, since each tile holds at least one.
 MEGAMOE_HOST_DEVICE inline void mark_expert_token_tiles(int expert, int first_token_tile, int token_tiles,
                                                         int32_t* token_tile_expert) {
   for (int t = 0; t < token_tiles; ++t) token_tile_expert[first_token_tile + t] = expert;
@@ -80,9 +82,9 @@ MEGAMOE_HOST_DEVICE MEGAMOE_FORCEINLINE GroupedTile number_tile(int linear, cons
   t.token_tile = local % tiles_of_expert;
   t.pool_row = expert_offsets[expert] + t.token_tile * token_tile_rows;
   const int remaining = expert_rows[expert] - t.token_tile * token_tile_rows;
-  const int clamped = remaining < token_tile_rows ? remaining : token_tile_rows;
-  t.valid_rows = clamped > 0 ? clamped : 0;  // 0: a paired expert's empty extra tile
+  t.valid_rows = remaining < token_tile_rows ? remaining : token_tile_rows;
   t.expert_token_tiles = tiles_of_expert;
+  t.alone_in_pair = 0;
   return t;
 }
 
