@@ -50,18 +50,17 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
     if (kb == 0) smem.stage_tile[stage] = tile;
     ptx::mbarrier_arrive_expect_tx(&smem.full[stage], Config::stage_tx_bytes(Config::tile_subtiles(tile)));
     const auto hint = tile.expert_token_tiles == 1 ? TMA::CacheHintSm90::EVICT_FIRST : TMA::CacheHintSm90::EVICT_NORMAL;
+    const uint16_t own_cta = static_cast<uint16_t>(1u << cta_rank);
+    uint16_t destinations = 0;  // a single CTA's load: no multicast
+    if constexpr (Config::kSharesWeights) destinations = shared_block ? 0b11 : own_cta;
+    copy(p.tma_a.with(smem.full[stage], destinations, hint), tAgA(_, tile.channel_block, kb, tile.expert),
+         tAsA(_, stage));
     if constexpr (Config::kSharesWeights) {
-      constexpr uint16_t kBothCtas = 0b11;
-      const uint16_t own_cta = static_cast<uint16_t>(1u << cta_rank);
-      copy(p.tma_a.with(smem.full[stage], shared_block ? kBothCtas : own_cta, hint),
-           tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
       if (!shared_block) {
         const auto other_slice = slice(cta_rank ^ 1);
         copy(p.tma_a.with(smem.full[stage], own_cta, hint), get<0>(other_slice)(_, tile.channel_block, kb, tile.expert),
              get<1>(other_slice)(_, stage));
       }
-    } else {
-      copy(p.tma_a.with(smem.full[stage], 0, hint), tAgA(_, tile.channel_block, kb, tile.expert), tAsA(_, stage));
     }
   };
   // Single CTAs claim tiles; a pair's first CTA claims units for both (tile 2u + rank of unit u).
@@ -70,7 +69,7 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   PairClaims<typename Config::SharedStorage> pair_claims;
   auto claim = [&] {
     if constexpr (Config::kSharesWeights) {
-      return PairClaims<typename Config::SharedStorage>::claim(p.scheduler, static_cast<uint32_t>(cta_rank));
+      return pair_claims.claim(p.scheduler, static_cast<uint32_t>(cta_rank));
     } else {
       return p.scheduler.claim_next_tile();
     }
@@ -86,13 +85,12 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   const int num_tiles = p.scheduler.num_tiles();
   // Tile `linear` (< num_tiles) decoded and handed to the other producers. A pair's other tile is
   // `linear ^ 1` (units are 2u, 2u + 1): past the last tile, this one's stages go back to this CTA
-  // alone.
+  // alone (and, the last of its channel block, it shares nothing).
   auto take = [&](int linear) {
     GroupedTile tile = p.scheduler.tile(linear);
     if constexpr (Config::kSharesWeights) {
-      const int other = linear ^ 1;
-      tile.alone_in_pair = other >= num_tiles;
-      shared_block = other < num_tiles && pair_shares_weights(tile, p.scheduler.tile(other));
+      tile.alone_in_pair = (linear ^ 1) >= num_tiles;
+      shared_block = pair_shares_weights(tile, cta_rank);
     }
     hand_over_tile<Config>(smem, queue, tile);
     return tile;

@@ -49,9 +49,11 @@ MEGAMOE_HOST_DEVICE constexpr int tile_subtiles(const GroupedTile& tile, int tok
 
 // Whether a CTA pair's two tiles (2u and 2u + 1 of the numbering below) multiply the same weight
 // block, which the pair then loads once for both by multicast; else each CTA loads its own
-// (docs/decisions.md#weight-multicast-pairs).
-MEGAMOE_HOST_DEVICE constexpr bool pair_shares_weights(const GroupedTile& first, const GroupedTile& second) {
-  return first.expert == second.expert && first.channel_block == second.channel_block;
+// (docs/decisions.md#weight-multicast-pairs). From either CTA's own tile (`cta_rank` 0 holds 2u,
+// 1 holds 2u + 1): the token tile is the fast index of an (expert, channel block), so the other
+// tile shares it unless this one is the block's last (CTA 0) or first (CTA 1) token tile.
+MEGAMOE_HOST_DEVICE constexpr bool pair_shares_weights(const GroupedTile& tile, int cta_rank) {
+  return cta_rank == 0 ? tile.token_tile + 1 < tile.expert_token_tiles : tile.token_tile > 0;
 }
 
 // The expert of every token tile, in token_tile_prefix's numbering (token tiles of the experts

@@ -121,11 +121,12 @@ TEST(TileNumbering, CoversEveryRoutedRowOnceInSchedulerOrder) {
   }
 }
 
-// CTA pairs (weight multicast) take the tiles 2u and 2u + 1 of this numbering. A pair loses the
-// shared weight block only where its first tile is the last token tile of its (expert, channel
-// block): a shared pair multiplies the same weight block by consecutive token tiles, and every
-// other pair straddles a boundary (an odd tile count leaves the last tile alone). The tiles'
-// experts fit the workspace's T x k entries (each token tile holds a routed row).
+// CTA pairs (weight multicast) take the tiles 2u and 2u + 1 of this numbering. Both CTAs, each
+// from its own tile, decide alike whether the pair shares a weight block, and they decide it
+// exactly where the two tiles have the same (expert, channel block): then the second tile holds
+// the next token rows; every other pair straddles a boundary (an odd tile count leaves the last
+// tile alone, sharing nothing). The tiles' experts fit the workspace's T x k entries (each token
+// tile holds a routed row).
 TEST(TileNumbering, PairsShareWeightsExceptAcrossChannelBlocks) {
   std::mt19937 rng(20261203);
   const int token_tile_rows = 128;
@@ -149,7 +150,10 @@ TEST(TileNumbering, PairsShareWeightsExceptAcrossChannelBlocks) {
       const GroupedTile first = tile(linear), second = tile(linear + 1);
       ASSERT_GT(first.valid_rows, 0) << linear;
       ASSERT_GT(second.valid_rows, 0) << linear;
-      if (pair_shares_weights(first, second)) {
+      const bool shares = pair_shares_weights(first, 0);
+      ASSERT_EQ(shares, pair_shares_weights(second, 1)) << linear << ": the pair's CTAs disagree";
+      ASSERT_EQ(shares, first.expert == second.expert && first.channel_block == second.channel_block) << linear;
+      if (shares) {
         ASSERT_EQ(first.token_tile + 1, second.token_tile) << linear;
         ++shared;
       } else {
@@ -157,6 +161,7 @@ TEST(TileNumbering, PairsShareWeightsExceptAcrossChannelBlocks) {
         ASSERT_EQ(second.token_tile, 0) << linear;
       }
     }
+    if (num_tiles % 2 == 1) EXPECT_FALSE(pair_shares_weights(tile(num_tiles - 1), 0)) << "the lone last tile";
     EXPECT_GT(shared, 0);
     EXPECT_LE(s.token_tile_prefix[E], routed);
   }
