@@ -134,7 +134,8 @@ T parse_choice(const std::string& flag, const std::string& text, const std::vect
 
 // The names --precision takes (the library's to_string names).
 inline const std::vector<std::pair<std::string, Precision>> kPrecisions = {{"bf16", Precision::bf16},
-                                                                           {"fp8_block", Precision::fp8_block}};
+                                                                           {"fp8_block", Precision::fp8_block},
+                                                                           {"fp8_tensor", Precision::fp8_tensor}};
 
 // Runs `check` (library calls that judge the arguments: find_workload, validate) and turns the
 // megamoe::Error(invalid_argument) it throws into a UsageError with the library's message.

@@ -70,7 +70,7 @@ struct LtObjects {
 }  // namespace
 
 DenseRate measure_dense_rate(Precision precision, cudaStream_t stream, int n) {
-  const bool fp8 = precision == Precision::fp8_block;
+  const bool fp8 = precision != Precision::bf16;
   const cudaDataType input_type = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
   const size_t input_bytes = static_cast<size_t>(n) * n * (fp8 ? 1 : 2);
   const size_t output_bytes = static_cast<size_t>(n) * n * 2;

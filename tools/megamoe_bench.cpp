@@ -40,7 +40,7 @@ namespace {
 void print_usage() {
   std::printf(
       "usage: megamoe-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3] [--tokens N[,N...]]\n"
-      "                     [--precision bf16|fp8_block] [--scales fp32|ue8m0]\n"
+      "                     [--precision bf16|fp8_block|fp8_tensor] [--scales fp32|ue8m0]\n"
       "                     [--routing auto|softmax|grouped|precomputed] [--experts N] [--seed S]\n"
       "                     [--token-tile auto|16|32|64|128] [--fc1-token-rows auto|pool|row_copy]\n"
       "                     [--combine deterministic|fast] [--num-sms N] [--launch auto|per_stage|single_kernel]\n"
@@ -49,7 +49,8 @@ void print_usage() {
       "  --workload        named workload (default qwen35-a3b)\n"
       "  --tokens          token counts, comma-separated (GPU default the buckets 1..8192;\n"
       "                    CPU default %d: the reference runs once per count)\n"
-      "  --precision       bf16 or fp8_block (default fp8_block)\n"
+      "  --precision       bf16, fp8_block or fp8_tensor (default fp8_block; fp8_tensor's activation\n"
+      "                    scales are calibrated on 64 sample tokens, as a checkpoint's)\n"
       "  --scales          fp8_block scale format (default fp32)\n"
       "  --routing         auto = the workload's own routing (default)\n"
       "  --experts         experts materialized for the CPU reference (default min(E, %d))\n"

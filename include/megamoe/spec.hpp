@@ -12,9 +12,13 @@ enum class Precision {
   bf16,       // bf16 operands, fp32 accumulation, bf16 intermediate between FC1 and FC2
   fp8_block,  // DeepSeek-V3 format: E4M3 weights with one scale per 128x128 block,
               // activations and the FC1 output quantized per token per 128 channels
+  fp8_tensor, // per-tensor FP8 (vLLM's fp8 checkpoints): E4M3 weights with one scale per expert
+              // matrix (gate and up apart), the layer input and FC2's input E4M3 with one static
+              // scale each from the checkpoint (PackedWeights' input scales); the scales apply in
+              // the epilogues, so the mainloops accumulate without per-K-block promotion
 };
 
-// How fp8_block scales are represented. ue8m0 restricts every scale to a power of two
+// How fp8_block scales are represented (fp8_tensor takes fp32 only). ue8m0 restricts every scale to a power of two
 // (what DeepGEMM calls UE8M0); fp32 keeps amax / 448 as is.
 enum class ScaleFormat { fp32, ue8m0 };
 
@@ -51,8 +55,8 @@ struct MoeSpec {
   Routing routing = SoftmaxTopK{};
 };
 
-// Channel granularity the kernels need: 128 for fp8_block (the scale blocks), 64 for bf16
-// (one 128-byte swizzled K slice).
+// Channel granularity the kernels need: 128 for fp8_block (the scale blocks) and fp8_tensor (one
+// 128-byte swizzled K slice of E4M3), 64 for bf16 (one 128-byte K slice).
 int channel_granularity(Precision precision);
 
 // Throws megamoe::Error(invalid_spec) with a message naming the field and the fix.

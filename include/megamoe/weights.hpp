@@ -13,15 +13,20 @@ namespace megamoe {
 // How an fp8_e4m3 checkpoint's fp32 scales cover one matrix [rows, cols] of an expert.
 enum class ScaleLayout {
   block_128x128,  // one per 128 x 128 block, [rows/128, cols/128] (DeepSeek-V3's weight_scale_inv)
-  per_row,        // one per row, i.e. output channel, [rows] (FP8-dynamic checkpoints; a per-tensor
-                  // scale is the same scale on every row)
+  per_row,        // one per row, i.e. output channel, [rows] (FP8-dynamic checkpoints)
+  per_tensor,     // one per expert matrix, [E] (vLLM's fp8 w13_weight_scale / w2_weight_scale)
+  per_gate_up,    // w13 only: one for the gate rows and one for the up rows of each expert, [E, 2]
 };
 
 // Caller weights in the layout vLLM and SGLang store: w13 [E, 2I, H] (gate rows, then up rows)
 // and w2 [E, H, I], row-major, in host memory, as bf16 or fp32 values, or (fp8_e4m3) as E4M3
 // bytes with fp32 scales: value = decode(byte) * scale, per 128 x 128 block of that layout the
 // way DeepSeek-V3 checkpoints store weight and weight_scale_inv (w13_scales [E, 2I/128, H/128],
-// w2_scales [E, H/128, I/128]), or per row (w13_scales [E, 2I], w2_scales [E, H]).
+// w2_scales [E, H/128, I/128]), per row (w13_scales [E, 2I], w2_scales [E, H]), or per expert
+// matrix (w13_scales [E] or [E, 2], w2_scales [E]).
+// A precision fp8_tensor spec also needs the static activation scales a per-tensor checkpoint
+// carries (vLLM's w13_input_scale and w2_input_scale): input_scale_count values each, one per
+// layer (1) or one per expert (E), of which the largest is used, as vLLM does.
 struct WeightsView {
   const void* w13 = nullptr;
   const void* w2 = nullptr;
@@ -30,6 +35,9 @@ struct WeightsView {
   const float* w2_scales = nullptr;   // fp8_e4m3 only
   ScaleLayout w13_scale_layout = ScaleLayout::block_128x128;
   ScaleLayout w2_scale_layout = ScaleLayout::block_128x128;
+  const float* w13_input_scale = nullptr;  // fp8_tensor: the scale of the layer input x
+  const float* w2_input_scale = nullptr;   // fp8_tensor: the scale of FC2's input (SwiGLU's output)
+  int input_scale_count = 1;               // 1 or E
 };
 
 // Packed weights, row-major with K contiguous (what TMA and wgmma read):
@@ -38,7 +46,9 @@ struct WeightsView {
 //  - w2:  [E, H, I], rows in the original order.
 //  - bf16: 2-byte elements, no scales. fp8_block: E4M3 bytes and one fp32 scale per 128x128
 //    block of the packed matrix (w13_scales [E, 2I/128, H/128], w2_scales [E, H/128, I/128]);
-//    the value of an element is decode(byte) * scale.
+//    the value of an element is decode(byte) * scale. fp8_tensor: E4M3 bytes, w13_scales [E, 2]
+//    (the gate rows' scale, then the up rows'), w2_scales [E], and the two activation scales:
+//    x is encoded as e4m3(x * (1 / fc1_input_scale)), FC2's input h as e4m3(h * (1 / fc2_input_scale)).
 struct PackedWeightsView;
 
 struct PackedWeights {
@@ -51,8 +61,10 @@ struct PackedWeights {
   std::vector<float> w13_scales;
   std::vector<uint8_t> w2;
   std::vector<float> w2_scales;
+  float fc1_input_scale = 0.0f;  // fp8_tensor only
+  float fc2_input_scale = 0.0f;  // fp8_tensor only
 
-  int element_bytes() const { return precision == Precision::fp8_block ? 1 : 2; }
+  int element_bytes() const { return precision == Precision::bf16 ? 2 : 1; }
   // Bytes one expert's weights and scales occupy (what a touched expert costs to stream).
   size_t bytes_per_expert() const;
   PackedWeightsView view() const;
@@ -61,7 +73,7 @@ struct PackedWeights {
 // Packed weights in memory the caller owns, on the host or on a device: PackedWeights' layout,
 // as pointers (what prepare_weights produces, or the same bytes packed elsewhere, e.g. by the
 // Python package on the GPU). Sizes follow from the shapes: w13 2*I*H and w2 H*I elements per
-// expert, and for fp8_block one scale per 128 x 128 block of each.
+// expert, and for fp8_block one scale per 128 x 128 block of each (fp8_tensor: 2 and 1 per expert).
 struct PackedWeightsView {
   int num_experts = 0;
   int hidden = 0;
@@ -69,9 +81,11 @@ struct PackedWeightsView {
   Precision precision = Precision::bf16;
   ScaleFormat scale_format = ScaleFormat::fp32;
   const uint8_t* w13 = nullptr;
-  const float* w13_scales = nullptr;  // fp8_block only
+  const float* w13_scales = nullptr;  // fp8 only
   const uint8_t* w2 = nullptr;
-  const float* w2_scales = nullptr;   // fp8_block only
+  const float* w2_scales = nullptr;   // fp8 only
+  float fc1_input_scale = 0.0f;       // fp8_tensor only (host values)
+  float fc2_input_scale = 0.0f;
 
   size_t w13_bytes() const;
   size_t w2_bytes() const;
@@ -85,7 +99,8 @@ using PackProgress = std::function<void(int done, int total)>;
 // Throws megamoe::Error(invalid_argument) unless `packed` was prepared for `spec` (same shapes,
 // precision and, for fp8_block, scale format).
 void validate_packed(const MoeSpec& spec, const PackedWeights& packed);
-// The same for a view, whose pointers must also be set (scales for fp8_block only).
+// The same for a view, whose pointers must also be set (scales for fp8 only), and whose
+// fp8_tensor input scales must be positive normal floats (1 / scale must be finite).
 void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed);
 
 // Validates the spec and the view, then packs. Throws megamoe::Error on bad input.
@@ -94,7 +109,13 @@ void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed);
 // fp32 scales keeps w2's values exactly when the checkpoint's scales are block amax / 448 (the
 // usual rule). A packed w13 block holds 64 gate and 64 up rows, which come from two checkpoint
 // blocks: its values are re-rounded to the E4M3 grid of the larger of the two scales. A bf16 spec
-// converts the decoded values to bf16.
+// converts the decoded values to bf16. An fp8_tensor spec keeps per-tensor fp8_e4m3 input as it is
+// (codes and scales; a per_tensor w13 scale serves gate and up); from any other input each
+// expert's gate rows, up rows and w2 are quantized with scale amax / 448 each. It takes the
+// activation scales from weights.w13_input_scale / w2_input_scale (required, positive normal
+// floats: a per-tensor layer quantizes its activations with the checkpoint's static scales; weights
+// without them take fp8_block, whose activation scales are computed per token). Other precisions
+// never read them, so a bf16 or fp8_block layer loads the same checkpoint.
 PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights,
                               const PackProgress& progress = {});
 

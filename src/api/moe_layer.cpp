@@ -20,6 +20,7 @@
 #include "kernels/routing/routing_limits.hpp"
 #include "megamoe/error.hpp"
 #include "plan/planner.hpp"
+#include "quant/quantize.hpp"
 
 namespace megamoe {
 namespace {
@@ -209,7 +210,12 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int ma
   p.top_k = spec.top_k;
   p.hidden = spec.hidden;
   p.intermediate = spec.intermediate;
-  p.fp8 = spec.precision == Precision::fp8_block;
+  p.precision = spec.precision;
+  p.fc1_input_scale = weights.fc1_input_scale;
+  p.fc2_input_scale = weights.fc2_input_scale;
+  const bool tensor_scales = spec.precision == Precision::fp8_tensor;  // validate_packed checked the scales
+  p.fc1_input_factor = tensor_scales ? quant::tensor_factor(weights.fc1_input_scale) : 0.0f;
+  p.fc2_input_factor = tensor_scales ? quant::tensor_factor(weights.fc2_input_scale) : 0.0f;
   p.ue8m0 = spec.scale_format == ScaleFormat::ue8m0;
   p.w13 = impl->w13;
   p.w13_scales = impl->w13_scales;

@@ -13,6 +13,16 @@ namespace {
 
 [[noreturn]] void reject(const std::string& message) { throw Error(ErrorCode::invalid_spec, message); }
 
+// Why channel_granularity(precision) is what it is, for the error that enforces it.
+const char* granularity_reason(Precision precision) {
+  switch (precision) {
+    case Precision::bf16: return "one 128-byte K slice of bf16";
+    case Precision::fp8_block: return "one scale per 128 channels";
+    case Precision::fp8_tensor: return "one 128-byte K slice of E4M3 per pipeline stage";
+  }
+  return "?";
+}
+
 void validate_grouped(const DeepseekGrouped& mode, const MoeSpec& spec) {
   const int E = spec.num_experts;
   if (mode.n_group < 1 || E % mode.n_group != 0) {
@@ -76,7 +86,14 @@ int size_of(DType dtype) {
   return 0;
 }
 
-const char* to_string(Precision precision) { return precision == Precision::fp8_block ? "fp8_block" : "bf16"; }
+const char* to_string(Precision precision) {
+  switch (precision) {
+    case Precision::bf16: return "bf16";
+    case Precision::fp8_block: return "fp8_block";
+    case Precision::fp8_tensor: return "fp8_tensor";
+  }
+  return "?";
+}
 const char* to_string(ScaleFormat format) { return format == ScaleFormat::ue8m0 ? "ue8m0" : "fp32"; }
 
 std::string to_string(const Routing& routing) {
@@ -94,7 +111,7 @@ std::string to_string(const Routing& routing) {
   return os.str();
 }
 
-int channel_granularity(Precision precision) { return precision == Precision::fp8_block ? 128 : 64; }
+int channel_granularity(Precision precision) { return precision == Precision::bf16 ? 64 : 128; }
 
 void validate(const MoeSpec& spec) {
   if (spec.num_experts < 1) reject("num_experts=" + std::to_string(spec.num_experts) + " must be >= 1");
@@ -105,12 +122,13 @@ void validate(const MoeSpec& spec) {
   for (auto [name, value] : {std::pair{"hidden", spec.hidden}, std::pair{"intermediate", spec.intermediate}}) {
     if (value < granularity || value % granularity != 0) {
       reject(std::string(name) + "=" + std::to_string(value) + " must be a positive multiple of " +
-             std::to_string(granularity) + " for precision " + to_string(spec.precision) +
-             (spec.precision == Precision::fp8_block ? " (one scale per 128 channels)" : " (one 128-byte K slice)"));
+             std::to_string(granularity) + " for precision " + to_string(spec.precision) + " (" +
+             granularity_reason(spec.precision) + ")");
     }
   }
   if (spec.precision != Precision::fp8_block && spec.scale_format != ScaleFormat::fp32) {
-    reject("scale_format=ue8m0 only applies to precision fp8_block");
+    reject(std::string("scale_format=ue8m0 only applies to precision fp8_block; precision ") +
+           to_string(spec.precision) + " takes scale_format=fp32");
   }
   validate_routing(spec.routing, spec);
 }

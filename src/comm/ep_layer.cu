@@ -26,6 +26,10 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
                  const FileRendezvous& rendezvous, std::chrono::milliseconds barrier_timeout)
     : spec_(spec), rendezvous_(rendezvous) {
   validate(spec);
+  if (spec.precision == Precision::fp8_tensor) {
+    throw Error(ErrorCode::unsupported,
+                "expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on one GPU (MoeLayer) for now");
+  }
   if (barrier_timeout.count() < 1 || barrier_timeout > std::chrono::hours(1)) {
     throw Error(ErrorCode::invalid_argument, "barrier_timeout=" + std::to_string(barrier_timeout.count()) +
                                                  " ms must be between 1 ms and one hour");

@@ -19,7 +19,7 @@ struct DeviceFacts {
   double dense_bf16_flops_per_s = 0.0;  // measured dense bf16 GEMM rate
 
   double dense_flops_per_s(Precision precision) const {
-    return precision == Precision::fp8_block ? dense_fp8_flops_per_s : dense_bf16_flops_per_s;
+    return precision == Precision::bf16 ? dense_bf16_flops_per_s : dense_fp8_flops_per_s;
   }
 
   // An H200 as measured on the lent machines (docs/decisions.md#h200-facts): 132 SMs, 227 KiB

@@ -61,25 +61,33 @@ int token_tile_for_rows(double mean_rows) {
 
 GemmConfig choose_gemm(const char* name, const MoeSpec& spec, int token_tile, double mean_rows, double touched_experts,
                        int out_channels, PlanDetail detail) {
-  const bool fp8 = spec.precision == Precision::fp8_block;
+  const bool block_scales = spec.precision == Precision::fp8_block;
   const bool explain = detail == PlanDetail::explained;
   GemmConfig c;
   c.name = name;
-  c.block_k = fp8 ? 128 : 64;
+  c.block_k = spec.precision == Precision::bf16 ? 64 : 128;
   c.swap_ab = !layout::gemm_tokens_on_m(token_tile);
   c.math_warpgroups = layout::kGemmMathWarpgroups;
   c.channel_tile = layout::kGemmChannelTile;
   c.token_tile = token_tile;
   c.block_m = c.swap_ab ? c.channel_tile : c.token_tile;
   c.block_n = c.swap_ab ? c.token_tile : c.channel_tile;
-  c.stage_bytes = layout::gemm_stage_bytes(c.token_tile, fp8);
+  c.stage_bytes = layout::gemm_stage_bytes(c.token_tile, block_scales);
   // The kernels are compiled for sm_90's opt-in limit; plan_layer refused devices offering less.
-  c.stages = layout::gemm_stages(c.token_tile, fp8, layout::kSm90SmemPerBlockOptin);
+  c.stages = layout::gemm_stages(c.token_tile, block_scales, layout::kSm90SmemPerBlockOptin);
   c.smem_bytes = c.stages * c.stage_bytes + layout::gemm_fixed_bytes();
   if (!explain) return c;
   const int rows_per_expert = static_cast<int>(std::ceil(mean_rows));
-  c.reasons.push_back(fp8 ? "block_k=128: one FP8 scale block per K step, so promotion happens once per stage"
-                          : "block_k=64: one 128-byte swizzled row of bf16 per K step");
+  switch (spec.precision) {
+    case Precision::fp8_block:
+      c.reasons.push_back("block_k=128: one FP8 scale block per K step, so promotion happens once per stage");
+      break;
+    case Precision::fp8_tensor:
+      c.reasons.push_back("block_k=128: one 128-byte swizzled row of E4M3 per K step; per-tensor scales apply in the "
+                          "epilogue, so K blocks accumulate without promotion");
+      break;
+    case Precision::bf16: c.reasons.push_back("block_k=64: one 128-byte swizzled row of bf16 per K step"); break;
+  }
   if (c.swap_ab) {
     c.reasons.push_back(format("swapAB: expert channels on wgmma M (%lld rows: %lld math warpgroups x %lld x m64), "
                                "tokens on N, so small batches pad N instead of M=64",
@@ -136,8 +144,10 @@ DeviceFacts DeviceFacts::h200_measured() {
 
 double expert_weight_bytes(const MoeSpec& spec) {
   const double elements = 3.0 * spec.hidden * spec.intermediate;
-  if (spec.precision == Precision::fp8_block) {
-    return elements + 3.0 * (spec.hidden / 128) * (spec.intermediate / 128) * sizeof(float);
+  switch (spec.precision) {
+    case Precision::fp8_block: return elements + 3.0 * (spec.hidden / 128) * (spec.intermediate / 128) * sizeof(float);
+    case Precision::fp8_tensor: return elements + 3.0 * sizeof(float);
+    case Precision::bf16: break;
   }
   return elements * 2.0;
 }
@@ -159,7 +169,7 @@ LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions&
   // or the planner's at max_tokens (the tile grows with the token count).
   const int row_padding = options.token_tile != 0 ? options.token_tile : choose_token_tile(spec, max_tokens);
   plan.workspace = layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden, spec.intermediate,
-                                                    max_tokens, row_padding, spec.precision == Precision::fp8_block);
+                                                    max_tokens, row_padding, spec.precision);
   return plan;
 }
 
@@ -183,7 +193,9 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   if (caps_for_row_copy) p.token_tile = layout::kGemmSwapAbMaxTokenTile;
   switch (o.launch) {
     case ForwardLaunch::automatic:
-      p.single_kernel = p.token_tile <= kMaxSingleKernelTokenTile && tokens <= kMaxSingleKernelTokens;
+      // The single kernel is built for bf16 and fp8_block only (options.cpp).
+      p.single_kernel = p.token_tile <= kMaxSingleKernelTokenTile && tokens <= kMaxSingleKernelTokens &&
+                        spec.precision != Precision::fp8_tensor;
       break;
     case ForwardLaunch::per_stage: p.single_kernel = false; break;
     case ForwardLaunch::single_kernel:
@@ -196,13 +208,12 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
                                                "(planner bug)",
                                                p.token_tile, layer.workspace.row_padding));
   }
-  const bool fp8 = spec.precision == Precision::fp8_block;
   switch (o.fc1_token_rows) {
     case Fc1TokenRows::automatic:
       p.fc1_copies_token_rows = !p.single_kernel && copies_rows_for(spec, mean_rows, p.token_tile);
       break;
     case Fc1TokenRows::pool: p.fc1_copies_token_rows = false; break;
-    case Fc1TokenRows::row_copy: p.fc1_copies_token_rows = fp8; break;
+    case Fc1TokenRows::row_copy: p.fc1_copies_token_rows = spec.precision == Precision::fp8_block; break;
   }
   p.combine = combine;
   const int requested_grid = o.num_sms != 0 ? std::min(o.num_sms, facts.num_sms) : facts.num_sms;
@@ -247,8 +258,8 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
                                static_cast<long long>(kMaxSingleKernelTokens),
                                static_cast<long long>(kMaxSingleKernelTokenTile)));
   }
-  if (!fp8) {
-    p.reasons.push_back("FC1 reads the gathered pool: rows are copied from x's fp8 copy only");
+  if (spec.precision != Precision::fp8_block) {
+    p.reasons.push_back("FC1 reads the gathered pool: rows are copied from x's fp8_block copy only");
   } else if (layout::gemm_tokens_on_m(p.token_tile)) {
     p.reasons.push_back("FC1 reads the gathered pool: the row copy fills swapAB's token blocks only");
   } else if (p.single_kernel) {

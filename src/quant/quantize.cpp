@@ -68,4 +68,19 @@ std::vector<double> dequantize_rows_per_128(const uint8_t* codes, const float* s
   return out;
 }
 
+float tensor_factor(float scale) { return 1.0f / scale; }
+
+float tensor_scale(float amax) { return block_scale(amax, ScaleFormat::fp32).scale; }
+
+void quantize_per_tensor(const float* values, size_t count, float scale, uint8_t* codes) {
+  const float factor = tensor_factor(scale);
+  for (size_t i = 0; i < count; ++i) codes[i] = e4m3_encode(values[i] * factor);
+}
+
+std::vector<double> dequantize_per_tensor(const uint8_t* codes, size_t count, float scale) {
+  std::vector<double> out(count);
+  for (size_t i = 0; i < count; ++i) out[i] = static_cast<double>(e4m3_decode(codes[i])) * scale;
+  return out;
+}
+
 }  // namespace megamoe::quant

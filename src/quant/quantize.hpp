@@ -1,7 +1,9 @@
-// Block quantization to FP8 E4M3: weights in 128x128 blocks, activations per row per 128
-// channels. Every function here defines the exact arithmetic the device kernels reproduce.
+// Quantization to FP8 E4M3: weights in 128x128 blocks, activations per row per 128 channels
+// (fp8_block), or whole tensors with one scale (fp8_tensor). Every function here defines the
+// exact arithmetic the device kernels reproduce.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -32,5 +34,17 @@ void quantize_blocks_128x128(const float* values, int rows, int cols, ScaleForma
 // Decoded value of every code, row-major [rows, cols], given per-row-per-128 scales.
 std::vector<double> dequantize_rows_per_128(const uint8_t* codes, const float* scales, int rows,
                                             int cols);
+
+// Per-tensor quantization (fp8_tensor's activations): one static fp32 scale for a whole tensor,
+// of which the device holds the scale only. Its factor is therefore 1.0f / scale (one IEEE fp32
+// division, round to nearest), not quantize_block's 448 / amax: the two can differ in the last bit.
+float tensor_factor(float scale);
+// The per-tensor scale of a tensor whose absolute maximum is `amax`: max(amax, kMinBlockAmax) / 448,
+// block_scale's fp32 scale.
+float tensor_scale(float amax);
+// codes[i] = e4m3_encode(values[i] * tensor_factor(scale)) (saturating at +-448).
+void quantize_per_tensor(const float* values, size_t count, float scale, uint8_t* codes);
+// Decoded values e4m3_decode(code) * scale, exact in double.
+std::vector<double> dequantize_per_tensor(const uint8_t* codes, size_t count, float scale);
 
 }  // namespace megamoe::quant

@@ -14,7 +14,32 @@ namespace megamoe::ref {
 namespace {
 
 // Where the activations and the FC1 output are rounded, matching one device precision mode.
-enum class ActivationPath { fp8_block, bf16, unquantized };
+enum class ActivationPath { fp8_block, fp8_tensor, bf16, unquantized };
+
+// The path, with fp8_tensor's static scales (PackedWeights' fc1_input_scale / fc2_input_scale).
+struct Rounding {
+  ActivationPath path;
+  float fc1_input_scale = 0.0f;
+  float fc2_input_scale = 0.0f;
+};
+
+// The rounding the device applies to layers of the weights' precision.
+Rounding rounding_of(const PackedWeights& weights) {
+  switch (weights.precision) {
+    case Precision::fp8_block: return Rounding{ActivationPath::fp8_block};
+    case Precision::fp8_tensor:
+      return Rounding{ActivationPath::fp8_tensor, weights.fc1_input_scale, weights.fc2_input_scale};
+    case Precision::bf16: break;
+  }
+  return Rounding{ActivationPath::bf16};
+}
+
+// What a run computes: the report, and for calibration the largest |SwiGLU output| of any routed
+// slot, before the FC1 output is rounded.
+struct ReferenceRun {
+  ReferenceReport report;
+  double fc1_output_amax = 0.0;
+};
 
 // One expert's weights, a row at a time as doubles: gate/up row r in the original order
 // (gate rows [0, I), up rows [I, 2I)), W2 row n. Rows are decoded on the fly so the reference
@@ -30,27 +55,37 @@ struct Slot {
   int index;  // t * k + j
 };
 
-std::vector<double> load_activations(const MoeSpec& spec, ActivationPath path, const MoeInputs& inputs) {
+// values -> e4m3(v * (1 / scale)) -> decode * scale, fp8_tensor's rounding of a whole tensor.
+std::vector<double> round_per_tensor(const std::vector<float>& values, float scale) {
+  std::vector<uint8_t> codes(values.size());
+  quant::quantize_per_tensor(values.data(), values.size(), scale, codes.data());
+  return quant::dequantize_per_tensor(codes.data(), codes.size(), scale);
+}
+
+std::vector<double> load_activations(const MoeSpec& spec, const Rounding& rounding, const MoeInputs& inputs) {
   const int T = inputs.num_tokens, H = spec.hidden;
   const bf16_t* x = static_cast<const bf16_t*>(inputs.x);
   std::vector<float> xf(static_cast<size_t>(T) * H);
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = x[i].to_float();
-  if (path == ActivationPath::fp8_block) {
+  if (rounding.path == ActivationPath::fp8_block) {
     const quant::QuantizedRows q = quant::quantize_rows_per_128(xf.data(), T, H, spec.scale_format);
     return quant::dequantize_rows_per_128(q.codes.data(), q.scales.data(), T, H);
   }
+  if (rounding.path == ActivationPath::fp8_tensor) return round_per_tensor(xf, rounding.fc1_input_scale);
   return std::vector<double>(xf.begin(), xf.end());
 }
 
 // FC1 output row of one slot, rounded the way the device stores it for FC2.
-void round_fc1_output(const MoeSpec& spec, ActivationPath path, std::vector<double>& h) {
+void round_fc1_output(const MoeSpec& spec, const Rounding& rounding, std::vector<double>& h) {
   const int I = spec.intermediate;
-  if (path == ActivationPath::bf16) {
+  if (rounding.path == ActivationPath::bf16) {
     for (double& v : h) v = bf16_t::from_float(static_cast<float>(v)).to_float();
-  } else if (path == ActivationPath::fp8_block) {
+  } else if (rounding.path == ActivationPath::fp8_block) {
     std::vector<float> hf(h.begin(), h.end());
     const quant::QuantizedRows q = quant::quantize_rows_per_128(hf.data(), 1, I, spec.scale_format);
     h = quant::dequantize_rows_per_128(q.codes.data(), q.scales.data(), 1, I);
+  } else if (rounding.path == ActivationPath::fp8_tensor) {
+    h = round_per_tensor(std::vector<float>(h.begin(), h.end()), rounding.fc2_input_scale);
   }
 }
 
@@ -70,15 +105,19 @@ double dot(const double* a, const double* b, int n) {
   return (s0 + s1) + (s2 + s3);
 }
 
-// Computes every routed slot's expert output (unweighted) into slot_out [T*k, H].
-void compute_experts(const MoeSpec& spec, ActivationPath path, const ExpertLoader& load_expert,
-                     const std::vector<double>& activations, const std::vector<std::vector<Slot>>& slots_of_expert,
-                     std::vector<double>& slot_out, const ReferenceProgress& progress) {
+// Computes every routed slot's expert output (unweighted) into slot_out [T*k, H]; returns the
+// largest |SwiGLU output| of any slot, before round_fc1_output.
+double compute_experts(const MoeSpec& spec, const Rounding& rounding, const ExpertLoader& load_expert,
+                       const std::vector<double>& activations, const std::vector<std::vector<Slot>>& slots_of_expert,
+                       std::vector<double>& slot_out, const ReferenceProgress& progress) {
+  const ActivationPath path = rounding.path;
   const int H = spec.hidden, I = spec.intermediate, E = spec.num_experts;
-  std::mutex progress_mutex;
+  std::mutex mutex;  // guards done, fc1_output_amax and the progress callback
   int done = 0;
+  double fc1_output_amax = 0.0;
   parallel_for(E, [&](int e) {
     const std::vector<Slot>& slots = slots_of_expert[e];
+    double expert_amax = 0.0;
     if (!slots.empty()) {
       const ExpertRows w = load_expert(e);
       const size_t n_slots = slots.size();
@@ -95,7 +134,10 @@ void compute_experts(const MoeSpec& spec, ActivationPath path, const ExpertLoade
           h[s][c] = path == ActivationPath::unquantized ? swiglu(g, u) : static_cast<float>(swiglu(g, u));
         }
       }
-      for (std::vector<double>& row : h) round_fc1_output(spec, path, row);
+      for (std::vector<double>& row : h) {
+        for (double v : row) expert_amax = std::max(expert_amax, std::fabs(v));
+        round_fc1_output(spec, rounding, row);
+      }
       for (int n = 0; n < H; ++n) {
         w.w2(n, w2_row.data());
         for (size_t s = 0; s < n_slots; ++s) {
@@ -103,22 +145,24 @@ void compute_experts(const MoeSpec& spec, ActivationPath path, const ExpertLoade
         }
       }
     }
-    if (progress) {
-      std::lock_guard<std::mutex> lock(progress_mutex);
-      progress(++done, E);
-    }
+    std::lock_guard<std::mutex> lock(mutex);
+    fc1_output_amax = std::max(fc1_output_amax, expert_amax);
+    ++done;
+    if (progress) progress(done, E);
   });
+  return fc1_output_amax;
 }
 
-ReferenceReport run_reference(const MoeSpec& spec, ActivationPath path, const ExpertLoader& load_expert,
-                              const MoeInputs& inputs, const MoeOutputs& outputs, const ReferenceProgress& progress) {
+ReferenceRun run_reference(const MoeSpec& spec, const Rounding& rounding, const ExpertLoader& load_expert,
+                           const MoeInputs& inputs, const MoeOutputs& outputs, const ReferenceProgress& progress) {
   validate_forward_args(spec, inputs.num_tokens, inputs, outputs);
   if (inputs.num_valid_tokens != nullptr) {
     throw Error(ErrorCode::invalid_argument,
                 "the CPU reference takes no num_valid_tokens (a device-side count): pass the valid count as num_tokens");
   }
   const int T = inputs.num_tokens, H = spec.hidden, k = spec.top_k;
-  ReferenceReport report;
+  ReferenceRun run;
+  ReferenceReport& report = run.report;
   if (std::holds_alternative<Precomputed>(spec.routing)) {
     report.routing.num_tokens = T;
     report.routing.top_k = k;
@@ -137,9 +181,9 @@ ReferenceReport run_reference(const MoeSpec& spec, ActivationPath path, const Ex
       if (check.used[index]) slots_of_expert[report.routing.ids[index]].push_back({t, index});
     }
 
-  const std::vector<double> activations = load_activations(spec, path, inputs);
+  const std::vector<double> activations = load_activations(spec, rounding, inputs);
   std::vector<double> slot_out(static_cast<size_t>(T) * k * H, 0.0);
-  compute_experts(spec, path, load_expert, activations, slots_of_expert, slot_out, progress);
+  run.fc1_output_amax = compute_experts(spec, rounding, load_expert, activations, slots_of_expert, slot_out, progress);
 
   // Deterministic combine: fixed slot order per token.
   report.y.assign(static_cast<size_t>(T) * H, 0.0);
@@ -156,40 +200,11 @@ ReferenceReport run_reference(const MoeSpec& spec, ActivationPath path, const Ex
       y[i] = bf16_t::from_float(static_cast<float>(report.y[i]));
     }
   }
-  return report;
+  return run;
 }
 
-}  // namespace
-
-double swiglu(double gate, double up) { return gate / (1.0 + std::exp(-gate)) * up; }
-
-double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
-  double diff = 0.0, norm = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff += (a[i] - b[i]) * (a[i] - b[i]);
-    norm += b[i] * b[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
-
-ReferenceReport reference_forward(const MoeSpec& spec, const PackedWeights& weights, const MoeInputs& inputs,
-                                  const MoeOutputs& outputs, const ReferenceProgress& progress) {
-  validate(spec);
-  validate_packed(spec, weights);
-  const ActivationPath path = spec.precision == Precision::fp8_block ? ActivationPath::fp8_block : ActivationPath::bf16;
-  const int I = spec.intermediate;
-  auto rows_of = [&](int e) {
-    return ExpertRows{[&, e](int row, double* out) {
-                        weights::decode_packed_row(weights, weights::PackedMatrix::w13, e, layout::packed_w13_row(row, I), out);
-                      },
-                      [&, e](int row, double* out) { weights::decode_packed_row(weights, weights::PackedMatrix::w2, e, row, out); }};
-  };
-  return run_reference(spec, path, rows_of, inputs, outputs, progress);
-}
-
-ReferenceReport reference_forward_unquantized(const MoeSpec& spec, const WeightsView& weights,
-                                              const MoeInputs& inputs, const MoeOutputs& outputs,
-                                              const ReferenceProgress& progress) {
+ReferenceRun run_unquantized(const MoeSpec& spec, const WeightsView& weights, const MoeInputs& inputs,
+                             const MoeOutputs& outputs, const ReferenceProgress& progress) {
   validate(spec);
   if (weights.w13 == nullptr || weights.w2 == nullptr) throw Error(ErrorCode::null_pointer, "weights.w13/w2 is null");
   if (weights.dtype != DType::bf16 && weights.dtype != DType::fp32) {
@@ -209,7 +224,52 @@ ReferenceReport reference_forward_unquantized(const MoeSpec& spec, const Weights
     return ExpertRows{[&, w13_offset](int row, double* out) { read_row(weights.w13, w13_offset, H, row, out); },
                       [&, w2_offset](int row, double* out) { read_row(weights.w2, w2_offset, I, row, out); }};
   };
-  return run_reference(spec, ActivationPath::unquantized, load, inputs, outputs, progress);
+  return run_reference(spec, Rounding{ActivationPath::unquantized}, load, inputs, outputs, progress);
+}
+
+}  // namespace
+
+double swiglu(double gate, double up) { return gate / (1.0 + std::exp(-gate)) * up; }
+
+double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff += (a[i] - b[i]) * (a[i] - b[i]);
+    norm += b[i] * b[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+ReferenceReport reference_forward(const MoeSpec& spec, const PackedWeights& weights, const MoeInputs& inputs,
+                                  const MoeOutputs& outputs, const ReferenceProgress& progress) {
+  validate(spec);
+  validate_packed(spec, weights);
+  const int I = spec.intermediate;
+  auto rows_of = [&](int e) {
+    return ExpertRows{[&, e](int row, double* out) {
+                        weights::decode_packed_row(weights, weights::PackedMatrix::w13, e, layout::packed_w13_row(row, I), out);
+                      },
+                      [&, e](int row, double* out) { weights::decode_packed_row(weights, weights::PackedMatrix::w2, e, row, out); }};
+  };
+  return run_reference(spec, rounding_of(weights), rows_of, inputs, outputs, progress).report;
+}
+
+ReferenceReport reference_forward_unquantized(const MoeSpec& spec, const WeightsView& weights,
+                                              const MoeInputs& inputs, const MoeOutputs& outputs,
+                                              const ReferenceProgress& progress) {
+  return run_unquantized(spec, weights, inputs, outputs, progress).report;
+}
+
+InputScales calibrate_input_scales(const MoeSpec& spec, const WeightsView& weights, const MoeInputs& inputs) {
+  validate(spec);
+  const size_t elements = static_cast<size_t>(std::max(inputs.num_tokens, 0)) * spec.hidden;
+  // Calibration reads the run's amaxes, not its output, but the run writes one.
+  std::vector<bf16_t> y(elements);
+  const ReferenceRun run = run_unquantized(spec, weights, inputs, MoeOutputs{y.data()}, {});
+  const bf16_t* x = static_cast<const bf16_t*>(inputs.x);  // validated by the run
+  float input_amax = 0.0f;
+  for (size_t i = 0; i < elements; ++i) input_amax = std::fmax(input_amax, std::fabs(x[i].to_float()));
+  return InputScales{quant::tensor_scale(input_amax), quant::tensor_scale(static_cast<float>(run.fc1_output_amax))};
 }
 
 }  // namespace megamoe::ref

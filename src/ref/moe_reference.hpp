@@ -23,6 +23,8 @@ using ReferenceProgress = std::function<void(int done, int total)>;
 //  fp8_block: x -> E4M3 per token per 128 channels; FC1 on decoded values (exact products, fp64
 //  sums); SwiGLU in fp64 rounded to fp32; FC1 output -> E4M3 per token per 128; FC2; weighted
 //  sum over the top-k in fixed slot order; bf16 out.
+//  fp8_tensor: x -> E4M3 as e4m3(x * (1 / fc1_input_scale)); FC1 on decoded values; SwiGLU in
+//  fp64 rounded to fp32; FC1 output -> e4m3(h * (1 / fc2_input_scale)); FC2 as above.
 //  bf16: the same with no quantization, the FC1 output rounded to bf16.
 // Host buffers; validates like forward and writes outputs.y only after validation.
 ReferenceReport reference_forward(const MoeSpec& spec, const PackedWeights& weights, const MoeInputs& inputs,
@@ -33,6 +35,16 @@ ReferenceReport reference_forward(const MoeSpec& spec, const PackedWeights& weig
 ReferenceReport reference_forward_unquantized(const MoeSpec& spec, const WeightsView& weights,
                                               const MoeInputs& inputs, const MoeOutputs& outputs,
                                               const ReferenceProgress& progress = {});
+
+// Static activation scales for an fp8_tensor layer whose weights come without them (what a
+// calibration pass over sample inputs measures): amax / 448 of the layer input x over `inputs`'
+// tokens (fc1) and of SwiGLU's output over their routed slots (fc2), from unquantized math on
+// bf16 or fp32 weights; an amax below 1e-4 counts as 1e-4, as for block scales.
+struct InputScales {
+  float fc1 = 0.0f;
+  float fc2 = 0.0f;
+};
+InputScales calibrate_input_scales(const MoeSpec& spec, const WeightsView& weights, const MoeInputs& inputs);
 
 // SiLU(g) * u in fp64.
 double swiglu(double gate, double up);

@@ -4,6 +4,7 @@
 #include <random>
 
 #include "common/parallel_for.hpp"
+#include "ref/moe_reference.hpp"
 
 namespace megamoe::ref {
 namespace {
@@ -16,6 +17,22 @@ struct Xorshift {
     return half_width * (static_cast<float>((state * 0x2545F4914F6CDD1Dull) >> 40) * 0x1p-23f - 1.0f);
   }
 };
+
+// make_random_weights' calibration of an fp8_tensor spec's activation scales.
+void calibrate_activation_scales(const MoeSpec& spec, uint64_t seed, RandomWeights& w) {
+  const int T = kCalibrationTokens;
+  std::mt19937_64 engine(seed ^ 0x6A09E667F3BCC908ull);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<bf16_t> x(static_cast<size_t>(T) * spec.hidden);
+  for (bf16_t& v : x) v = bf16_t::from_float(normal(engine));
+  const RandomRouting routing = make_random_routing(T, spec.top_k, spec.num_experts, engine());
+  MoeSpec precomputed = spec;
+  precomputed.routing = Precomputed{};
+  MoeInputs inputs{T, x.data(), nullptr, routing.ids.data(), routing.weights.data()};
+  const InputScales scales = calibrate_input_scales(precomputed, w.view(), inputs);
+  w.fc1_input_scale = scales.fc1;
+  w.fc2_input_scale = scales.fc2;
+}
 
 }  // namespace
 
@@ -32,7 +49,17 @@ RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed) {
     for (size_t i = 0; i < w13_count; ++i) w.w13[e * w13_count + i] = bf16_t::from_float(rng.uniform(w13_width));
     for (size_t i = 0; i < w2_count; ++i) w.w2[e * w2_count + i] = bf16_t::from_float(rng.uniform(w2_width));
   });
+  if (spec.precision == Precision::fp8_tensor) calibrate_activation_scales(spec, seed, w);
   return w;
+}
+
+WeightsView RandomWeights::view() const {
+  WeightsView view{w13.data(), w2.data(), DType::bf16};
+  if (fc1_input_scale > 0.0f) {
+    view.w13_input_scale = &fc1_input_scale;
+    view.w2_input_scale = &fc2_input_scale;
+  }
+  return view;
 }
 
 RandomRouting make_random_routing(int tokens, int top_k, int num_experts, uint64_t seed) {

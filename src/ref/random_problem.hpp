@@ -15,9 +15,20 @@ namespace megamoe::ref {
 struct RandomWeights {
   std::vector<bf16_t> w13;  // [E, 2I, H], vLLM layout
   std::vector<bf16_t> w2;   // [E, H, I]
-  WeightsView view() const { return WeightsView{w13.data(), w2.data(), DType::bf16}; }
+  // fp8_tensor: the static activation scales (0 for other precisions).
+  float fc1_input_scale = 0.0f;
+  float fc2_input_scale = 0.0f;
+  // The weights, with the activation scales where there are some.
+  WeightsView view() const;
 };
 
+// Tokens an fp8_tensor spec's activation scales are calibrated on.
+inline constexpr int kCalibrationTokens = 64;
+
+// For an fp8_tensor spec, also the static activation scales, calibrated (calibrate_input_scales)
+// the way a checkpoint's are, on sample inputs: kCalibrationTokens tokens of bf16 N(0, 1)
+// activations (the distribution the tests and benchmarks draw) with uniform random routing.
+// Inputs beyond what the sample held saturate, as they would with a checkpoint's scales.
 RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed);
 
 // Precomputed routing drawn uniformly: top_k distinct experts per token, weights uniform in

@@ -1,8 +1,9 @@
-// prepare_weights: vLLM-layout weights -> interleaved, optionally FP8-block-quantized packs.
+// prepare_weights: vLLM-layout weights -> interleaved, optionally FP8-quantized packs.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <tuple>
 
@@ -17,38 +18,69 @@
 namespace megamoe {
 namespace {
 
-// One expert's matrix as fp32 in `out`, whatever the caller's dtype; `rows` of `cols` values,
-// row r landing at out row row_map(r). `scales` is the expert's scales in `layout` (fp8_e4m3 only).
+// One expert's matrix [rows, cols] of the caller's weights: `offset` elements into `base`, and
+// (fp8_e4m3) this expert's scales in `layout`.
+struct SourceMatrix {
+  const void* base;
+  DType dtype;
+  const float* scales;
+  ScaleLayout layout;
+  size_t offset;
+  int rows;
+  int cols;
+};
+
+// Layouts with one scale for many rows of an expert matrix (vLLM's fp8 checkpoints).
+bool is_per_tensor(ScaleLayout layout) {
+  return layout == ScaleLayout::per_tensor || layout == ScaleLayout::per_gate_up;
+}
+
+// The scale of row `row` of a [rows, cols] matrix in a layout other than block_128x128, as an
+// index into the expert's scales. per_gate_up's rows are w13's: gate rows [0, rows/2), up rows after.
+size_t row_scale_index(ScaleLayout layout, int row, int rows) {
+  if (layout == ScaleLayout::per_row) return static_cast<size_t>(row);
+  return layout == ScaleLayout::per_gate_up && row >= rows / 2 ? 1 : 0;
+}
+
+// Checkpoint scales one expert's [rows, cols] matrix holds in `layout`.
+size_t matrix_scale_count(ScaleLayout layout, int rows, int cols) {
+  switch (layout) {
+    case ScaleLayout::block_128x128:
+      return static_cast<size_t>(rows / quant::kQuantBlock) * (cols / quant::kQuantBlock);
+    case ScaleLayout::per_row: return static_cast<size_t>(rows);
+    case ScaleLayout::per_tensor: return 1;
+    case ScaleLayout::per_gate_up: return 2;
+  }
+  return 0;
+}
+
+// One expert's matrix as fp32 in `out`, whatever the caller's dtype; row r lands at out row
+// row_map(r).
 template <class RowMap>
-void load_matrix(const void* base, DType dtype, const float* scales, ScaleLayout layout, size_t offset, int rows,
-                 int cols, RowMap row_map, std::vector<float>& out) {
-  out.resize(static_cast<size_t>(rows) * cols);
-  for (int r = 0; r < rows; ++r) {
+void load_matrix(const SourceMatrix& m, RowMap row_map, std::vector<float>& out) {
+  const int cols = m.cols;
+  out.resize(static_cast<size_t>(m.rows) * cols);
+  for (int r = 0; r < m.rows; ++r) {
     float* dst = out.data() + static_cast<size_t>(row_map(r)) * cols;
-    const size_t first = offset + static_cast<size_t>(r) * cols;
-    if (dtype == DType::fp32) {
-      std::memcpy(dst, static_cast<const float*>(base) + first, cols * sizeof(float));
-    } else if (dtype == DType::bf16) {
-      const bf16_t* src = static_cast<const bf16_t*>(base) + first;
+    const size_t first = m.offset + static_cast<size_t>(r) * cols;
+    if (m.dtype == DType::fp32) {
+      std::memcpy(dst, static_cast<const float*>(m.base) + first, cols * sizeof(float));
+    } else if (m.dtype == DType::bf16) {
+      const bf16_t* src = static_cast<const bf16_t*>(m.base) + first;
       for (int c = 0; c < cols; ++c) dst[c] = src[c].to_float();
-    } else if (layout == ScaleLayout::per_row) {
-      const uint8_t* src = static_cast<const uint8_t*>(base) + first;
-      for (int c = 0; c < cols; ++c) dst[c] = quant::e4m3_decode(src[c]) * scales[r];
-    } else {
-      const uint8_t* src = static_cast<const uint8_t*>(base) + first;
-      const float* row_scales = scales + static_cast<size_t>(r / quant::kQuantBlock) * (cols / quant::kQuantBlock);
+    } else if (m.layout == ScaleLayout::block_128x128) {
+      const uint8_t* src = static_cast<const uint8_t*>(m.base) + first;
+      const float* row_scales = m.scales + static_cast<size_t>(r / quant::kQuantBlock) * (cols / quant::kQuantBlock);
       for (int c = 0; c < cols; ++c) dst[c] = quant::e4m3_decode(src[c]) * row_scales[c / quant::kQuantBlock];
+    } else {
+      const uint8_t* src = static_cast<const uint8_t*>(m.base) + first;
+      const float scale = m.scales[row_scale_index(m.layout, r, m.rows)];
+      for (int c = 0; c < cols; ++c) dst[c] = quant::e4m3_decode(src[c]) * scale;
     }
   }
 }
 
-// Input scales one expert's [rows, cols] matrix holds in `layout`.
-size_t matrix_scale_count(ScaleLayout layout, int rows, int cols) {
-  if (layout == ScaleLayout::per_row) return static_cast<size_t>(rows);
-  return static_cast<size_t>(rows / quant::kQuantBlock) * (cols / quant::kQuantBlock);
-}
-
-// Packs one row-major matrix into `codes` (bf16 bits or E4M3 bytes) and, for fp8, `scales`.
+// Packs one row-major matrix into `codes` (bf16 bits or E4M3 bytes) and, for fp8_block, `scales`.
 void pack_matrix(const std::vector<float>& values, int rows, int cols, const PackedWeights& packed, uint8_t* codes,
                  float* scales) {
   if (packed.precision == Precision::fp8_block) {
@@ -61,14 +93,76 @@ void pack_matrix(const std::vector<float>& values, int rows, int cols, const Pac
   }
 }
 
+// Buffers a thread reuses across the experts it packs: fresh ones would fault in new pages each time.
+struct PackScratch {
+  std::vector<float> values;
+  std::vector<uint8_t> codes;
+};
+
+// fp8_tensor: one expert's matrix as E4M3 `codes`, row r at row_map(r), with one scale for each of
+// `parts` equal row ranges of the original order (w13: the gate rows, then the up rows; w2: all).
+// Per-tensor fp8_e4m3 input keeps its codes and scales bit for bit (a per_tensor scale serves
+// every part). Any other input is decoded and each part quantized as one block by quantize_block:
+// scale max(amax, 1e-4) / 448 and codes e4m3(v * 448 / max(amax, 1e-4)), the factor of fp8_block's
+// weight blocks (the activations, of which the device holds only the scale, use tensor_factor's 1 / scale).
+template <class RowMap>
+void pack_tensor_matrix(const SourceMatrix& m, int parts, RowMap row_map, PackScratch& scratch, uint8_t* codes,
+                        float* scales) {
+  const uint8_t* original = nullptr;
+  if (m.dtype == DType::fp8_e4m3 && is_per_tensor(m.layout)) {
+    original = static_cast<const uint8_t*>(m.base) + m.offset;
+    for (int p = 0; p < parts; ++p) scales[p] = m.scales[row_scale_index(m.layout, p * (m.rows / parts), m.rows)];
+  } else {
+    load_matrix(m, [](int row) { return row; }, scratch.values);
+    scratch.codes.resize(scratch.values.size());
+    const size_t part = scratch.values.size() / parts;
+    for (int p = 0; p < parts; ++p) {
+      scales[p] = quant::quantize_block(scratch.values.data() + p * part, static_cast<int>(part), 1,
+                                        ScaleFormat::fp32, scratch.codes.data() + p * part);
+    }
+    original = scratch.codes.data();
+  }
+  for (int r = 0; r < m.rows; ++r) {
+    std::memcpy(codes + static_cast<size_t>(row_map(r)) * m.cols, original + static_cast<size_t>(r) * m.cols, m.cols);
+  }
+}
+
+std::string format_float(float value) {
+  std::ostringstream os;
+  os << value;
+  return os.str();
+}
+
+// fp8_tensor's activation scales: the device multiplies by 1 / scale, which a subnormal scale
+// overflows to inf (and 0 * inf is NaN), so only positive normal floats are taken.
+bool is_valid_input_scale(float scale) { return std::isnormal(scale) && scale > 0.0f; }
+
+// The static activation scale of an fp8_tensor layer from the caller's `count` values of
+// weights.<name>: the largest, as vLLM takes it (one scale serves every expert's tokens, and the
+// largest saturates none of them sooner than its own would).
+float static_input_scale(const char* name, const float* values, int count) {
+  float largest = 0.0f;
+  for (int i = 0; i < count; ++i) {
+    if (!is_valid_input_scale(values[i])) {
+      throw Error(ErrorCode::invalid_argument,
+                  std::string("weights.") + name + "[" + std::to_string(i) + "] = " + format_float(values[i]) +
+                      ": activation scales must be positive normal floats (finite, > 0 and not subnormal: the "
+                      "activations are multiplied by 1 / scale)");
+    }
+    largest = std::max(largest, values[i]);
+  }
+  return largest;
+}
+
 }  // namespace
 
 namespace weights {
 
 void decode_packed_row(const PackedWeights& packed, PackedMatrix matrix, int expert, int row, double* out) {
   const bool w13 = matrix == PackedMatrix::w13;
-  const int rows = w13 ? 2 * packed.intermediate : packed.hidden;
-  const int cols = w13 ? packed.hidden : packed.intermediate;
+  const int I = packed.intermediate;
+  const int rows = w13 ? 2 * I : packed.hidden;
+  const int cols = w13 ? packed.hidden : I;
   const std::vector<uint8_t>& codes = w13 ? packed.w13 : packed.w2;
   const size_t first = (static_cast<size_t>(expert) * rows + row) * cols;
   if (packed.precision == Precision::bf16) {
@@ -77,6 +171,13 @@ void decode_packed_row(const PackedWeights& packed, PackedMatrix matrix, int exp
       std::memcpy(&b, codes.data() + (first + c) * sizeof(bf16_t), sizeof b);
       out[c] = b.to_float();
     }
+    return;
+  }
+  if (packed.precision == Precision::fp8_tensor) {
+    const bool up = w13 && layout::original_w13_row(row, I) >= I;
+    const double scale = w13 ? packed.w13_scales[2 * static_cast<size_t>(expert) + (up ? 1 : 0)]
+                              : packed.w2_scales[expert];
+    for (int c = 0; c < cols; ++c) out[c] = quant::e4m3_decode(codes[first + c]) * scale;
     return;
   }
   using quant::kQuantBlock;
@@ -100,8 +201,16 @@ void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed) {
   if (packed.w13 == nullptr || packed.w2 == nullptr) {
     throw Error(ErrorCode::null_pointer, "packed weights: w13 and w2 are required");
   }
-  if (packed.precision == Precision::fp8_block && (packed.w13_scales == nullptr || packed.w2_scales == nullptr)) {
-    throw Error(ErrorCode::null_pointer, "packed fp8_block weights need w13_scales and w2_scales");
+  if (packed.precision != Precision::bf16 && (packed.w13_scales == nullptr || packed.w2_scales == nullptr)) {
+    throw Error(ErrorCode::null_pointer,
+                std::string("packed ") + to_string(packed.precision) + " weights need w13_scales and w2_scales");
+  }
+  if (packed.precision == Precision::fp8_tensor &&
+      !(is_valid_input_scale(packed.fc1_input_scale) && is_valid_input_scale(packed.fc2_input_scale))) {
+    throw Error(ErrorCode::invalid_argument,
+                "packed fp8_tensor weights need finite, positive, normal fc1_input_scale and fc2_input_scale (got " +
+                    format_float(packed.fc1_input_scale) + " and " + format_float(packed.fc2_input_scale) +
+                    "); prepare_weights takes them from weights.w13_input_scale and weights.w2_input_scale");
   }
 }
 
@@ -110,9 +219,13 @@ void validate_packed(const MoeSpec& spec, const PackedWeights& packed) {
   if (packed.w13.size() != view.w13_bytes() || packed.w2.size() != view.w2_bytes() ||
       packed.w13_scales.size() != view.w13_scale_count() || packed.w2_scales.size() != view.w2_scale_count()) {
     throw Error(ErrorCode::invalid_argument, "packed weights hold " + std::to_string(packed.w13.size()) + " + " +
-                                                 std::to_string(packed.w2.size()) + " bytes where their shapes need " +
-                                                 std::to_string(view.w13_bytes()) + " + " +
-                                                 std::to_string(view.w2_bytes()));
+                                                 std::to_string(packed.w2.size()) + " bytes and " +
+                                                 std::to_string(packed.w13_scales.size()) + " + " +
+                                                 std::to_string(packed.w2_scales.size()) +
+                                                 " scales where their shapes need " + std::to_string(view.w13_bytes()) +
+                                                 " + " + std::to_string(view.w2_bytes()) + " and " +
+                                                 std::to_string(view.w13_scale_count()) + " + " +
+                                                 std::to_string(view.w2_scale_count()));
   }
   validate_packed(spec, view);
 }
@@ -120,21 +233,30 @@ void validate_packed(const MoeSpec& spec, const PackedWeights& packed) {
 PackedWeightsView PackedWeights::view() const {
   auto scales = [](const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
   return PackedWeightsView{num_experts, hidden, intermediate, precision, scale_format,
-                           w13.data(), scales(w13_scales), w2.data(), scales(w2_scales)};
+                           w13.data(), scales(w13_scales), w2.data(), scales(w2_scales),
+                           fc1_input_scale, fc2_input_scale};
 }
 
 size_t PackedWeightsView::w13_bytes() const {
-  return 2ull * num_experts * intermediate * hidden * (precision == Precision::fp8_block ? 1 : 2);
+  return 2ull * num_experts * intermediate * hidden * (precision == Precision::bf16 ? 2 : 1);
 }
 
 size_t PackedWeightsView::w2_bytes() const { return w13_bytes() / 2; }
 
 size_t PackedWeightsView::w13_scale_count() const {
-  if (precision != Precision::fp8_block) return 0;
-  return 2ull * num_experts * (intermediate / quant::kQuantBlock) * (hidden / quant::kQuantBlock);
+  switch (precision) {
+    case Precision::bf16: return 0;
+    case Precision::fp8_block:
+      return 2ull * num_experts * (intermediate / quant::kQuantBlock) * (hidden / quant::kQuantBlock);
+    case Precision::fp8_tensor: return 2ull * num_experts;  // the gate rows' scale, then the up rows'
+  }
+  return 0;
 }
 
-size_t PackedWeightsView::w2_scale_count() const { return w13_scale_count() / 2; }
+size_t PackedWeightsView::w2_scale_count() const {
+  // Half of w13's in either fp8 layout: w2 has half the blocks, and one scale per expert to w13's two.
+  return w13_scale_count() / 2;
+}
 
 size_t PackedWeights::bytes_per_expert() const {
   PackedWeightsView one_expert = view();
@@ -151,7 +273,12 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
   if (weights.dtype == DType::fp8_e4m3) {
     if (weights.w13_scales == nullptr || weights.w2_scales == nullptr) {
       throw Error(ErrorCode::null_pointer, "fp8_e4m3 weights need their scales: weights.w13_scales and "
-                                           "weights.w2_scales (fp32, per 128x128 block or per row)");
+                                           "weights.w2_scales (fp32, per 128x128 block, per row or per expert matrix)");
+    }
+    if (weights.w2_scale_layout == ScaleLayout::per_gate_up) {
+      throw Error(ErrorCode::invalid_argument,
+                  "weights.w2_scale_layout=per_gate_up applies to w13 only (its gate and up rows); w2 has one "
+                  "matrix per expert: pass its scales as per_tensor [E]");
     }
     for (auto [name, scales, layout, rows, cols] :
          {std::tuple{"w13_scales", weights.w13_scales, weights.w13_scale_layout, 2 * I, H},
@@ -165,7 +292,7 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
       for (size_t i = 0; i < count; ++i) {
         if (!std::isfinite(scales[i]) || scales[i] <= 0.0f) {
           throw Error(ErrorCode::invalid_argument, std::string("weights.") + name + "[" + std::to_string(i) +
-                                                       "] = " + std::to_string(scales[i]) +
+                                                       "] = " + format_float(scales[i]) +
                                                        ": scales must be finite and positive");
         }
       }
@@ -180,34 +307,62 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
   packed.intermediate = I;
   packed.precision = spec.precision;
   packed.scale_format = spec.scale_format;
+  // Only fp8_tensor quantizes its activations with static scales; the other precisions leave the
+  // input scales unread (bf16 does not quantize them, fp8_block scales each token's 128 channels).
+  if (spec.precision == Precision::fp8_tensor) {
+    if (weights.w13_input_scale == nullptr || weights.w2_input_scale == nullptr) {
+      throw Error(ErrorCode::null_pointer,
+                  "precision fp8_tensor needs weights.w13_input_scale and weights.w2_input_scale: a per-tensor layer "
+                  "quantizes its activations with the checkpoint's static scales (vLLM's w13_input_scale and "
+                  "w2_input_scale); for weights without them use precision fp8_block, whose activation scales "
+                  "are computed per token");
+    }
+    if (weights.input_scale_count != 1 && weights.input_scale_count != E) {
+      throw Error(ErrorCode::invalid_argument,
+                  "weights.input_scale_count=" + std::to_string(weights.input_scale_count) +
+                      " must be 1 (one scale per layer) or num_experts=" + std::to_string(E) + " (one per expert)");
+    }
+    packed.fc1_input_scale = static_input_scale("w13_input_scale", weights.w13_input_scale, weights.input_scale_count);
+    packed.fc2_input_scale = static_input_scale("w2_input_scale", weights.w2_input_scale, weights.input_scale_count);
+  }
   const size_t w13_count = 2ull * I * H;
   const size_t w2_count = static_cast<size_t>(H) * I;
-  const bool fp8 = packed.precision == Precision::fp8_block;
-  packed.w13.resize(E * w13_count * packed.element_bytes());
-  packed.w2.resize(E * w2_count * packed.element_bytes());
-  const size_t w13_scale_count = fp8 ? w13_count / (quant::kQuantBlock * quant::kQuantBlock) : 0;
-  const size_t w2_scale_count = fp8 ? w2_count / (quant::kQuantBlock * quant::kQuantBlock) : 0;
-  packed.w13_scales.resize(E * w13_scale_count);
-  packed.w2_scales.resize(E * w2_scale_count);
+  const PackedWeightsView sizes = packed.view();
+  packed.w13.resize(sizes.w13_bytes());
+  packed.w2.resize(sizes.w2_bytes());
+  packed.w13_scales.resize(sizes.w13_scale_count());
+  packed.w2_scales.resize(sizes.w2_scale_count());
+  const size_t w13_scales_per_expert = sizes.w13_scale_count() / E;
+  const size_t w2_scales_per_expert = sizes.w2_scale_count() / E;
 
   std::mutex progress_mutex;
   int done = 0;
   parallel_for(E, [&](int e) {
-    // Reused across the experts a thread packs: fresh buffers would fault in new pages each time.
-    thread_local std::vector<float> scratch;
-    // Input scales of this expert (fp8_e4m3).
-    const float* w13_input_scales =
-        weights.w13_scales ? weights.w13_scales + e * matrix_scale_count(weights.w13_scale_layout, 2 * I, H) : nullptr;
-    const float* w2_input_scales =
-        weights.w2_scales ? weights.w2_scales + e * matrix_scale_count(weights.w2_scale_layout, H, I) : nullptr;
-    load_matrix(weights.w13, weights.dtype, w13_input_scales, weights.w13_scale_layout, e * w13_count, 2 * I, H,
-                [I](int row) { return layout::packed_w13_row(row, I); }, scratch);
-    pack_matrix(scratch, 2 * I, H, packed, packed.w13.data() + e * w13_count * packed.element_bytes(),
-                packed.w13_scales.data() + e * w13_scale_count);
-    load_matrix(weights.w2, weights.dtype, w2_input_scales, weights.w2_scale_layout, e * w2_count, H, I,
-                [](int row) { return row; }, scratch);
-    pack_matrix(scratch, H, I, packed, packed.w2.data() + e * w2_count * packed.element_bytes(),
-                packed.w2_scales.data() + e * w2_scale_count);
+    thread_local PackScratch scratch;
+    // This expert's matrices, with their checkpoint scales (fp8_e4m3).
+    auto expert_scales = [&](const float* scales, ScaleLayout layout, int rows, int cols) {
+      return scales ? scales + e * matrix_scale_count(layout, rows, cols) : nullptr;
+    };
+    const SourceMatrix w13{weights.w13, weights.dtype,
+                           expert_scales(weights.w13_scales, weights.w13_scale_layout, 2 * I, H),
+                           weights.w13_scale_layout, e * w13_count, 2 * I, H};
+    const SourceMatrix w2{weights.w2, weights.dtype, expert_scales(weights.w2_scales, weights.w2_scale_layout, H, I),
+                          weights.w2_scale_layout, e * w2_count, H, I};
+    const auto w13_packed_row = [I](int row) { return layout::packed_w13_row(row, I); };
+    const auto w2_packed_row = [](int row) { return row; };
+    uint8_t* w13_codes = packed.w13.data() + e * w13_count * packed.element_bytes();
+    uint8_t* w2_codes = packed.w2.data() + e * w2_count * packed.element_bytes();
+    float* w13_scales = packed.w13_scales.data() + e * w13_scales_per_expert;
+    float* w2_scales = packed.w2_scales.data() + e * w2_scales_per_expert;
+    if (packed.precision == Precision::fp8_tensor) {
+      pack_tensor_matrix(w13, 2, w13_packed_row, scratch, w13_codes, w13_scales);
+      pack_tensor_matrix(w2, 1, w2_packed_row, scratch, w2_codes, w2_scales);
+    } else {
+      load_matrix(w13, w13_packed_row, scratch.values);
+      pack_matrix(scratch.values, 2 * I, H, packed, w13_codes, w13_scales);
+      load_matrix(w2, w2_packed_row, scratch.values);
+      pack_matrix(scratch.values, H, I, packed, w2_codes, w2_scales);
+    }
     if (progress) {
       std::lock_guard<std::mutex> lock(progress_mutex);
       progress(++done, E);

@@ -53,7 +53,7 @@ struct LayerFixture {
   ref::RandomWeights weights;
   PackedWeights packed;
   std::unique_ptr<MoeLayer> layer;
-  std::unique_ptr<MoeLayer> single_kernel_layer;  // the same weights, options.launch = single_kernel
+  std::unique_ptr<MoeLayer> single_kernel_layer;  // the same weights, options.launch = single_kernel (not fp8_tensor)
 };
 
 inline constexpr int kMaxTokens = 4096;
@@ -97,8 +97,10 @@ inline LayerFixture& fixture_for(const Case& c, uint64_t seed) {
     f->weights = ref::make_random_weights(spec, seed);
     f->packed = prepare_weights(spec, f->weights.view());
     f->layer = std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens);
-    f->single_kernel_layer =
-        std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens, MoeLayerOptions{.launch = ForwardLaunch::single_kernel});
+    if (spec.precision != Precision::fp8_tensor) {
+      f->single_kernel_layer = std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens,
+                                                          MoeLayerOptions{.launch = ForwardLaunch::single_kernel});
+    }
     cached = std::move(f);
     cached_key = key.str();
   }

@@ -56,8 +56,10 @@ using test::take_rows;
 // (1358785979, small_fp8_block_T1_softmax) gives 2.32e-2 on the v1 code before and after the
 // options refactor alike, while 300 fresh seeds of that case stayed under 2e-2; comparisons of
 // fewer than 1024 values get 3e-2. A wrong scale or a lost K block costs O(1).
+// fp8_tensor's FC1 output is requantized with one fixed scale, so the same fp32-vs-fp64 noise
+// moves values across E4M3 boundaries the same way (but no block amax): fp8_block's bounds.
 void expect_tight(Precision precision, const Comparison& c) {
-  const bool fp8 = precision == Precision::fp8_block;
+  const bool fp8 = precision != Precision::bf16;
   EXPECT_LT(c.rel_l2, fp8 ? (c.values < 1024 ? 3e-2 : 2e-2) : 4e-3);
   EXPECT_LT(c.max_normalized, fp8 ? 0.15 : 2e-2);
 }
@@ -97,8 +99,12 @@ CheckedForward expect_matches_reference(MoeLayer& layer, LayerFixture& f, const 
   const Comparison loose = compare(y_sample, exact.y);
   EXPECT_EQ(tight.non_finite, 0) << "unwritten or non-finite outputs";
   expect_tight(c.precision, tight);
-  // Loose: quantization must not change what the layer computes.
-  EXPECT_LT(loose.rel_l2, c.precision == Precision::fp8_block ? 0.1 : 1e-2);
+  // Loose: quantization must not change what the layer computes. fp8_tensor's activation scales are
+  // calibrated on other tokens (ref::make_random_weights), so its error runs higher: the reference
+  // alone measured 6.6% mean over 200 seeds of the small shape, 9.7% at worst over 1200 one-token
+  // seeds (tests/ref/test_moe_reference.cpp).
+  const double loose_bound = c.precision == Precision::bf16 ? 1e-2 : c.precision == Precision::fp8_block ? 0.1 : 0.12;
+  EXPECT_LT(loose.rel_l2, loose_bound);
   ::testing::Test::RecordProperty("rel_l2_vs_reference", std::to_string(tight.rel_l2));
   ::testing::Test::RecordProperty("rel_l2_vs_unquantized", std::to_string(loose.rel_l2));
   out.rows = rows;
@@ -119,7 +125,8 @@ TEST_P(MoeLayerVsReference, MatchesCpuReference) {
   const std::vector<int>& rows = checked.rows;
 
   // The single-kernel forward: the same bits as the five kernels where the combine is
-  // deterministic, the same bounds where it is not.
+  // deterministic, the same bounds where it is not (fp8_tensor runs as five launches only).
+  if (!f.single_kernel_layer) return;
   SCOPED_TRACE("single-kernel forward");
   const std::vector<bf16_t> single = run_device(*f.single_kernel_layer, f.spec, in, c.tokens, c.combine);
   EXPECT_EQ(f.single_kernel_layer->take_invalid_routing_ids(nullptr), 0);
@@ -134,7 +141,7 @@ TEST_P(MoeLayerVsReference, MatchesCpuReference) {
 
 std::vector<Case> cases() {
   std::vector<Case> out;
-  for (Precision p : {Precision::bf16, Precision::fp8_block}) {
+  for (Precision p : {Precision::bf16, Precision::fp8_block, Precision::fp8_tensor}) {
     for (RoutingKind r : {RoutingKind::softmax, RoutingKind::grouped, RoutingKind::precomputed}) {
       // 16 and 17: the most tokens one router block takes (kRouterWarps), and the fewest it does not.
       for (int t : {1, 7, 16, 17, 128, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::deterministic});
@@ -143,7 +150,7 @@ std::vector<Case> cases() {
     }
   }
   for (const char* w : {"qwen35-a3b", "qwen3-30b-a3b", "dsv3"}) {
-    for (Precision p : {Precision::fp8_block, Precision::bf16}) {
+    for (Precision p : {Precision::fp8_block, Precision::bf16, Precision::fp8_tensor}) {
       for (int t : {1, 7, 128, 1000, 4096}) {
         out.push_back({w, p, t, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
       }
@@ -189,7 +196,7 @@ TEST_P(MoeLayerTokensOnMVsReference, MatchesCpuReferenceAndTheSwapAbBits) {
 
 std::vector<Case> tokens_on_m_cases() {
   std::vector<Case> out;
-  for (Precision p : {Precision::bf16, Precision::fp8_block}) {
+  for (Precision p : {Precision::bf16, Precision::fp8_block, Precision::fp8_tensor}) {
     for (RoutingKind r : {RoutingKind::softmax, RoutingKind::grouped, RoutingKind::precomputed}) {
       for (int t : {1, 7, 64, 65, 128, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::deterministic});
       out.push_back({"small", p, 333, r, Skew::skewed, CombineMode::deterministic});
@@ -198,7 +205,7 @@ std::vector<Case> tokens_on_m_cases() {
   }
   for (const char* w : {"qwen35-a3b", "qwen3-30b-a3b", "dsv3"}) {
     // dsv3 in bf16 (22 GB of weights on the host) stays with MoeLayerVsReference's swapAB cases.
-    for (Precision p : {Precision::fp8_block, Precision::bf16}) {
+    for (Precision p : {Precision::fp8_block, Precision::bf16, Precision::fp8_tensor}) {
       if (std::string(w) == "dsv3" && p == Precision::bf16) continue;
       for (int t : {2048, 8192}) out.push_back({w, p, t, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
       out.push_back({w, p, 4096, RoutingKind::workload, Skew::skewed, CombineMode::deterministic});
@@ -225,7 +232,7 @@ TEST_P(MoeLayerWeightMulticast, MatchesTheSingleCtaTileBitForBit) {
 
 std::vector<Case> weight_multicast_cases() {
   std::vector<Case> out;
-  for (Precision p : {Precision::bf16, Precision::fp8_block}) {
+  for (Precision p : {Precision::bf16, Precision::fp8_block, Precision::fp8_tensor}) {
     for (int t : {1, 7, 65, 200, 1000}) {
       out.push_back({"small", p, t, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic});
     }

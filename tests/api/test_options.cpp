@@ -64,8 +64,10 @@ TEST(Options, TheTokensOnMTileReadsThePool) {
 TEST(Options, RowCopyNeedsFp8) {
   EXPECT_EQ(rejection({.fc1_token_rows = Fc1TokenRows::row_copy}), "");
   EXPECT_EQ(rejection({.fc1_token_rows = Fc1TokenRows::pool}, Precision::bf16), "");
-  const std::string message = rejection({.fc1_token_rows = Fc1TokenRows::row_copy}, Precision::bf16);
-  EXPECT_NE(message.find("needs precision fp8_block"), std::string::npos) << message;
+  for (Precision precision : {Precision::bf16, Precision::fp8_tensor}) {
+    const std::string message = rejection({.fc1_token_rows = Fc1TokenRows::row_copy}, precision);
+    EXPECT_NE(message.find("needs precision fp8_block"), std::string::npos) << message;
+  }
 }
 
 TEST(Options, NumSmsIsACountOrZero) {
@@ -87,6 +89,10 @@ TEST(Options, TheSingleKernelTakesPoolRowsAndNarrowTiles) {
     EXPECT_NE(wide.find("token tiles of 16 or 32 (or 0), not " + std::to_string(tile)), std::string::npos) << wide;
   }
   EXPECT_EQ(rejection({.token_tile = 64, .launch = ForwardLaunch::per_stage}), "");
+  // fp8_tensor runs as five launches only.
+  EXPECT_EQ(rejection({.launch = ForwardLaunch::per_stage}, Precision::fp8_tensor), "");
+  const std::string tensor = rejection({.launch = ForwardLaunch::single_kernel}, Precision::fp8_tensor);
+  EXPECT_NE(tensor.find("options.launch=single_kernel takes precision bf16 or fp8_block"), std::string::npos) << tensor;
 }
 
 TEST(Options, PrintEveryField) {

@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 
 #include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
 
 #include "megamoe/error.hpp"
 #include "megamoe/forward.hpp"
@@ -67,6 +70,34 @@ TEST(ValidateSpec, EachErrorNamesTheField) {
     EXPECT_EQ(error_of([&] { validate(spec); }, &message), ErrorCode::invalid_spec) << c.field;
     EXPECT_NE(message.find(c.field), std::string::npos) << "message '" << message << "' should name " << c.field;
   }
+}
+
+// fp8_tensor: channels in multiples of 128 (one 128-byte K slice of E4M3), fp32 scales only, and
+// printed without a scale format (it has one kind).
+TEST(ValidateSpec, Fp8Tensor) {
+  MoeSpec spec = valid_spec();
+  spec.precision = Precision::fp8_tensor;
+  EXPECT_EQ(channel_granularity(Precision::fp8_tensor), 128);
+  EXPECT_EQ(error_of([&] { validate(spec); }), std::nullopt);
+  EXPECT_STREQ(to_string(spec.precision), "fp8_tensor");
+  std::ostringstream printed;
+  printed << spec;
+  EXPECT_NE(printed.str().find("precision=fp8_tensor"), std::string::npos) << printed.str();
+  EXPECT_EQ(printed.str().find("scales="), std::string::npos) << printed.str();
+  for (auto [field, value] : {std::pair{"hidden", 192}, std::pair{"intermediate", 64}}) {
+    MoeSpec bad = spec;
+    (std::string(field) == "hidden" ? bad.hidden : bad.intermediate) = value;
+    std::string message;
+    EXPECT_EQ(error_of([&] { validate(bad); }, &message), ErrorCode::invalid_spec) << field;
+    EXPECT_NE(message.find(field), std::string::npos) << message;
+    EXPECT_NE(message.find("K slice of E4M3"), std::string::npos) << message;
+  }
+  MoeSpec ue8m0 = spec;
+  ue8m0.scale_format = ScaleFormat::ue8m0;
+  std::string message;
+  EXPECT_EQ(error_of([&] { validate(ue8m0); }, &message), ErrorCode::invalid_spec);
+  EXPECT_NE(message.find("ue8m0"), std::string::npos) << message;
+  EXPECT_NE(message.find("fp8_tensor"), std::string::npos) << message;
 }
 
 class ValidateForward : public ::testing::Test {

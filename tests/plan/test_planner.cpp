@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "megamoe/error.hpp"
+#include "kernels/layout/gemm_smem.hpp"
 #include "plan/workloads.hpp"
 
 namespace megamoe::plan {
@@ -97,6 +98,8 @@ TEST(Planner, Fc1CopiesTokenRowsOnlyForFewRowsPerExpert) {
   for (int tokens : {1, 16, 128, 1024}) EXPECT_TRUE(fc1_copies_token_rows(fp8, tokens)) << tokens << " tokens";
   for (int tokens : {2048, 8192}) EXPECT_FALSE(fc1_copies_token_rows(fp8, tokens)) << tokens << " tokens";
   EXPECT_FALSE(fc1_copies_token_rows(workload("qwen35-a3b", Precision::bf16), 1)) << "rows are copied from fp8 only";
+  EXPECT_FALSE(fc1_copies_token_rows(workload("qwen35-a3b", Precision::fp8_tensor), 1))
+      << "the copy carries block scales, which fp8_tensor has none of";
   EXPECT_FALSE(fc1_copies_token_rows(workload("dsv3", Precision::fp8_block), 8192));
 }
 
@@ -203,6 +206,25 @@ TEST(Planner, TheSingleKernelRunsWhereTheOptionOrTheRuleSaysSo) {
     os << single;
     EXPECT_NE(os.str().find("one kernel"), std::string::npos) << os.str();
     EXPECT_NE(os.str().find("options.launch=single_kernel"), std::string::npos) << os.str();
+  }
+}
+
+// fp8_tensor streams E4M3 like fp8_block, but its stages carry no token scales (its scales apply
+// in the epilogues), it never copies rows (the copy carries block scales) and it runs as five
+// launches (the single kernel is built for bf16 and fp8_block).
+TEST(Planner, Fp8TensorStagesHoldCodesOnly) {
+  const MoeSpec tensor = workload("qwen35-a3b", Precision::fp8_tensor);
+  const MoeSpec block = workload("qwen35-a3b", Precision::fp8_block);
+  for (int tokens : {1, 128, 8192}) {
+    SCOPED_TRACE(tokens);
+    const ForwardPlan t = forward_plan(tensor, tokens, 8192), b = forward_plan(block, tokens, 8192);
+    EXPECT_EQ(t.token_tile, b.token_tile);
+    EXPECT_EQ(t.fc1.block_k, 128);
+    EXPECT_EQ(t.fc1.stage_bytes, (layout::kGemmChannelTile + t.token_tile) * layout::kGemmKBytes);
+    EXPECT_LT(t.fc1.stage_bytes, b.fc1.stage_bytes);
+    EXPECT_GE(t.fc1.stages, b.fc1.stages);
+    EXPECT_FALSE(t.fc1_copies_token_rows);
+    EXPECT_FALSE(t.single_kernel);
   }
 }
 

@@ -98,5 +98,39 @@ TEST(QuantizeBlocks128x128, OneScalePerBlockRowMajor) {
     }
 }
 
+// fp8_tensor's activations: factor 1 / scale (one fp32 division), codes e4m3(v * factor); values
+// beyond 448 scales saturate to +-448 codes, never to NaN.
+TEST(QuantizePerTensor, EncodesWithTheReciprocalOfTheScaleAndSaturates) {
+  test::SeededRng rng;
+  const float scale = rng.uniform(1e-3f, 1e-1f);
+  EXPECT_EQ(tensor_factor(scale), 1.0f / scale);
+  // 2.2 standard deviations reach 448 scales: a few percent of the values saturate.
+  const std::vector<float> values = rng.normals(4096, 200.0f * scale);
+  std::vector<uint8_t> codes(values.size());
+  quantize_per_tensor(values.data(), values.size(), scale, codes.data());
+  const std::vector<double> decoded = dequantize_per_tensor(codes.data(), codes.size(), scale);
+  int saturated = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const float scaled = values[i] * (1.0f / scale);
+    ASSERT_EQ(codes[i], e4m3_encode(scaled)) << i;
+    ASSERT_EQ(decoded[i], static_cast<double>(e4m3_decode(codes[i])) * scale) << i;
+    if (std::fabs(scaled) >= 464.0f) {  // past the midpoint of 448 and the next step, 480
+      ASSERT_EQ(codes[i], values[i] > 0 ? 0x7E : 0xFE) << i;
+      ++saturated;
+    } else {
+      ASSERT_LE(std::fabs(decoded[i] - values[i]), e4m3_error_bound(scaled) * scale * (1 + 1e-6)) << i;
+    }
+  }
+  EXPECT_GT(saturated, 0);
+}
+
+TEST(QuantizePerTensor, ScaleFromAmaxIsTheFp32BlockScale) {
+  test::SeededRng rng;
+  const float amax = rng.uniform(0.01f, 100.0f);
+  EXPECT_EQ(tensor_scale(amax), amax / 448.0f);
+  EXPECT_EQ(tensor_scale(amax), block_scale(amax, ScaleFormat::fp32).scale);
+  EXPECT_EQ(tensor_scale(rng.uniform(0.0f, kMinBlockAmax)), kMinBlockAmax / 448.0f);
+}
+
 }  // namespace
 }  // namespace megamoe::quant

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
 
 #include "common/test_random.hpp"
 #include "kernels/layout/weight_layout.hpp"
@@ -23,6 +24,17 @@ MoeSpec small_spec(Precision precision, int E = 3, int H = 256, int I = 128) {
   spec.intermediate = I;
   spec.precision = precision;
   return spec;
+}
+
+// The error prepare_weights throws for this input, if any, and its message.
+std::optional<ErrorCode> code_of(const WeightsView& view, const MoeSpec& spec, std::string* message = nullptr) {
+  try {
+    prepare_weights(spec, view);
+  } catch (const Error& e) {
+    if (message) *message = e.what();
+    return e.code();
+  }
+  return std::nullopt;
 }
 
 TEST(WeightLayout, InterleaveByEightIsABijection) {
@@ -216,14 +228,6 @@ TEST(PrepareWeights, Fp8CheckpointWithRowScales) {
 TEST(PrepareWeights, RejectsBadInput) {
   const MoeSpec spec = small_spec(Precision::fp8_block);
   std::vector<float> w(3ull * 2 * 128 * 256);
-  auto code_of = [&](const WeightsView& view, const MoeSpec& s) -> std::optional<ErrorCode> {
-    try {
-      prepare_weights(s, view);
-    } catch (const Error& e) {
-      return e.code();
-    }
-    return std::nullopt;
-  };
   EXPECT_EQ(code_of(WeightsView{nullptr, w.data(), DType::fp32}, spec), ErrorCode::null_pointer);
   EXPECT_EQ(code_of(WeightsView{w.data(), nullptr, DType::fp32}, spec), ErrorCode::null_pointer);
   EXPECT_EQ(code_of(WeightsView{w.data(), w.data(), DType::fp8_e4m3}, spec), ErrorCode::null_pointer);
@@ -258,15 +262,302 @@ TEST(PrepareWeights, RejectsBadInput) {
             ErrorCode::invalid_argument);
 }
 
+// ---- fp8_tensor: one scale per expert matrix (gate and up rows apart) and static activation scales.
+
+// An fp8_tensor layer's activation scales, as a checkpoint carries them: `count` per matrix.
+struct CheckpointInputScales {
+  std::vector<float> w13, w2;
+};
+
+CheckpointInputScales make_input_scales(test::SeededRng& rng, int count) {
+  CheckpointInputScales s;
+  for (int i = 0; i < count; ++i) {
+    s.w13.push_back(rng.uniform(0.005f, 0.05f));
+    s.w2.push_back(rng.uniform(0.0005f, 0.005f));
+  }
+  return s;
+}
+
+WeightsView with_input_scales(WeightsView view, const CheckpointInputScales& scales) {
+  view.w13_input_scale = scales.w13.data();
+  view.w2_input_scale = scales.w2.data();
+  view.input_scale_count = static_cast<int>(scales.w13.size());
+  return view;
+}
+
+// The largest |value| of `count` values.
+float amax_of(const float* values, size_t count) {
+  float amax = 0.0f;
+  for (size_t i = 0; i < count; ++i) amax = std::max(amax, std::fabs(values[i]));
+  return amax;
+}
+
+// From values, each expert's gate rows, up rows and w2 are quantized as one block each: scale
+// amax / 448 and codes e4m3(v * 448 / amax) (quantize_block's factor), the rows moved to the packed
+// interleaved order; unpacked, every value is within half an E4M3 step.
+TEST(PrepareFp8Tensor, QuantizesEachExpertMatrixAsOneBlock) {
+  test::SeededRng rng;
+  const int E = 3, H = 256, I = 128;
+  const MoeSpec spec = small_spec(Precision::fp8_tensor, E, H, I);
+  const std::vector<bf16_t> w13 = rng.bf16_normals(static_cast<size_t>(E) * 2 * I * H, 0.05f);
+  const std::vector<bf16_t> w2 = rng.bf16_normals(static_cast<size_t>(E) * H * I, 0.05f);
+  const CheckpointInputScales input = make_input_scales(rng, 1);
+  const PackedWeights packed =
+      prepare_weights(spec, with_input_scales(WeightsView{w13.data(), w2.data(), DType::bf16}, input));
+  ASSERT_EQ(packed.element_bytes(), 1);
+  ASSERT_EQ(packed.w13.size(), w13.size());
+  ASSERT_EQ(packed.w2.size(), w2.size());
+  ASSERT_EQ(packed.w13_scales.size(), 2u * E);
+  ASSERT_EQ(packed.w2_scales.size(), 1u * E);
+  EXPECT_EQ(packed.fc1_input_scale, input.w13[0]);
+  EXPECT_EQ(packed.fc2_input_scale, input.w2[0]);
+  EXPECT_EQ(packed.bytes_per_expert(), 3ull * H * I + 3 * sizeof(float));
+
+  std::vector<float> w13_values(w13.size()), w2_values(w2.size());
+  for (size_t i = 0; i < w13.size(); ++i) w13_values[i] = w13[i].to_float();
+  for (size_t i = 0; i < w2.size(); ++i) w2_values[i] = w2[i].to_float();
+  const size_t part = static_cast<size_t>(I) * H;
+  for (int e = 0; e < E; ++e) {
+    const float* gate = w13_values.data() + 2 * e * part;
+    const float* up = gate + part;
+    const float* down = w2_values.data() + e * part;
+    const float amax[3] = {amax_of(gate, part), amax_of(up, part), amax_of(down, part)};
+    ASSERT_EQ(packed.w13_scales[2 * e], amax[0] / 448.0f);
+    ASSERT_EQ(packed.w13_scales[2 * e + 1], amax[1] / 448.0f);
+    ASSERT_EQ(packed.w2_scales[e], amax[2] / 448.0f);
+    for (int row = 0; row < 2 * I; ++row) {
+      const float factor = 448.0f / amax[row < I ? 0 : 1];
+      const uint8_t* codes = packed.w13.data() + (2ull * e * I + layout::packed_w13_row(row, I)) * H;
+      for (int c = 0; c < H; ++c) {
+        ASSERT_EQ(codes[c], quant::e4m3_encode(gate[static_cast<size_t>(row) * H + c] * factor)) << e << " " << row;
+      }
+    }
+    for (size_t i = 0; i < part; ++i) {
+      ASSERT_EQ(packed.w2[e * part + i], quant::e4m3_encode(down[i] * (448.0f / amax[2])));
+    }
+  }
+  const DequantizedWeights back = unpack_weights(packed);
+  for (size_t i = 0; i < w13_values.size(); ++i) {
+    const double scale = packed.w13_scales[2 * (i / (2 * part)) + (i % (2 * part) >= part ? 1 : 0)];
+    // Half an E4M3 step: 1/16 relative for normal codes, 2^-10 of the scale below them.
+    ASSERT_NEAR(back.w13[i], w13_values[i], std::fabs(w13_values[i]) / 16 + scale * 0x1p-10) << i;
+  }
+  for (size_t i = 0; i < w2_values.size(); ++i) {
+    ASSERT_NEAR(back.w2[i], w2_values[i], std::fabs(w2_values[i]) / 16 + packed.w2_scales[i / part] * 0x1p-10) << i;
+  }
+}
+
+// A vLLM fp8 checkpoint: E4M3 bytes (any finite code) with one scale per expert matrix, w13's
+// per_tensor [E] or per_gate_up [E, 2], w2's per_tensor [E].
+struct TensorCheckpoint {
+  std::vector<uint8_t> w13, w2;
+  std::vector<float> w13_scales, w2_scales;
+  ScaleLayout w13_layout;
+  std::vector<float> w13_values, w2_values;  // decode(byte) * scale, what the checkpoint means
+  WeightsView view() const {
+    return WeightsView{w13.data(), w2.data(), DType::fp8_e4m3, w13_scales.data(), w2_scales.data(), w13_layout,
+                       ScaleLayout::per_tensor};
+  }
+};
+
+TensorCheckpoint make_tensor_checkpoint(test::SeededRng& rng, int E, int H, int I, ScaleLayout w13_layout) {
+  auto finite_codes = [&](size_t count) {
+    std::vector<uint8_t> codes(count);
+    for (uint8_t& code : codes) {
+      do code = static_cast<uint8_t>(rng.integer(0, 255));
+      while (code == quant::kE4M3NaN || code == (quant::kE4M3NaN | 0x80));
+    }
+    return codes;
+  };
+  auto scales = [&](size_t count) {
+    std::vector<float> v(count);
+    for (float& s : v) s = rng.uniform(1e-4f, 1e-3f);
+    return v;
+  };
+  TensorCheckpoint c;
+  c.w13 = finite_codes(static_cast<size_t>(E) * 2 * I * H);
+  c.w2 = finite_codes(static_cast<size_t>(E) * H * I);
+  c.w13_scales = scales(w13_layout == ScaleLayout::per_gate_up ? 2 * E : E);
+  c.w2_scales = scales(E);
+  c.w13_layout = w13_layout;
+  const size_t part = static_cast<size_t>(I) * H;  // one expert's gate rows, up rows or w2
+  for (size_t i = 0; i < c.w13.size(); ++i) {
+    const size_t e = i / (2 * part), up = i % (2 * part) >= part ? 1 : 0;
+    const float scale = c.w13_scales[w13_layout == ScaleLayout::per_gate_up ? 2 * e + up : e];
+    c.w13_values.push_back(quant::e4m3_decode(c.w13[i]) * scale);
+  }
+  for (size_t i = 0; i < c.w2.size(); ++i) c.w2_values.push_back(quant::e4m3_decode(c.w2[i]) * c.w2_scales[i / part]);
+  return c;
+}
+
+// Per-tensor input keeps its codes bit for bit (only w13's rows move to the interleaved order) and
+// its scales ([E] serves gate and up), so unpacking gives the checkpoint's values exactly.
+TEST(PrepareFp8Tensor, KeepsPerTensorCheckpointCodesAndScales) {
+  test::SeededRng rng;
+  const int E = 3, H = 128, I = 256;
+  const MoeSpec spec = small_spec(Precision::fp8_tensor, E, H, I);
+  for (ScaleLayout w13_layout : {ScaleLayout::per_tensor, ScaleLayout::per_gate_up}) {
+    SCOPED_TRACE(w13_layout == ScaleLayout::per_tensor ? "per_tensor" : "per_gate_up");
+    const TensorCheckpoint c = make_tensor_checkpoint(rng, E, H, I, w13_layout);
+    const PackedWeights packed = prepare_weights(spec, with_input_scales(c.view(), make_input_scales(rng, 1)));
+    EXPECT_EQ(packed.w2, c.w2);
+    EXPECT_EQ(packed.w2_scales, c.w2_scales);
+    const bool per_gate_up = w13_layout == ScaleLayout::per_gate_up;
+    for (int e = 0; e < E; ++e) {
+      EXPECT_EQ(packed.w13_scales[2 * e], c.w13_scales[per_gate_up ? 2 * e : e]);
+      EXPECT_EQ(packed.w13_scales[2 * e + 1], c.w13_scales[per_gate_up ? 2 * e + 1 : e]);
+      for (int row = 0; row < 2 * I; ++row) {
+        const size_t original = (2ull * e * I + row) * H, moved = (2ull * e * I + layout::packed_w13_row(row, I)) * H;
+        ASSERT_EQ(std::memcmp(packed.w13.data() + moved, c.w13.data() + original, H), 0) << e << " " << row;
+      }
+    }
+    const DequantizedWeights back = unpack_weights(packed);
+    EXPECT_EQ(back.w13, c.w13_values);
+    EXPECT_EQ(back.w2, c.w2_values);
+  }
+}
+
+// The same codes and scales in both packs.
+void expect_same_pack(const PackedWeights& got, const PackedWeights& want) {
+  EXPECT_EQ(got.w13, want.w13);
+  EXPECT_EQ(got.w2, want.w2);
+  EXPECT_EQ(got.w13_scales, want.w13_scales);
+  EXPECT_EQ(got.w2_scales, want.w2_scales);
+}
+
+// Every other input is decoded first, then quantized per matrix: an fp8_tensor pack of a block
+// checkpoint equals the pack of its decoded values, and so does a pack of w13 kept from a
+// per_gate_up checkpoint beside a w2 with block scales (one layout per matrix).
+TEST(PrepareFp8Tensor, OtherCheckpointsPackAsTheirDecodedValues) {
+  test::SeededRng rng;
+  const int E = 2, H = 256, I = 256;
+  const MoeSpec spec = small_spec(Precision::fp8_tensor, E, H, I);
+  const CheckpointInputScales input = make_input_scales(rng, E);
+  const Fp8Checkpoint blocks = make_checkpoint(rng, E, H, I);
+  const PackedWeights from_blocks = prepare_weights(
+      spec, with_input_scales(WeightsView{blocks.w13.data(), blocks.w2.data(), DType::fp8_e4m3,
+                                          blocks.w13_scales.data(), blocks.w2_scales.data()},
+                              input));
+  const PackedWeights from_values = prepare_weights(
+      spec, with_input_scales(WeightsView{blocks.w13_values.data(), blocks.w2_values.data(), DType::fp32}, input));
+  expect_same_pack(from_blocks, from_values);
+
+  const TensorCheckpoint tensor = make_tensor_checkpoint(rng, E, H, I, ScaleLayout::per_gate_up);
+  WeightsView mixed = tensor.view();
+  mixed.w2 = blocks.w2.data();
+  mixed.w2_scales = blocks.w2_scales.data();
+  mixed.w2_scale_layout = ScaleLayout::block_128x128;
+  const PackedWeights from_mixed = prepare_weights(spec, with_input_scales(mixed, input));
+  EXPECT_EQ(from_mixed.w13, prepare_weights(spec, with_input_scales(tensor.view(), input)).w13);
+  EXPECT_EQ(from_mixed.w2, from_values.w2);
+  EXPECT_EQ(from_mixed.w2_scales, from_values.w2_scales);
+}
+
+// The other precisions take per-tensor checkpoints too, decoded: fp8_block re-quantizes the
+// decoded values in 128x128 blocks, bf16 rounds them.
+TEST(PrepareWeights, PerTensorCheckpointForOtherPrecisions) {
+  test::SeededRng rng;
+  const int E = 2, H = 256, I = 128;
+  for (ScaleLayout w13_layout : {ScaleLayout::per_tensor, ScaleLayout::per_gate_up}) {
+    const TensorCheckpoint c = make_tensor_checkpoint(rng, E, H, I, w13_layout);
+    for (Precision precision : {Precision::fp8_block, Precision::bf16}) {
+      SCOPED_TRACE(to_string(precision));
+      const MoeSpec spec = small_spec(precision, E, H, I);
+      const PackedWeights from_codes = prepare_weights(spec, c.view());
+      const PackedWeights from_values =
+          prepare_weights(spec, WeightsView{c.w13_values.data(), c.w2_values.data(), DType::fp32});
+      expect_same_pack(from_codes, from_values);
+      EXPECT_EQ(from_codes.fc1_input_scale, 0.0f) << "only fp8_tensor reads input scales";
+    }
+  }
+}
+
+// The packed activation scales are the largest of the checkpoint's (one per layer or per expert).
+TEST(PrepareFp8Tensor, InputScalesAreTheLargestGiven) {
+  test::SeededRng rng;
+  const int E = 4;
+  const MoeSpec spec = small_spec(Precision::fp8_tensor, E, 128, 128);
+  const std::vector<bf16_t> w13 = rng.bf16_normals(static_cast<size_t>(E) * 2 * 128 * 128, 0.05f);
+  const std::vector<bf16_t> w2 = rng.bf16_normals(static_cast<size_t>(E) * 128 * 128, 0.05f);
+  for (int count : {1, E}) {
+    const CheckpointInputScales input = make_input_scales(rng, count);
+    const PackedWeights packed =
+        prepare_weights(spec, with_input_scales(WeightsView{w13.data(), w2.data(), DType::bf16}, input));
+    EXPECT_EQ(packed.fc1_input_scale, *std::max_element(input.w13.begin(), input.w13.end())) << count;
+    EXPECT_EQ(packed.fc2_input_scale, *std::max_element(input.w2.begin(), input.w2.end())) << count;
+    const PackedWeightsView view = packed.view();
+    EXPECT_EQ(view.fc1_input_scale, packed.fc1_input_scale);
+    EXPECT_EQ(view.fc2_input_scale, packed.fc2_input_scale);
+  }
+}
+
+TEST(PrepareFp8Tensor, RejectsBadInput) {
+  test::SeededRng rng;
+  const int E = 3, H = 128, I = 128;
+  const MoeSpec spec = small_spec(Precision::fp8_tensor, E, H, I);
+  const TensorCheckpoint c = make_tensor_checkpoint(rng, E, H, I, ScaleLayout::per_gate_up);
+  const CheckpointInputScales input = make_input_scales(rng, E);
+  const WeightsView good = with_input_scales(c.view(), input);
+  ASSERT_EQ(code_of(good, spec), std::nullopt);
+  // Checks `view` fails with `code` and a message that names `field`.
+  auto expect_rejected = [&](const WeightsView& view, ErrorCode code, const char* field, const MoeSpec& s) {
+    std::string message;
+    EXPECT_EQ(code_of(view, s, &message), code) << field;
+    EXPECT_NE(message.find(field), std::string::npos) << "message '" << message << "' should name " << field;
+  };
+
+  WeightsView no_weight_scales = good;
+  no_weight_scales.w2_scales = nullptr;
+  expect_rejected(no_weight_scales, ErrorCode::null_pointer, "w2_scales", spec);
+  WeightsView no_input_scales = good;
+  no_input_scales.w2_input_scale = nullptr;
+  expect_rejected(no_input_scales, ErrorCode::null_pointer, "w2_input_scale", spec);
+  expect_rejected(no_input_scales, ErrorCode::null_pointer, "w13_input_scale and w2_input_scale", spec);
+  for (int count : {0, 2, E + 1}) {
+    WeightsView bad_count = good;
+    bad_count.input_scale_count = count;
+    expect_rejected(bad_count, ErrorCode::invalid_argument, "input_scale_count", spec);
+  }
+  for (float bad : {0.0f, -0.01f, std::nanf(""), INFINITY, 1e-40f /* subnormal: 1 / scale overflows */}) {
+    CheckpointInputScales bad_input = input;
+    bad_input.w13[E - 1] = bad;
+    expect_rejected(with_input_scales(c.view(), bad_input), ErrorCode::invalid_argument, "w13_input_scale[2]", spec);
+  }
+  for (float bad : {0.0f, std::nanf("")}) {
+    TensorCheckpoint bad_scales = c;
+    bad_scales.w13_scales[2 * E - 1] = bad;  // the last up scale: [E, 2] are all checked
+    expect_rejected(with_input_scales(bad_scales.view(), input), ErrorCode::invalid_argument, "w13_scales[5]", spec);
+    bad_scales = c;
+    bad_scales.w2_scales[E - 1] = bad;
+    expect_rejected(with_input_scales(bad_scales.view(), input), ErrorCode::invalid_argument, "w2_scales[2]", spec);
+  }
+  WeightsView w2_per_gate_up = good;
+  w2_per_gate_up.w2_scale_layout = ScaleLayout::per_gate_up;
+  expect_rejected(w2_per_gate_up, ErrorCode::invalid_argument, "w2_scale_layout", spec);
+  MoeSpec ue8m0 = spec;
+  ue8m0.scale_format = ScaleFormat::ue8m0;
+  expect_rejected(good, ErrorCode::invalid_spec, "ue8m0", ue8m0);
+
+  // The other precisions leave the input scales unread, whatever they hold.
+  CheckpointInputScales unread = input;
+  unread.w13[0] = std::nanf("");
+  WeightsView unread_view = with_input_scales(c.view(), unread);
+  unread_view.input_scale_count = 2;
+  EXPECT_EQ(code_of(unread_view, small_spec(Precision::fp8_block, E, H, I)), std::nullopt);
+  EXPECT_EQ(code_of(unread_view, small_spec(Precision::bf16, E, H, I)), std::nullopt);
+}
+
 // A view names the same bytes with the sizes its shapes imply; a view or a pack that does not
 // match its spec, lacks a pointer, or holds the wrong number of bytes is refused.
 TEST(PackedWeights, ViewsAreCheckedAgainstTheSpec) {
   test::SeededRng rng;
   const std::vector<float> w13 = rng.normals(3ull * 2 * 128 * 256, 0.05f), w2 = rng.normals(3ull * 256 * 128, 0.05f);
-  for (Precision precision : {Precision::bf16, Precision::fp8_block}) {
+  const CheckpointInputScales input = make_input_scales(rng, 1);
+  const WeightsView weights = with_input_scales(WeightsView{w13.data(), w2.data(), DType::fp32}, input);
+  for (Precision precision : {Precision::bf16, Precision::fp8_block, Precision::fp8_tensor}) {
     SCOPED_TRACE(to_string(precision));
     const MoeSpec spec = small_spec(precision);
-    PackedWeights packed = prepare_weights(spec, WeightsView{w13.data(), w2.data(), DType::fp32});
+    PackedWeights packed = prepare_weights(spec, weights);
     const PackedWeightsView view = packed.view();
     EXPECT_EQ(view.w13, packed.w13.data());
     EXPECT_EQ(view.w13_bytes(), packed.w13.size());
@@ -281,9 +572,29 @@ TEST(PackedWeights, ViewsAreCheckedAgainstTheSpec) {
     MoeSpec other = spec;
     other.intermediate = 256;
     EXPECT_THROW(validate_packed(other, view), Error);
+    PackedWeights short_scales = packed;
+    if (!short_scales.w2_scales.empty()) {
+      short_scales.w2_scales.pop_back();
+      EXPECT_THROW(validate_packed(spec, short_scales), Error);
+    }
     packed.w2.pop_back();
     EXPECT_THROW(validate_packed(spec, packed), Error);
   }
+  // fp8_tensor views need their scales and finite, positive, normal activation scales; a pack of
+  // the other fp8 precision is refused.
+  const MoeSpec tensor_spec = small_spec(Precision::fp8_tensor);
+  const PackedWeights tensor = prepare_weights(tensor_spec, weights);
+  PackedWeightsView no_scales = tensor.view();
+  no_scales.w13_scales = nullptr;
+  EXPECT_THROW(validate_packed(tensor_spec, no_scales), Error);
+  for (float bad : {0.0f, -1.0f, std::nanf(""), INFINITY, 1e-40f}) {
+    PackedWeightsView bad_fc1 = tensor.view(), bad_fc2 = tensor.view();
+    bad_fc1.fc1_input_scale = bad;
+    bad_fc2.fc2_input_scale = bad;
+    EXPECT_THROW(validate_packed(tensor_spec, bad_fc1), Error) << bad;
+    EXPECT_THROW(validate_packed(tensor_spec, bad_fc2), Error) << bad;
+  }
+  EXPECT_THROW(validate_packed(small_spec(Precision::fp8_block), tensor.view()), Error);
   const PackedWeights bf16 = prepare_weights(small_spec(Precision::bf16), WeightsView{w13.data(), w2.data(), DType::fp32});
   PackedWeightsView fp8_without_scales = bf16.view();
   fp8_without_scales.precision = Precision::fp8_block;

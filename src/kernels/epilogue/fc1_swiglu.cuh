@@ -1,5 +1,5 @@
-// Epilogue role of the FC1 grouped GEMM: SwiGLU in registers, then bf16 or per-token-per-128
-// E4M3 requantization of the FC2 input.
+// Epilogue role of the FC1 grouped GEMM: SwiGLU in registers, then bf16, per-token-per-128 E4M3
+// (fp8_block) or per-tensor E4M3 (fp8_tensor) requantization of the FC2 input.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -19,7 +19,8 @@ namespace megamoe::kernels::gemm_detail {
 
 // FC1 epilogue: SwiGLU on the gate/up rows r and r+8 that the interleave-by-8 packing put in the
 // same thread, then bf16, or E4M3 with one scale per token per 128 channels (the CTA's 256 packed
-// rows are exactly 128 channels; the amax is reduced over the math warpgroups through shared memory).
+// rows are exactly 128 channels; the amax is reduced over the math warpgroups through shared
+// memory), or E4M3 with FC2's one input scale (fp8_tensor: p.out_factor is its reciprocal).
 template <class Config, class Params, class Accumulators>
 __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
                                                     const int (&base_row)[Config::kMBlocks], int base_col,
@@ -65,6 +66,26 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
         }
     }
   } else {
+    // E4M3 codes of this thread's values, each token column's with factor_of(column).
+    auto store_codes = [&](auto factor_of) {
+      uint8_t* out = static_cast<uint8_t*>(p.out);
+#pragma unroll
+      for (int v2 = 0; v2 < kColGroups; ++v2)
+#pragma unroll
+        for (int v0 = 0; v0 < 2; ++v0) {
+          const int col = column(v0, v2);
+          const float factor = factor_of(col);
+          if (col >= tile.valid_rows) continue;
+          const size_t row = static_cast<size_t>(tile.pool_row + col);
+          uint8_t* token_out = out + row * p.out_channels;  // one address per token, a store per m64 block
+#pragma unroll
+          for (int m = 0; m < kMBlocks; ++m) token_out[channel[m]] = encode_e4m3(h[m][v0][v2] * factor);
+        }
+    };
+    if constexpr (Config::kTensorScales) {
+      store_codes([&](int) { return p.out_factor; });
+      return;
+    }
     // Each token's amax over the tile's 128 channels, in three steps: within a warp (lanes with
     // equal lane % 4 hold the same columns, 8 rows each), then one thread per column over the
     // warps' partials, which also turns the amax into the token's scale (stored once, coalesced)
@@ -95,19 +116,7 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
         p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + tile.pool_row + consumer_thread] = s.scale;
     }
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
-    uint8_t* out = static_cast<uint8_t*>(p.out);
-#pragma unroll
-    for (int v2 = 0; v2 < kColGroups; ++v2)
-#pragma unroll
-      for (int v0 = 0; v0 < 2; ++v0) {
-        const int col = column(v0, v2);
-        const float factor = smem.amax_exchange[kTokenFactorRow][col];
-        if (col >= tile.valid_rows) continue;
-        const size_t row = static_cast<size_t>(tile.pool_row + col);
-        uint8_t* token_out = out + row * p.out_channels;  // one address per token, a store per m64 block
-#pragma unroll
-        for (int m = 0; m < kMBlocks; ++m) token_out[channel[m]] = encode_e4m3(h[m][v0][v2] * factor);
-      }
+    store_codes([&](int col) { return smem.amax_exchange[kTokenFactorRow][col]; });
     // The exchange buffer is rewritten by the next tile's epilogue.
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpilogueExchange), Config::kConsumerThreads);
   }

@@ -1,5 +1,6 @@
 // Epilogue role of FC1 in the grouped GEMM's tokens-on-M layout (mma/tokens_on_m_mainloop.cuh):
-// SwiGLU in registers, then bf16 or per-token-per-128 E4M3 requantization of the FC2 input, as the
+// SwiGLU in registers, then bf16, per-token-per-128 E4M3 (fp8_block) or per-tensor E4M3
+// (fp8_tensor) requantization of the FC2 input, as the
 // swapAB epilogue (epilogue/fc1_swiglu.cuh) computes it, from the other fragment layout.
 //
 // A thread holds rows r and r + 8 of the tile and, in each n128 half it holds, columns 8 v2 + c and
@@ -94,29 +95,44 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
       }
     }
   } else {
-    float amax[2];
+    // Row v1's encoding factor: fp8_block's from the row's amax over the tile's 128 channels (whose
+    // scale is stored), fp8_tensor's the reciprocal of FC2's input scale.
+    float factor[2] = {p.out_factor, p.out_factor};
+    if constexpr (Config::kBlockScales) {
+      float amax[2];
 #pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      float a = 0.0f;
+      for (int v1 = 0; v1 < 2; ++v1) {
+        float a = 0.0f;
 #pragma unroll
-      for (int held = 0; held < kHeld; ++held)
+        for (int held = 0; held < kHeld; ++held)
 #pragma unroll
-        for (int j = 0; j < kPairs; ++j) a = fmaxf(a, fmaxf(fabsf(h[held][j][v1][0]), fabsf(h[held][j][v1][1])));
-      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
-      amax[v1] = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
-    }
-    if constexpr (kHeld == 1) {
-      // The other warpgroup holds the other 64 channels of the same rows. The exchange is rewritten
-      // only after the tile's publication barrier, which every math thread reaches after its reads.
-      const int warpgroup = first_half;
-      if (quad_lane == 0) {
-        row_amax[warpgroup * kExchangeRows + base_row] = amax[0];
-        row_amax[warpgroup * kExchangeRows + base_row + 8] = amax[1];
+          for (int j = 0; j < kPairs; ++j) a = fmaxf(a, fmaxf(fabsf(h[held][j][v1][0]), fabsf(h[held][j][v1][1])));
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+        amax[v1] = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
       }
-      ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kRowAmaxExchanged), Config::kConsumerThreads);
-      const float* other = row_amax + (1 - warpgroup) * kExchangeRows;
-      amax[0] = fmaxf(amax[0], other[base_row]);
-      amax[1] = fmaxf(amax[1], other[base_row + 8]);
+      if constexpr (kHeld == 1) {
+        // The other warpgroup holds the other 64 channels of the same rows. The exchange is
+        // rewritten only after the tile's publication barrier, which every math thread reaches
+        // after its reads.
+        const int warpgroup = first_half;
+        if (quad_lane == 0) {
+          row_amax[warpgroup * kExchangeRows + base_row] = amax[0];
+          row_amax[warpgroup * kExchangeRows + base_row + 8] = amax[1];
+        }
+        ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kRowAmaxExchanged), Config::kConsumerThreads);
+        const float* other = row_amax + (1 - warpgroup) * kExchangeRows;
+        amax[0] = fmaxf(amax[0], other[base_row]);
+        amax[1] = fmaxf(amax[1], other[base_row + 8]);
+      }
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int row = base_row + 8 * v1;
+        const BlockScale s = block_scale(amax[v1], p.ue8m0);
+        factor[v1] = s.factor;
+        if (row < tile.valid_rows && base_col == 0 && first_half == 0) {  // one writer per row: the holder of half 0
+          p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + tile.pool_row + row] = s.scale;
+        }
+      }
     }
     // fp8: out_channels is a multiple of 128, so every channel of the block is a real one.
 #pragma unroll
@@ -124,12 +140,9 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
       const int row = base_row + 8 * v1;
       const bool valid = row < tile.valid_rows;
       const size_t pool_row = static_cast<size_t>(tile.pool_row + row);
-      const BlockScale s = block_scale(amax[v1], p.ue8m0);
-      if (valid && base_col == 0 && first_half == 0) {  // one writer per row: the holder of half 0
-        p.out_scales[static_cast<size_t>(tile.channel_block) * p.pool_rows + pool_row] = s.scale;
-      }
       uint8_t* out = static_cast<uint8_t*>(p.out) + pool_row * p.out_channels;
-      auto encode = [&](float a, float b) -> uint32_t { return encode_e4m3x2(a * s.factor, b * s.factor); };
+      const float f = factor[v1];
+      auto encode = [&](float a, float b) -> uint32_t { return encode_e4m3x2(a * f, b * f); };
 #pragma unroll
       for (int held = 0; held < kHeld; ++held) {
         transpose_and_store(held, v1, encode, [&](int channel, const uint32_t (&x)[4]) {

@@ -30,6 +30,8 @@ struct GemmArguments {
   int out_channels;
   void* out;
   float* out_scales;
+  float input_scale;  // fp8_tensor: the token operand's scale
+  float out_factor;   // fp8_tensor FC1: 1 / FC2's input scale
 };
 
 // The stage count the plan names must be the kernel's (planner and kernel would disagree).
@@ -62,7 +64,7 @@ auto make_gemm_params(const MoeLayerParams& f, const GemmArguments& g, int first
                              typename GemmTileColumns<Config, Config::kTokenSubtile>::SmemLayoutB{}(_, _, 0),
                              make_shape(Int<Config::kTokenSubtile>{}, Int<Config::kBlockK>{}));
   auto make_scales_tma = [&] {
-    if constexpr (Config::kFp8) {
+    if constexpr (Config::kBlockScales) {
       Tensor scales = make_tensor(make_gmem_ptr(g.token_scales), make_shape(pool_rows, g.k / Config::kQuantBlock),
                                   make_stride(_1{}, static_cast<int64_t>(pool_rows)));
       return make_tma_atom(SM90_TMA_LOAD{}, scales, typename Config::SmemLayoutScales{}(_, _, 0),
@@ -97,6 +99,8 @@ auto make_gemm_params(const MoeLayerParams& f, const GemmArguments& g, int first
   p.out_channels = g.out_channels;
   p.out = g.out;
   p.out_scales = g.out_scales;
+  p.input_scale = g.input_scale;
+  p.out_factor = g.out_factor;
   p.ue8m0 = f.ue8m0;
   p.pool_slot = w.at<int32_t>(f.workspace, w.pool_slot);
   p.routed_weights = w.at<float>(f.workspace, w.routed_weights);
@@ -170,6 +174,7 @@ inline GatherParams make_gather_params(const MoeLayerParams& f, const MoeLaunchC
   gather.rows_by_token = c.fc1_copies_token_rows;  // FC1 copies its rows (see dispatch_gemm)
   gather.activations = w.at<void>(ws, w.activations);
   gather.activation_scales = w.at<float>(ws, w.activation_scales);
+  gather.tensor_factor = f.fc1_input_factor;
   return gather;
 }
 
@@ -194,16 +199,25 @@ inline CombineParams make_combine_params(const MoeLayerParams& f, const MoeCall&
 inline GemmArguments fc1_arguments(const MoeLayerParams& f, const GatherParams& gather) {
   const layout::MoeWorkspaceLayout& w = f.workspace_layout;
   void* ws = f.workspace;
-  const GemmArguments fc1{f.w13, f.w13_scales, 2 * f.intermediate, f.hidden, gather.activations, gather.activation_scales,
-                          f.intermediate, w.at<void>(ws, w.fc1_output), w.at<float>(ws, w.fc1_scales)};
+  const GemmArguments fc1{f.w13,
+                          f.w13_scales,
+                          2 * f.intermediate,
+                          f.hidden,
+                          gather.activations,
+                          gather.activation_scales,
+                          f.intermediate,
+                          w.at<void>(ws, w.fc1_output),
+                          w.at<float>(ws, w.fc1_scales),
+                          f.fc1_input_scale,
+                          f.fc2_input_factor};
   return fc1;
 }
 
 inline GemmArguments fc2_arguments(const MoeLayerParams& f, const GemmArguments& fc1) {
   const layout::MoeWorkspaceLayout& w = f.workspace_layout;
   void* ws = f.workspace;
-  const GemmArguments fc2{f.w2, f.w2_scales, f.hidden, f.intermediate, fc1.out, fc1.out_scales,
-                          f.hidden, w.at<void>(ws, w.slot_outputs), nullptr};
+  const GemmArguments fc2{f.w2,      f.w2_scales, f.hidden, f.intermediate, fc1.out, fc1.out_scales, f.hidden,
+                          w.at<void>(ws, w.slot_outputs), nullptr, f.fc2_input_scale, 0.0f};
   return fc2;
 }
 

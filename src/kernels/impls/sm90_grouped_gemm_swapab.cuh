@@ -11,13 +11,14 @@
 //                           stages (full/empty mbarriers)
 //   warpgroup 0, warp 1     token producer (lane 0): TMA loads of the token tile (one or two
 //                           32-row subtiles at 64-token tiles: an expert's short last tile takes
-//                           one) and (fp8) the tokens' per-128 scales into the same stages
+//                           one) and (fp8_block) the tokens' per-128 scales into the same stages
 //                           (FC1 with kCopiesTokenRows: the whole warp copies the tile's rows
 //                           of x's quantized copy with cp.async, permute/stage_row_copy.cuh)
-//   warpgroup 0, warp 2     (fp8) weight-scale producer (lane 0): cp.async of the weight tile's two
+//   warpgroup 0, warp 2     (fp8_block) weight-scale producer (lane 0): cp.async of the weight tile's two
 //                           block scales into the same stages
-//   warpgroups 1..          consumers (swapAB or tokens on M): wgmma mainloop with per-K-block
-//                           FP8 scale promotion, then the epilogue in registers (FC1: SwiGLU +
+//   warpgroups 1..          consumers (swapAB or tokens on M): wgmma mainloop (fp8_block: with
+//                           per-K-block scale promotion; fp8_tensor: the per-tensor scales
+//                           applied to the accumulators at the end), then the epilogue in registers (FC1: SwiGLU +
 //                           requant; FC2: slot store or atomic combine)
 // The weight producer claims the tiles (GroupedTileScheduler), hands them to the other producers
 // and tags each tile's first stage, so the consumers walk the same sequence without a claim or a
@@ -44,7 +45,7 @@
 namespace megamoe::kernels {
 
 // The producer warpgroup's roles, by thread: one lane of warp 0 the weights, one lane of warp 2
-// the fp8 weight scales, warp 1 the tokens (one lane of TMA loads, or the whole warp where FC1
+// the fp8_block weight scales, warp 1 the tokens (one lane of TMA loads, or the whole warp where FC1
 // copies token rows); the rest of the warpgroup idles. The other warpgroups do the math.
 enum class ProducerRole { weights, weight_scales, tokens, idle };
 
@@ -55,7 +56,7 @@ __device__ __forceinline__ ProducerRole producer_role() {
   const bool whole_warp = Config::kCopiesTokenRows && warp == kTokenWarp;
   if (warp > Config::kTileFollowers || (threadIdx.x % 32 != 0 && !whole_warp)) return ProducerRole::idle;
   if (warp == 0) return ProducerRole::weights;
-  if (Config::kFp8 && warp == 2) return ProducerRole::weight_scales;
+  if (Config::kBlockScales && warp == 2) return ProducerRole::weight_scales;
   return ProducerRole::tokens;
 }
 
@@ -83,7 +84,7 @@ __device__ __forceinline__ void init_gemm_barriers(typename Config::SharedStorag
 // The producer warpgroup's threads after their register decrease: each runs its role to the end
 // of the GEMM's tiles.
 // Lane 0 of three warps fills the stages: warp 0 the weight block (and the tile tags), warp 1
-// the token block, warp 2 (fp8) the weight block's scales. One thread's chain of instructions
+// the token block, warp 2 (fp8_block) the weight block's scales. One thread's chain of instructions
 // per stage bounds how fast a CTA turns its stages over (a longer chain slowed the GEMMs at
 // every batch size: docs/decisions.md#producer-threads); split, each chain is a fraction as long.
 // All wait for the same empty barriers; a stage is full after every part's arrival and bytes,

@@ -26,20 +26,20 @@ void launch_gemm(const MoeLayerParams& f, const MoeLaunchChoices& c, const GemmA
                                           stream, "sm90_grouped_gemm_swapab_kernel", p);
 }
 
-template <class Element, GemmOp kOp, bool kCopiesRows>
+template <Precision kPrecision, GemmOp kOp, bool kCopiesRows>
 void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, const GemmArguments& g, int stages,
                          cudaStream_t stream) {
   switch (c.token_tile) {
-    case 16: return launch_gemm<GroupedGemmConfig<Element, 16, kOp, kCopiesRows>>(f, c, g, stages, stream);
-    case 32: return launch_gemm<GroupedGemmConfig<Element, 32, kOp, kCopiesRows>>(f, c, g, stages, stream);
-    case 64: return launch_gemm<GroupedGemmConfig<Element, 64, kOp, kCopiesRows>>(f, c, g, stages, stream);
+    case 16: return launch_gemm<GroupedGemmConfig<kPrecision, 16, kOp, kCopiesRows>>(f, c, g, stages, stream);
+    case 32: return launch_gemm<GroupedGemmConfig<kPrecision, 32, kOp, kCopiesRows>>(f, c, g, stages, stream);
+    case 64: return launch_gemm<GroupedGemmConfig<kPrecision, 64, kOp, kCopiesRows>>(f, c, g, stages, stream);
     case layout::kGemmTokensOnMTile:
       if constexpr (!kCopiesRows) {
         if (c.weight_multicast) {
-          return launch_gemm<GroupedGemmConfig<Element, layout::kGemmTokensOnMTile, kOp, false, true>>(f, c, g, stages,
+          return launch_gemm<GroupedGemmConfig<kPrecision, layout::kGemmTokensOnMTile, kOp, false, true>>(f, c, g, stages,
                                                                                                        stream);
         }
-        return launch_gemm<GroupedGemmConfig<Element, layout::kGemmTokensOnMTile, kOp, false>>(f, c, g, stages, stream);
+        return launch_gemm<GroupedGemmConfig<kPrecision, layout::kGemmTokensOnMTile, kOp, false>>(f, c, g, stages, stream);
       }
       throw Error(ErrorCode::unsupported, "internal: the tokens-on-M tile reads the pool, it does not copy rows");
     default: throw Error(ErrorCode::unsupported, "internal: token tile must be 16, 32, 64 or 128");
@@ -49,17 +49,18 @@ void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, con
 template <GemmOp kOp>
 void dispatch_gemm(const MoeLayerParams& f, const MoeLaunchChoices& c, const GemmArguments& g, int stages,
                    cudaStream_t stream) {
-  // fp8 FC1 may copy its rows from x's quantized copy (the gather's rows_by_token).
+  // fp8_block FC1 may copy its rows from x's quantized copy (the gather's rows_by_token).
   if constexpr (kOp == GemmOp::fc1_swiglu) {
     if (c.fc1_copies_token_rows) {
-      return dispatch_token_tile<cutlass::float_e4m3_t, kOp, true>(f, c, g, stages, stream);
+      return dispatch_token_tile<Precision::fp8_block, kOp, true>(f, c, g, stages, stream);
     }
   }
-  if (f.fp8) {
-    dispatch_token_tile<cutlass::float_e4m3_t, kOp, false>(f, c, g, stages, stream);
-  } else {
-    dispatch_token_tile<cutlass::bfloat16_t, kOp, false>(f, c, g, stages, stream);
+  switch (f.precision) {
+    case Precision::bf16: return dispatch_token_tile<Precision::bf16, kOp, false>(f, c, g, stages, stream);
+    case Precision::fp8_block: return dispatch_token_tile<Precision::fp8_block, kOp, false>(f, c, g, stages, stream);
+    case Precision::fp8_tensor: return dispatch_token_tile<Precision::fp8_tensor, kOp, false>(f, c, g, stages, stream);
   }
+  throw Error(ErrorCode::unsupported, "internal: unknown precision");
 }
 
 int blocks_for(long threads, int block) { return static_cast<int>((threads + block - 1) / block); }
@@ -70,8 +71,8 @@ void launch_moe_forward(const MoeLayerParams& f, const MoeLaunchChoices& c, cons
                         cudaStream_t stream) {
   const int T = call.num_tokens;
   if (T == 0) return;
-  if (c.fc1_copies_token_rows && !f.fp8) {
-    throw Error(ErrorCode::unsupported, "internal: FC1 copies token rows from the fp8 copy of x only");
+  if (c.fc1_copies_token_rows && f.precision != Precision::fp8_block) {
+    throw Error(ErrorCode::unsupported, "internal: FC1 copies token rows from the fp8_block copy of x only");
   }
   if (c.single_kernel && c.weight_multicast) {
     throw Error(ErrorCode::unsupported, "internal: the single kernel has no CTA pairs (planner bug)");
@@ -84,8 +85,14 @@ void launch_moe_forward(const MoeLayerParams& f, const MoeLaunchChoices& c, cons
                               router_smem_bytes(f.num_experts), stream, "route_and_count_kernel", routing);
 
   const GatherParams gather = make_gather_params(f, c, call, routing);
-  launch_overlapping_previous(f.fp8 ? gather_quantize_kernel<true> : gather_quantize_kernel<false>,
-                              T, kGatherThreads, 0, stream, "gather_quantize_kernel", gather);
+  auto gather_kernel = [&] {
+    switch (f.precision) {
+      case Precision::fp8_block: return gather_quantize_kernel<Precision::fp8_block>;
+      case Precision::fp8_tensor: return gather_quantize_kernel<Precision::fp8_tensor>;
+      default: return gather_quantize_kernel<Precision::bf16>;
+    }
+  };
+  launch_overlapping_previous(gather_kernel(), T, kGatherThreads, 0, stream, "gather_quantize_kernel", gather);
 
   const GemmArguments fc1 = fc1_arguments(f, gather);
   dispatch_gemm<GemmOp::fc1_swiglu>(f, c, fc1, c.fc1_stages, stream);

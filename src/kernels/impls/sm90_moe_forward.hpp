@@ -11,6 +11,7 @@
 
 #include "kernels/layout/moe_workspace.hpp"
 #include "kernels/routing/routing_limits.hpp"
+#include "megamoe/spec.hpp"
 
 namespace megamoe::kernels {
 
@@ -21,8 +22,12 @@ struct MoeLayerParams {
   int top_k;
   int hidden;
   int intermediate;
-  bool fp8;
+  Precision precision;
   bool ue8m0;
+  float fc1_input_scale;      // fp8_tensor: the scales of x and of FC2's input (SwiGLU's output),
+  float fc2_input_scale;
+  float fc1_input_factor;     // and what values are multiplied by before their E4M3 encoding
+  float fc2_input_factor;     // (quant::tensor_factor, the reference's)
   RoutingMode routing_mode;
   bool renormalize;
   int n_group;
@@ -30,9 +35,9 @@ struct MoeLayerParams {
   float routed_scaling_factor;
   const float* bias;          // device [E] or null (deepseek_grouped)
   const void* w13;            // packed [E, 2I, H]
-  const float* w13_scales;    // [E, 2I/128, H/128]
+  const float* w13_scales;    // fp8_block [E, 2I/128, H/128]; fp8_tensor [E, 2] (gate, up)
   const void* w2;             // [E, H, I]
-  const float* w2_scales;     // [E, H/128, I/128]
+  const float* w2_scales;     // fp8_block [E, H/128, I/128]; fp8_tensor [E]
   void* workspace;
   layout::MoeWorkspaceLayout workspace_layout;
 };
@@ -43,7 +48,7 @@ struct MoeLayerParams {
 struct MoeLaunchChoices {
   int token_tile;              // 16, 32 or 64 (swapAB), or 128 (tokens on M)
   bool weight_multicast;       // tokens on M: the GEMMs' CTAs in pairs sharing each weight block
-  bool fc1_copies_token_rows;  // fp8: the gather writes a row per token, FC1 copies its rows from it
+  bool fc1_copies_token_rows;  // fp8_block: the gather writes a row per token, FC1 copies its rows from it
   bool deterministic;          // slot store + ordered combine, else atomic combine
   bool single_kernel;          // the whole forward in one launch (pool rows only), else five
   int grid;                    // persistent CTAs of the GEMMs (of the single kernel)

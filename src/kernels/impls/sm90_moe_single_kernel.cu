@@ -10,10 +10,10 @@
 namespace megamoe::kernels {
 namespace {
 
-template <class Element, int kTokenTile, GemmOp kFc2Op>
+template <Precision kPrecision, int kTokenTile, GemmOp kFc2Op>
 void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, cudaStream_t stream) {
-  using Fc1Config = GroupedGemmConfig<Element, kTokenTile, GemmOp::fc1_swiglu>;
-  using Fc2Config = GroupedGemmConfig<Element, kTokenTile, kFc2Op>;
+  using Fc1Config = GroupedGemmConfig<kPrecision, kTokenTile, GemmOp::fc1_swiglu>;
+  using Fc2Config = GroupedGemmConfig<kPrecision, kTokenTile, kFc2Op>;
   check_planned_stages<Fc1Config>(c.fc1_stages);
   check_planned_stages<Fc2Config>(c.fc2_stages);
   const layout::MoeWorkspaceLayout& w = f.workspace_layout;
@@ -42,17 +42,17 @@ void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const Moe
   launch_overlapping_previous(kernel, c.grid, kFrontThreads, Layout::kSmemBytes, stream, "sm90_moe_single_kernel", p);
 }
 
-template <class Element, int kTokenTile>
+template <Precision kPrecision, int kTokenTile>
 void dispatch_combine(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, cudaStream_t stream) {
-  if (c.deterministic) return launch_single<Element, kTokenTile, GemmOp::fc2_slot_store>(f, c, call, stream);
-  launch_single<Element, kTokenTile, GemmOp::fc2_atomic_combine>(f, c, call, stream);
+  if (c.deterministic) return launch_single<kPrecision, kTokenTile, GemmOp::fc2_slot_store>(f, c, call, stream);
+  launch_single<kPrecision, kTokenTile, GemmOp::fc2_atomic_combine>(f, c, call, stream);
 }
 
-template <class Element>
+template <Precision kPrecision>
 void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, cudaStream_t stream) {
   switch (c.token_tile) {
-    case 16: return dispatch_combine<Element, 16>(f, c, call, stream);
-    case 32: return dispatch_combine<Element, 32>(f, c, call, stream);
+    case 16: return dispatch_combine<kPrecision, 16>(f, c, call, stream);
+    case 32: return dispatch_combine<kPrecision, 32>(f, c, call, stream);
     // 64-token tiles spill FC2's accumulators here (the planner keeps them to five launches).
     default: throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes token tiles of 16 or 32");
   }
@@ -65,11 +65,13 @@ void launch_single_kernel_forward(const MoeLayerParams& f, const MoeLaunchChoice
   if (c.fc1_copies_token_rows) {
     throw Error(ErrorCode::unsupported, "internal: the single-kernel forward reads FC1's rows from the pool");
   }
-  if (f.fp8) {
-    dispatch_token_tile<cutlass::float_e4m3_t>(f, c, call, stream);
-  } else {
-    dispatch_token_tile<cutlass::bfloat16_t>(f, c, call, stream);
+  switch (f.precision) {
+    case Precision::bf16: return dispatch_token_tile<Precision::bf16>(f, c, call, stream);
+    case Precision::fp8_block: return dispatch_token_tile<Precision::fp8_block>(f, c, call, stream);
+    // Not instantiated: the planner keeps fp8_tensor to the five launches (options.cpp rejects it).
+    case Precision::fp8_tensor: break;
   }
+  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes bf16 or fp8_block");
 }
 
 }  // namespace megamoe::kernels

@@ -61,7 +61,6 @@ __device__ __forceinline__ void invalidate_gemm_barriers(typename Config::Shared
 template <class Fc1Config, class Fc2Config, class Params>
 __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_GRID_CONSTANT const Params p) {
   using Layout = SingleKernelLayout<Fc1Config, Fc2Config>;
-  constexpr bool kFp8 = Fc1Config::kFp8;
   constexpr bool kDeterministic = Fc2Config::kGemmOp == GemmOp::fc2_slot_store;
   // As in the GEMM kernel: no static shared memory, stages at the 1 KiB-aligned start.
   extern __shared__ __align__(1024) char smem_raw[];
@@ -84,7 +83,7 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
   const Timeline& timeline = p.front.timeline;
   timeline.mark(layout::kForwardStart);
 
-  front_items<kFp8>(p.front, front_scratch);
+  front_items<Fc1Config::kPrecision>(p.front, front_scratch);
   // The scratch was written through the generic proxy; the stages are written by TMA next.
   ptx::fence_proxy_async_shared();
   __syncthreads();

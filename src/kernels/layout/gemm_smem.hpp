@@ -43,16 +43,17 @@ MEGAMOE_HOST_DEVICE constexpr int gemm_token_subtile(int token_tile) {
   return token_tile >= kGemmSwapAbMaxTokenTile ? token_tile / 2 : token_tile;
 }
 
-MEGAMOE_HOST_DEVICE constexpr int gemm_stage_bytes(int token_tile, bool fp8) {
-  return (kGemmChannelTile + token_tile) * kGemmKBytes + (fp8 ? gemm_token_scale_stride(token_tile) * 4 : 0);
+// token_scales: the stage also holds its token rows' block scales (fp8_block).
+MEGAMOE_HOST_DEVICE constexpr int gemm_stage_bytes(int token_tile, bool token_scales) {
+  return (kGemmChannelTile + token_tile) * kGemmKBytes + (token_scales ? gemm_token_scale_stride(token_tile) * 4 : 0);
 }
 
 MEGAMOE_HOST_DEVICE constexpr int gemm_fixed_bytes() {
   return kGemmExchangeBytes + kGemmBarrierBytes;
 }
 
-MEGAMOE_HOST_DEVICE constexpr int gemm_stages(int token_tile, bool fp8, int smem_per_block) {
-  const int stages = (smem_per_block - gemm_fixed_bytes()) / gemm_stage_bytes(token_tile, fp8);
+MEGAMOE_HOST_DEVICE constexpr int gemm_stages(int token_tile, bool token_scales, int smem_per_block) {
+  const int stages = (smem_per_block - gemm_fixed_bytes()) / gemm_stage_bytes(token_tile, token_scales);
   return stages < kGemmMaxStages ? stages : kGemmMaxStages;
 }
 

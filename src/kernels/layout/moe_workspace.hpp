@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/layout/weight_layout.hpp"
+#include "megamoe/spec.hpp"
 
 namespace megamoe::layout {
 
@@ -24,7 +25,7 @@ struct MoeWorkspaceLayout {
   int intermediate = 0;
   int max_tokens = 0;
   int row_padding = 1;       // each expert's segment of the pool is padded to this many rows
-  int element_bytes = 2;     // 1 for fp8_block, 2 for bf16
+  int element_bytes = 2;     // 1 for fp8, 2 for bf16
   bool has_scales = false;   // fp8_block keeps one fp32 scale per row per 128 channels
   size_t pool_rows = 0;      // worst-case rows of the expert-contiguous pool
 
@@ -68,7 +69,7 @@ struct MoeWorkspaceLayout {
   }
 
   MEGAMOE_HOST_DEVICE static constexpr MoeWorkspaceLayout make(int num_experts, int top_k, int hidden, int intermediate,
-                                                               int max_tokens, int row_padding, bool fp8) {
+                                                               int max_tokens, int row_padding, Precision precision) {
     MoeWorkspaceLayout l;
     l.num_experts = num_experts;
     l.top_k = top_k;
@@ -76,8 +77,8 @@ struct MoeWorkspaceLayout {
     l.intermediate = intermediate;
     l.max_tokens = max_tokens;
     l.row_padding = row_padding;
-    l.element_bytes = fp8 ? 1 : 2;
-    l.has_scales = fp8;
+    l.element_bytes = precision == Precision::bf16 ? 2 : 1;
+    l.has_scales = precision == Precision::fp8_block;
     l.pool_rows = worst_case_pool_rows(num_experts, top_k, max_tokens, row_padding);
     const size_t slots = static_cast<size_t>(max_tokens) * top_k;
     size_t cursor = 0;
@@ -99,9 +100,9 @@ struct MoeWorkspaceLayout {
     l.slot_rank = take(sizeof(int32_t) * slots);
     l.pool_slot = take(sizeof(int32_t) * l.pool_rows);
     l.activations = take(l.pool_rows * hidden * l.element_bytes);
-    l.activation_scales = take(fp8 ? l.pool_rows * (hidden / 128) * sizeof(float) : 0);
+    l.activation_scales = take(l.has_scales ? l.pool_rows * (hidden / 128) * sizeof(float) : 0);
     l.fc1_output = take(l.pool_rows * intermediate * l.element_bytes);
-    l.fc1_scales = take(fp8 ? l.pool_rows * (intermediate / 128) * sizeof(float) : 0);
+    l.fc1_scales = take(l.has_scales ? l.pool_rows * (intermediate / 128) * sizeof(float) : 0);
     l.slot_outputs = take(slots * hidden * sizeof(uint16_t));
     l.y_accumulator = take(static_cast<size_t>(max_tokens) * hidden * sizeof(float));
     l.error_flags = take(sizeof(int32_t) * 4);

@@ -21,6 +21,7 @@
 #include "kernels/permute/stage_row_copy.cuh"
 #include "kernels/pipeline/pair_claims.cuh"
 #include "kernels/scheduler/grouped_tile_scheduler.cuh"
+#include "megamoe/spec.hpp"
 
 namespace megamoe::kernels {
 
@@ -41,16 +42,23 @@ static_assert(128 * kProducerRegisters + 128 * layout::kGemmMathWarpgroups * kCo
 // kPairs: the CTAs run in clusters of two on the tiles 2u and 2u + 1 of the numbering
 // (scheduler/tile_numbering.hpp); where those share a weight block each CTA loads half of it into
 // both by TMA multicast (docs/decisions.md#weight-multicast-pairs).
-template <class Element_, int kTokenTile, GemmOp kOp, bool kCopiesRows = false, bool kPairs = false>
+// kPrecision: bf16 or E4M3 operands; fp8_block promotes each K block with the stage's weight and
+// token scales, fp8_tensor (like bf16) accumulates straight through K and applies its per-tensor
+// scales to the tile's accumulators before the epilogue (epilogue/tensor_scales.cuh).
+template <Precision kPrecision_, int kTokenTile, GemmOp kOp, bool kCopiesRows = false, bool kPairs = false>
 struct GroupedGemmConfig {
-  using Element = Element_;
-  static constexpr bool kFp8 = std::is_same_v<Element, cutlass::float_e4m3_t>;
+  static constexpr Precision kPrecision = kPrecision_;
+  using Element = std::conditional_t<kPrecision == Precision::bf16, cutlass::bfloat16_t, cutlass::float_e4m3_t>;
+  static constexpr bool kFp8 = kPrecision != Precision::bf16;
+  static constexpr bool kBlockScales = kPrecision == Precision::fp8_block;
+  static constexpr bool kTensorScales = kPrecision == Precision::fp8_tensor;
   static constexpr GemmOp kGemmOp = kOp;
   static constexpr bool kCopiesTokenRows = kCopiesRows;
   static constexpr bool kTokensOnM = layout::gemm_tokens_on_m(kTokenTile);
   static constexpr bool kSharesWeights = kPairs;
   static constexpr int kClusterSize = kPairs ? 2 : 1;
-  static_assert(!kCopiesRows || (kFp8 && kOp == GemmOp::fc1_swiglu), "rows are copied from x's fp8 copy, by FC1");
+  static_assert(!kCopiesRows || (kBlockScales && kOp == GemmOp::fc1_swiglu),
+                "rows and their block scales are copied from x's fp8_block copy, by FC1");
   static_assert(!(kCopiesRows && kTokensOnM), "the row copy fills swapAB's token blocks only");
   static_assert(!kPairs || kTokensOnM, "CTA pairs share the weight blocks of the tokens-on-M layout only");
   // FC1 waits for the gather's whole grid; FC2 per expert for FC1's tiles (pipeline/fc1_handoff.cuh).
@@ -58,7 +66,7 @@ struct GroupedGemmConfig {
   static constexpr int kBlockM = layout::kGemmChannelTile;
   static constexpr int kBlockN = kTokenTile;
   static constexpr int kBlockK = layout::kGemmKBytes / static_cast<int>(sizeof(Element));
-  static constexpr int kStages = layout::gemm_stages(kTokenTile, kFp8, layout::kSm90SmemPerBlockOptin);
+  static constexpr int kStages = layout::gemm_stages(kTokenTile, kBlockScales, layout::kSm90SmemPerBlockOptin);
   static constexpr int kMathWarpgroups = layout::kGemmMathWarpgroups;
   static constexpr int kThreads = kGemmThreads;
   static constexpr int kConsumerThreads = 128 * kMathWarpgroups;
@@ -70,16 +78,16 @@ struct GroupedGemmConfig {
   static_assert((kTokenTile % 16 == 0 && kTokenTile <= layout::kGemmSwapAbMaxTokenTile) || kTokensOnM,
                 "token tile 16, 32 or 64 (swapAB), or 128 (tokens on M)");
   static_assert(kStages >= 3, "at least 3 stages to hide TMA latency");
-  static_assert(!(kFp8 && kBlockK != kQuantBlock), "fp8 promotion assumes one scale block per stage");
+  static_assert(!(kBlockScales && kBlockK != kQuantBlock), "fp8 promotion assumes one scale block per stage");
   static constexpr int kWeightScaleRows = kBlockM / kQuantBlock;  // weight scale blocks per stage
   static_assert(kQuantBlock % 64 == 0, "the rows of one m64 wgmma atom share a weight scale block");
-  // A stage is full after the weight producer's arrive.expect_tx and the bytes, (fp8) the arrival
+  // A stage is full after the weight producer's arrive.expect_tx and the bytes, (fp8_block) the arrival
   // made when the scale producer's cp.async of the weight scales lands, and the token producer's
   // arrival after it issued the token loads: that last one comes after its acquire of FC1's tiles
   // (FC2), so the math warps' wait orders their own reads of the routing tables after it as well.
   // A row-copying token role arrives once per lane (its cp.async completions).
   static constexpr uint32_t kTokenArrivals = kCopiesRows ? 32 : 1;
-  static constexpr uint32_t kFullArrivals = (kFp8 ? 2 : 1) + kTokenArrivals;
+  static constexpr uint32_t kFullArrivals = (kBlockScales ? 2 : 1) + kTokenArrivals;
   // A math warp hands a stage back with one lane's arrival after __syncwarp, or, where the token
   // scales it read came by cp.async (generic writes the next copy may overwrite), with every
   // lane's: compute-sanitizer racecheck does not follow the __syncwarp there. In a CTA pair both
@@ -89,9 +97,9 @@ struct GroupedGemmConfig {
   // Tiles the weight producer may have started ahead of the token producer: with fewer K blocks
   // than stages (FC2 at small I) a stage ring holds parts of up to kStages / k_blocks + 1 tiles.
   static constexpr int kTileQueue = 4;
-  // Producer threads that take the tiles from the queue: the token producer, and (fp8) the
+  // Producer threads that take the tiles from the queue: the token producer, and (fp8_block) the
   // weight-scale producer.
-  static constexpr int kTileFollowers = kFp8 ? 2 : 1;
+  static constexpr int kTileFollowers = kBlockScales ? 2 : 1;
 
   using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kBlockK>>;
   using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
@@ -118,7 +126,7 @@ struct GroupedGemmConfig {
   // tile's token subtiles.
   __device__ __forceinline__ static uint32_t stage_tx_bytes(int subtiles) {
     constexpr int kWeightBytes = kBlockM * kBlockK * sizeof(Element);
-    constexpr int kSubtileBytes = kTokenSubtile * kBlockK * sizeof(Element) + (kFp8 ? kTokenSubtile * sizeof(float) : 0);
+    constexpr int kSubtileBytes = kTokenSubtile * kBlockK * sizeof(Element) + (kBlockScales ? kTokenSubtile * sizeof(float) : 0);
     return static_cast<uint32_t>(kWeightBytes + (kCopiesRows ? 0 : subtiles * kSubtileBytes));
   }
 
@@ -185,8 +193,9 @@ template <class TmaA, class TmaB, class TmaScales>
 struct GroupedGemmParams {
   TmaA tma_a;                    // weights [E][a_rows][K]
   TmaB tma_b;                    // pool [pool_rows][K]
-  TmaScales tma_token_scales;    // fp8: [K/128][pool_rows]
-  const float* weight_scales;    // fp8: [E][a_rows/128][K/128]
+  TmaScales tma_token_scales;    // fp8_block: [K/128][pool_rows]
+  const float* weight_scales;    // fp8_block: [E][a_rows/128][K/128]; fp8_tensor: [E][2] (fc1: gate, up) or [E] (fc2)
+  float input_scale;             // fp8_tensor: the scale of the token operand (x's, or FC2's input)
   int a_rows;                    // 2I (fc1) or H (fc2)
   int k;                         // H (fc1) or I (fc2)
   int num_experts;
@@ -195,7 +204,8 @@ struct GroupedGemmParams {
   // Epilogue.
   int out_channels;              // I (fc1) or H (fc2)
   void* out;                     // fc1: [pool_rows, I] (fp8 or bf16); fc2 slot store: bf16 [T*k, H]
-  float* out_scales;             // fc1 fp8: [I/128, pool_rows]
+  float* out_scales;             // fc1 fp8_block: [I/128, pool_rows]
+  float out_factor;              // fc1 fp8_tensor: h is stored as e4m3(h * out_factor), 1 / FC2's input scale
   bool ue8m0;
   const int32_t* pool_slot;      // fc2
   const float* routed_weights;   // fc2 atomic

@@ -1,6 +1,7 @@
 // Math role of the swapAB grouped GEMM (the math warpgroups, after their register increase and,
 // for FC1, the dependency wait: see the kernels): the wgmma mainloop over each tile's
-// stages, with the per-K-block FP8 scale promotion into fp32 accumulators, then the tile's
+// stages (fp8_block: with the per-K-block scale promotion into fp32 accumulators; fp8_tensor: the
+// per-tensor scales applied to the accumulators after the last K block), then the tile's
 // epilogue in registers (FC1: SwiGLU + requantization, epilogue/fc1_swiglu.cuh, and the FC1 tile's
 // publication for FC2; FC2: slot store or atomic combine, epilogue/fc2_combine.cuh). The tiles
 // come in the order the weight producer tagged the stages with; a stage tagged expert -1 ends it.
@@ -11,6 +12,7 @@
 #include "kernels/epilogue/fc1_swiglu.cuh"
 #include "kernels/epilogue/fc2_combine.cuh"
 #include "kernels/epilogue/gemm_op.hpp"
+#include "kernels/epilogue/tensor_scales.cuh"
 #include "kernels/mma/grouped_gemm_config.cuh"
 #include "kernels/mma/tile_walk.cuh"
 #include "kernels/pipeline/pipeline_state.cuh"
@@ -50,7 +52,7 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
     Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA, 1, MMA_K, S x views)
     using TileMN = Shape<Int<Columns::kBlockM>, Int<Columns::kBlockN>>;
     Tensor acc = partition_fragment_C(mma, TileMN{});                // (MMA=(2,2,N/8), kMBlocks, 1)
-    // fp8: each K block accumulates unscaled into `partial`, then is promoted into `acc` with its
+    // fp8_block: each K block accumulates unscaled into `partial`, then is promoted into `acc` with its
     // weight scale times each token's scale.
     Tensor partial = partition_fragment_C(mma, TileMN{});
     // Tile coordinates of this thread's fragment: element (v0, v1, v2) of m-block m sits at row
@@ -75,7 +77,7 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
       }
       warpgroup_commit_batch();
     };
-    // fp8: the scales of one K block as this thread applies them, weight scale times token scale
+    // fp8_block: the scales of one K block as this thread applies them, weight scale times token scale
     // for each of its (N/8) x 2 (v2, v0) columns (all m64 blocks of a warpgroup share the weight
     // scale, see PermutationM). Read from shared memory as soon as the stage is full, so that the
     // reads overlap the wgmma batch instead of following it.
@@ -111,12 +113,16 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
 
     gemm_detail::Fc2TileSlots<Columns> slots;
     if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, base_col);
+    [[maybe_unused]] gemm_detail::TensorScales tensor_scales;
+    if constexpr (Config::kTensorScales) tensor_scales.load<Config>(p, tile);
     clear(acc);
+    // Without promotion: the stage whose K block may still be multiplying.
+    [[maybe_unused]] int in_flight_stage = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);  // K block 0's: before the tile
       // Copied rows came through the generic proxy; the wgmma reads through the async one.
       if constexpr (Config::kCopiesTokenRows) ptx::fence_proxy_async_shared();
-      if constexpr (Config::kFp8) {
+      if constexpr (Config::kBlockScales) {
         BlockScales scales;
         read_block_scales(state.stage, scales);
         issue_block(partial, state.stage, false);
@@ -125,12 +131,34 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
         release_stage(state.stage);
         promote(partial, scales);
       } else {
+        // One K block's batch stays in flight while the next is issued, so the tensor cores do not
+        // wait for this warp's stage hand-back and full-barrier wait between them
+        // (docs/decisions.md#mainloop-without-promotion); the previous stage is free once at most
+        // this batch is pending.
         issue_block(acc, state.stage, true);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc);
-        release_stage(state.stage);
+        warpgroup_wait<1>();
+        if (in_flight_stage >= 0) release_stage(in_flight_stage);
+        in_flight_stage = state.stage;
       }
       state.advance();
+    }
+    if constexpr (!Config::kBlockScales) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      release_stage(in_flight_stage);
+    }
+    if constexpr (Config::kTensorScales) {
+      // Rows base_row + 8 v1 of each m64 block: of an FC1 tile, v1 = 0 are gate rows and v1 = 1 up
+      // rows (the interleave by 8 of layout/weight_layout.hpp).
+      CUTE_UNROLL
+      for (int v2 = 0; v2 < kColGroups; ++v2)
+        CUTE_UNROLL
+        for (int v0 = 0; v0 < 2; ++v0)
+          CUTE_UNROLL
+          for (int m = 0; m < Config::kMBlocks; ++m) {
+            acc(make_coord(v0, 0, v2), m, 0) *= tensor_scales.gate;
+            acc(make_coord(v0, 1, v2), m, 0) *= tensor_scales.up;
+          }
     }
 
     if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {

@@ -3,9 +3,11 @@
 // with the tile's 128 token rows on wgmma M (math warpgroup w takes rows [64 w, 64 w + 64)) and
 // its 256 output channels on N, as two n128 halves (docs/decisions.md#tokens-on-m-tile). The
 // producers fill the same stages as for swapAB (a block of 256 weight rows, the tile's token rows
-// in two 64-row subtiles); only the wgmma's operand roles and the fragments differ. fp8 promotes
+// in two 64-row subtiles); only the wgmma's operand roles and the fragments differ. fp8_block promotes
 // each half's K block through one temporary fragment: 2 x 64 accumulators and 64 temporaries per
-// thread, where two full n256 fragments (256) would not fit the registers. A short tile (an
+// thread, where two full n256 fragments (256) would not fit the registers; bf16 and fp8_tensor
+// accumulate into the two halves directly (fp8_tensor then applies its per-tensor scales,
+// epilogue/tensor_scales.cuh). A short tile (an
 // expert's last, of at most 64 rows) loads one subtile, and both warpgroups multiply its rows, one
 // n128 half of the channels each, so that neither idles.
 #pragma once
@@ -14,6 +16,7 @@
 
 #include "kernels/epilogue/fc1_swiglu_tokens_on_m.cuh"
 #include "kernels/epilogue/fc2_tokens_on_m.cuh"
+#include "kernels/epilogue/tensor_scales.cuh"
 #include "kernels/mma/grouped_gemm_config.cuh"
 #include "kernels/mma/tile_walk.cuh"
 #include "kernels/pipeline/pipeline_state.cuh"
@@ -70,7 +73,7 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   // base_col + 8 v2 + v0 of the half (the sm90 GMMA accumulator layout).
   Tensor acc_low = partition_fragment_C(mma, typename Tile::HalfMN{});   // a short tile: this warpgroup's half
   Tensor acc_high = partition_fragment_C(mma, typename Tile::HalfMN{});
-  Tensor partial = partition_fragment_C(mma, typename Tile::HalfMN{});  // fp8: one half's K block, unscaled
+  Tensor partial = partition_fragment_C(mma, typename Tile::HalfMN{});  // fp8_block: one half's K block, unscaled
   auto first_coord = [&](auto& slice) {
     return slice.partition_C(make_identity_tensor(typename Tile::HalfMN{}))(make_coord(0, 0, 0), 0, 0);
   };
@@ -105,7 +108,7 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     }
     warpgroup_commit_batch();
   };
-  // fp8: a half's K block into its accumulators, each row with its token scale times the half's
+  // fp8_block: a half's K block into its accumulators, each row with its token scale times the half's
   // weight scale (the same product, in the same order, as the swapAB promotion).
   auto promote = [&](auto& acc, float weight_scale, const float (&token_scale)[2]) {
     const float scale[2] = {weight_scale * token_scale[0], weight_scale * token_scale[1]};
@@ -116,7 +119,7 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
         CUTE_UNROLL
         for (int v0 = 0; v0 < 2; ++v0) acc(make_coord(v0, v1, v2), 0, 0) += partial(make_coord(v0, v1, v2), 0, 0) * scale[v1];
   };
-  // fp8: the stage's weight scale of `half`, read by the lane that hands the stage back (see the
+  // fp8_block: the stage's weight scale of `half`, read by the lane that hands the stage back (see the
   // swapAB mainloop), and the token scales of rows `row` and `row + 8`.
   auto weight_scale = [&](int stage, int half) {
     return __shfl_sync(0xffffffffu, lane == reader_lane ? smem.weight_scales[stage][half] : 0.0f, reader_lane);
@@ -126,9 +129,12 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     scale[0] = stage_scales[row];
     scale[1] = stage_scales[row + 8];
   };
+  // Without promotion a K block's batches stay in flight while the next K block's are issued
+  // (docs/decisions.md#mainloop-without-promotion): `in_flight` is the stage they read, handed back
+  // once the next block's are issued and at most those are pending; k_loop hands back the last.
   // A K block of the warpgroup's own 64 rows: both halves, into acc_low and acc_high.
-  auto whole_rows_block = [&](int stage) {
-    if constexpr (Config::kFp8) {
+  auto whole_rows_block = [&](int stage, int& in_flight) {
+    if constexpr (Config::kBlockScales) {
       const float weight_low = weight_scale(stage, 0), weight_high = weight_scale(stage, 1);
       float token_scale[2];
       token_scales(stage, base_row, token_scale);
@@ -144,15 +150,14 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     } else {
       issue_half(acc_low, tCrX, stage, 0, true);
       issue_half(acc_high, tCrX, stage, 1, true);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_low);
-      warpgroup_fence_operand(acc_high);
-      release_stage(stage);
+      warpgroup_wait<2>();
+      if (in_flight >= 0) release_stage(in_flight);
+      in_flight = stage;
     }
   };
   // A K block of a short tile: the first subtile's rows, this warpgroup's half, into acc_low.
-  auto short_rows_block = [&](int stage) {
-    if constexpr (Config::kFp8) {
+  auto short_rows_block = [&](int stage, int& in_flight) {
+    if constexpr (Config::kBlockScales) {
       const float weight = weight_scale(stage, warpgroup);
       float token_scale[2];
       token_scales(stage, short_base_row, token_scale);
@@ -163,9 +168,9 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
       promote(acc_low, weight, token_scale);
     } else {
       issue_half(acc_low, tCrX_short, stage, warpgroup, true);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_low);
-      release_stage(stage);
+      warpgroup_wait<1>();
+      if (in_flight >= 0) release_stage(in_flight);
+      in_flight = stage;
     }
   };
 
@@ -173,10 +178,17 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   // rather than a branch per K block, whose join keeps both kinds' registers live (the fp8 build
   // spilled).
   auto k_loop = [&](auto k_block) {
+    int in_flight = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);  // K block 0's: before the tile
-      k_block(state.stage);
+      k_block(state.stage, in_flight);
       state.advance();
+    }
+    if constexpr (!Config::kBlockScales) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_low);
+      warpgroup_fence_operand(acc_high);
+      release_stage(in_flight);
     }
   };
 
@@ -187,12 +199,29 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     const int row = short_tile ? short_base_row : base_row;
     gemm_detail::Fc2RowSlots slots;
     if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, row);
+    [[maybe_unused]] gemm_detail::TensorScales tensor_scales;
+    if constexpr (Config::kTensorScales) tensor_scales.load<Config>(p, tile);
     clear(acc_low);
     clear(acc_high);
     if (short_tile) {
       k_loop(short_rows_block);
     } else {
       k_loop(whole_rows_block);
+    }
+    if constexpr (Config::kTensorScales) {
+      // Column groups v2 of a half: of an FC1 tile, even ones are gate rows and odd ones up rows
+      // (the interleave by 8 of layout/weight_layout.hpp). A short tile's acc_high is unused.
+      auto apply = [&](auto& acc) {
+        CUTE_UNROLL
+        for (int v2 = 0; v2 < Tile::kHalfChannels / 8; ++v2)
+          CUTE_UNROLL
+          for (int v1 = 0; v1 < 2; ++v1)
+            CUTE_UNROLL
+            for (int v0 = 0; v0 < 2; ++v0)
+              acc(make_coord(v0, v1, v2), 0, 0) *= v2 % 2 == 0 ? tensor_scales.gate : tensor_scales.up;
+      };
+      apply(acc_low);
+      if (!short_tile) apply(acc_high);
     }
 
     float* row_amax = &smem.amax_exchange[0][0];

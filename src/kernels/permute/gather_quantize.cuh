@@ -1,6 +1,7 @@
 // Permute role: one block per token copies its activation row into the pool row of each of its
-// routed slots (expert-contiguous order), quantizing to E4M3 per 128 channels on the way in
-// fp8_block mode. The token is read and quantized once, whatever k is. With rows_by_token (fp8),
+// routed slots (expert-contiguous order), quantizing to E4M3 on the way: per 128 channels in
+// fp8_block mode, with the layer input's one scale in fp8_tensor mode. The token is read and
+// quantized once, whatever k is. With rows_by_token (fp8_block),
 // the quantized row is written once, at row `token`, and only the pool slot table is per slot:
 // FC1 copies its tiles' rows from there (permute/stage_row_copy.cuh).
 //
@@ -17,6 +18,7 @@
 #include "kernels/quant/fp8_block_scale.cuh"
 #include "kernels/routing/routing_limits.hpp"
 #include "kernels/routing/valid_tokens.cuh"
+#include "megamoe/spec.hpp"
 
 namespace megamoe::kernels {
 
@@ -35,18 +37,19 @@ struct GatherParams {
   const int32_t* slot_rank;      // [T, k]
   const int32_t* expert_offsets; // [E+1]
   int32_t* pool_slot;            // [pool_rows]
-  bool rows_by_token;            // fp8: activations row = token (one per token), not one per slot
+  bool rows_by_token;            // fp8_block: activations row = token (one per token), not one per slot
   void* activations;             // [pool_rows, H] bf16 or e4m3
-  float* activation_scales;      // [H/128, pool_rows] (fp8)
+  float* activation_scales;      // [H/128, pool_rows] (fp8_block)
+  float tensor_factor;           // fp8_tensor: x is encoded as e4m3(x * tensor_factor), 1 / its scale
 };
 
 // One 8-channel chunk of a token into the pool rows of its slots (row < 0: unused slot).
 // Called by whole warps; out-of-range lanes (in_range false) take part in the shuffles only.
-template <bool kFp8>
+template <Precision kPrecision>
 __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, int chunk, bool in_range,
                                             const int32_t* slot_rows, int num_rows) {
   constexpr int kLanesPerBlock = 128 / kGatherChunkElements;
-  if constexpr (kFp8) {
+  if constexpr (kPrecision != Precision::bf16) {
     const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
     float f[kGatherChunkElements];
     float amax = 0.0f;
@@ -55,21 +58,28 @@ __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, in
       f[i] = __bfloat162float(v[i]);
       amax = fmaxf(amax, fabsf(f[i]));
     }
-    // The 16 lanes of one 128-channel block are a contiguous half-warp.
+    float factor = p.tensor_factor;
+    BlockScale s{};
+    if constexpr (kPrecision == Precision::fp8_block) {
+      // The 16 lanes of one 128-channel block are a contiguous half-warp.
 #pragma unroll
-    for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const BlockScale s = block_scale(amax, p.ue8m0);
+      for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      s = block_scale(amax, p.ue8m0);
+      factor = s.factor;
+    }
     uint2 packed;
     uint16_t* pairs = reinterpret_cast<uint16_t*>(&packed);
 #pragma unroll
-    for (int i = 0; i < kGatherChunkElements / 2; ++i) pairs[i] = encode_e4m3x2(f[2 * i] * s.factor, f[2 * i + 1] * s.factor);
+    for (int i = 0; i < kGatherChunkElements / 2; ++i) pairs[i] = encode_e4m3x2(f[2 * i] * factor, f[2 * i + 1] * factor);
     const int block = chunk / kLanesPerBlock;
     for (int j = 0; j < num_rows; ++j) {
       const int row = slot_rows[j];
       if (row < 0 || !in_range) continue;
       reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.activations) + static_cast<size_t>(row) * p.hidden)[chunk] = packed;
-      if (chunk % kLanesPerBlock == 0) p.activation_scales[static_cast<size_t>(block) * p.pool_rows + row] = s.scale;
+      if (kPrecision == Precision::fp8_block && chunk % kLanesPerBlock == 0) {
+        p.activation_scales[static_cast<size_t>(block) * p.pool_rows + row] = s.scale;
+      }
     }
   } else {
     for (int j = 0; j < num_rows; ++j) {
@@ -94,7 +104,7 @@ __device__ __forceinline__ int place_slot(const GatherParams& p, int token, int 
 // ahead (every thread calls it; `slot_rows` is kMaxTopK ints of the block's shared memory). `wait`
 // runs between the first load of x and the first read of the routing: the per-stage kernel's
 // dependency wait.
-template <bool kFp8, int kThreads, class Wait>
+template <Precision kPrecision, int kThreads, class Wait>
 __device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int token, int32_t* slot_rows, Wait wait) {
   const int chunks = p.hidden / kGatherChunkElements;
   const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(token) * p.hidden);
@@ -113,21 +123,21 @@ __device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int
   for (int first = 0; first < chunks; first += kThreads) {
     const int next = chunk + kThreads;
     const uint4 next_raw = next < chunks ? source[next] : zero;
-    write_chunk<kFp8>(p, raw, chunk, chunk < chunks, slot_rows, num_rows);
+    write_chunk<kPrecision>(p, raw, chunk, chunk < chunks, slot_rows, num_rows);
     chunk = next;
     raw = next_raw;
   }
   __syncthreads();  // the next token rewrites slot_rows
 }
 
-template <bool kFp8>
+template <Precision kPrecision>
 __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(GatherParams p) {
   __shared__ int32_t slot_rows[kMaxTopK];
   const int token = blockIdx.x;
   // x is the caller's input: no kernel of this forward writes it, and this grid cannot start before
   // the router released it, which the router does only after waiting for the caller's kernels. So
   // the first chunk may load before this grid's own dependency wait.
-  gather_token_by_block<kFp8, kGatherThreads>(p, token, slot_rows, [&] {
+  gather_token_by_block<kPrecision, kGatherThreads>(p, token, slot_rows, [&] {
     ptx::wait_for_prerequisite_grids();
     ptx::allow_dependent_launch();
     return token < valid_tokens(p.num_tokens, p.num_valid_tokens);  // padding: the router left it unrouted

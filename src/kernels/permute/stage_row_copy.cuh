@@ -31,7 +31,7 @@ struct QuantizedTokenRows {
 
 template <class Config>
 struct StageRowCopy {
-  static_assert(Config::kFp8 && Config::kBlockK == 128, "a row's K block is one 128-byte line of e4m3");
+  static_assert(Config::kBlockScales && Config::kBlockK == 128, "a row's K block is one 128-byte line of e4m3");
   static constexpr int kRows = Config::kBlockN;
   static constexpr int kChunks = 8;                  // 16-byte chunks of a row's K block
   static constexpr int kRowsPerCopy = 32 / kChunks;  // rows one warp instruction copies

@@ -1,8 +1,8 @@
 // Token producer role of the swapAB grouped GEMM (the producer warpgroup's warp 1): fills each
 // stage's token block, for the tiles the weight producer hands over (pipeline/tile_queue.cuh).
 // Either one lane's TMA loads of the gathered pool (one or two 32-row subtiles at 64-token tiles:
-// an expert's short last tile takes one) and, for fp8, of the tokens' per-128 scales; or, for fp8
-// FC1 with kCopiesTokenRows, the whole warp copying the tile's rows of x's quantized copy
+// an expert's short last tile takes one) and, for fp8_block, of the tokens' per-128 scales; or, for
+// fp8_block FC1 with kCopiesTokenRows, the whole warp copying the tile's rows of x's quantized copy
 // (permute/stage_row_copy.cuh). Token blocks are the previous kernel's output: FC1 waits for the
 // whole previous grid, FC2 per tile for FC1's tiles of the tile's expert (pipeline/fc1_handoff.cuh).
 #pragma once
@@ -47,7 +47,7 @@ __device__ __forceinline__ void token_producer(const Params& p, typename Config:
   static_assert(Config::kSubtiles <= 2, "a stage holds one or two token subtiles");
   auto load_subtile = [&](int subtile, int kb, int stage, int view) {
     copy(p.tma_b.with(smem.full[stage]), tBgB(_, subtile, kb), tBsB(_, view));
-    if constexpr (Config::kFp8) {
+    if constexpr (Config::kBlockScales) {
       Tensor sS = make_tensor(make_smem_ptr(smem.token_scales), typename Config::SmemLayoutScales{});  // (BS,1,S x subtiles)
       Tensor mS = p.tma_token_scales.get_tma_tensor(make_shape(p.pool_rows, k_blocks));
       Tensor gS = local_tile(mS, make_shape(Int<Config::kTokenSubtile>{}, _1{}), make_coord(_, _));  // (BS,1,n,kb)

@@ -1,4 +1,4 @@
-// Weight-scale producer role of the fp8 swapAB grouped GEMM (one lane of the producer
+// Weight-scale producer role of the fp8_block grouped GEMM (one lane of the producer
 // warpgroup's warp 2): copies each stage's weight block scales (one per 128 output rows) into the
 // stage with cp.async, for the tiles the weight producer hands over (pipeline/tile_queue.cuh).
 #pragma once

@@ -57,10 +57,10 @@ __device__ __forceinline__ void wait_for(const ForwardItems& items, ForwardCount
 }
 
 // Tokens [first, end) into the pool, one after another by the whole CTA, then published.
-template <bool kFp8>
+template <Precision kPrecision>
 __device__ __forceinline__ void gather_tokens(const FrontParams& p, FrontScratch& s, int first, int end) {
   for (int token = first; token < end; ++token) {
-    gather_token_by_block<kFp8, kFrontThreads>(p.gather, token, s.slot_rows, [] { return true; });
+    gather_token_by_block<kPrecision, kFrontThreads>(p.gather, token, s.slot_rows, [] { return true; });
   }
   ptx::fence_proxy_async_global();  // FC1 reads the rows by TMA
   __syncthreads();
@@ -69,7 +69,7 @@ __device__ __forceinline__ void gather_tokens(const FrontParams& p, FrontScratch
 }
 
 // Returns whether this CTA published the routing.
-template <bool kFp8>
+template <Precision kPrecision>
 __device__ __forceinline__ bool route_item(const FrontParams& p, FrontScratch& s, int item) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int valid = valid_tokens(p.routing.num_tokens, p.routing.num_valid_tokens);
@@ -101,22 +101,22 @@ __device__ __forceinline__ bool route_item(const FrontParams& p, FrontScratch& s
   __syncthreads();
   publish(p.items.counter(kRoutingReady));
   p.timeline.mark(layout::kRoutingPublished);
-  if (p.items.gather_items == 0) gather_tokens<kFp8>(p, s, 0, valid);  // only a lone item has none
+  if (p.items.gather_items == 0) gather_tokens<kPrecision>(p, s, 0, valid);  // only a lone item has none
   return true;
 }
 
-template <bool kFp8>
+template <Precision kPrecision>
 __device__ __forceinline__ void gather_item(const FrontParams& p, FrontScratch& s, int item) {
   const int valid = valid_tokens(p.gather.num_tokens, p.gather.num_valid_tokens);
   const int first = item * p.items.gather_tokens;
-  gather_tokens<kFp8>(p, s, first, min(first + p.items.gather_tokens, valid));
+  gather_tokens<kPrecision>(p, s, first, min(first + p.items.gather_tokens, valid));
 }
 
 }  // namespace front_detail
 
 // Every thread of the CTA, with `s` laid over the GEMM stages. Returns once every front item is
 // claimed and the expert segments are published, which the GEMMs' tile claims read.
-template <bool kFp8>
+template <Precision kPrecision>
 __device__ __forceinline__ void front_items(const FrontParams& p, FrontScratch& s) {
   const ForwardItems& items = p.items;
   bool routing_seen = false;
@@ -127,12 +127,12 @@ __device__ __forceinline__ void front_items(const FrontParams& p, FrontScratch& 
     __syncthreads();
     if (ticket >= items.route_items + items.gather_items) break;
     if (ticket < items.route_items) {
-      routing_seen |= front_detail::route_item<kFp8>(p, s, ticket);
+      routing_seen |= front_detail::route_item<kPrecision>(p, s, ticket);
       continue;
     }
     if (!routing_seen) front_detail::wait_for(items, kRoutingReady, 1);
     routing_seen = true;
-    front_detail::gather_item<kFp8>(p, s, ticket - items.route_items);
+    front_detail::gather_item<kPrecision>(p, s, ticket - items.route_items);
   }
   if (!routing_seen) front_detail::wait_for(items, kRoutingReady, 1);
   p.timeline.mark(layout::kFrontDone);

@@ -26,8 +26,9 @@ TEST(MoeWorkspaceLayout, WorstCasePoolCoversEveryRoutingThatFits) {
 }
 
 TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
-  for (bool fp8 : {false, true}) {
-    const MoeWorkspaceLayout l = MoeWorkspaceLayout::make(256, 8, 7168, 2048, 4096, 128, fp8);
+  for (Precision precision : {Precision::bf16, Precision::fp8_block, Precision::fp8_tensor}) {
+    const MoeWorkspaceLayout l = MoeWorkspaceLayout::make(256, 8, 7168, 2048, 4096, 128, precision);
+    const bool fp8 = precision != Precision::bf16, block_scales = precision == Precision::fp8_block;
     const size_t slots = 4096ull * 8;
     const std::vector<std::pair<size_t, size_t>> regions = {
         {l.expert_counts, 4 * 256},
@@ -43,9 +44,9 @@ TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
         {l.slot_rank, 4 * slots},
         {l.pool_slot, 4 * l.pool_rows},
         {l.activations, l.pool_rows * 7168 * (fp8 ? 1 : 2)},
-        {l.activation_scales, fp8 ? l.pool_rows * 56 * 4 : 0},
+        {l.activation_scales, block_scales ? l.pool_rows * 56 * 4 : 0},
         {l.fc1_output, l.pool_rows * 2048 * (fp8 ? 1 : 2)},
-        {l.fc1_scales, fp8 ? l.pool_rows * 16 * 4 : 0},
+        {l.fc1_scales, block_scales ? l.pool_rows * 16 * 4 : 0},
         {l.slot_outputs, slots * 7168 * 2},
         {l.y_accumulator, 4096ull * 7168 * 4},
         {l.error_flags, 16}};
