@@ -24,9 +24,10 @@ enum class ScaleLayout {
 // way DeepSeek-V3 checkpoints store weight and weight_scale_inv (w13_scales [E, 2I/128, H/128],
 // w2_scales [E, H/128, I/128]), per row (w13_scales [E, 2I], w2_scales [E, H]), or per expert
 // matrix (w13_scales [E] or [E, 2], w2_scales [E]).
-// A precision fp8_tensor spec also needs the static activation scales a per-tensor checkpoint
-// carries (vLLM's w13_input_scale and w2_input_scale): input_scale_count values each, one per
-// layer (1) or one per expert (E), of which the largest is used, as vLLM does.
+// A precision fp8_tensor spec takes the static activation scales a per-tensor checkpoint carries
+// (vLLM's w13_input_scale and w2_input_scale): input_scale_count values each, one per layer (1) or
+// one per expert (E), of which the largest is used, as vLLM does; with neither of the two (vLLM's
+// activation_scheme "dynamic") the layer computes them on the device each forward (InputScales).
 struct WeightsView {
   const void* w13 = nullptr;
   const void* w2 = nullptr;
@@ -51,6 +52,13 @@ struct WeightsView {
 //    x is encoded as e4m3(x * (1 / fc1_input_scale)), FC2's input h as e4m3(h * (1 / fc2_input_scale)).
 struct PackedWeightsView;
 
+// Where an fp8_tensor layer's two activation scales come from.
+enum class InputScales {
+  from_checkpoint,  // static: fc1_input_scale and fc2_input_scale, fixed when the weights are packed
+  dynamic,          // per forward, on the device: amax / 448 of x, and of FC2's input over every routed
+                    // row (FC1 then stores bf16 and a pass encodes it: docs/decisions.md#dynamic-input-scales)
+};
+
 struct PackedWeights {
   int num_experts = 0;
   int hidden = 0;
@@ -61,8 +69,9 @@ struct PackedWeights {
   std::vector<float> w13_scales;
   std::vector<uint8_t> w2;
   std::vector<float> w2_scales;
-  float fc1_input_scale = 0.0f;  // fp8_tensor only
-  float fc2_input_scale = 0.0f;  // fp8_tensor only
+  InputScales input_scales = InputScales::from_checkpoint;  // fp8_tensor only
+  float fc1_input_scale = 0.0f;  // fp8_tensor from_checkpoint only
+  float fc2_input_scale = 0.0f;  // fp8_tensor from_checkpoint only
 
   int element_bytes() const { return precision == Precision::bf16 ? 2 : 1; }
   // Bytes one expert's weights and scales occupy (what a touched expert costs to stream).
@@ -84,7 +93,8 @@ struct PackedWeightsView {
   const float* w13_scales = nullptr;  // fp8 only
   const uint8_t* w2 = nullptr;
   const float* w2_scales = nullptr;   // fp8 only
-  float fc1_input_scale = 0.0f;       // fp8_tensor only (host values)
+  InputScales input_scales = InputScales::from_checkpoint;  // fp8_tensor only
+  float fc1_input_scale = 0.0f;       // fp8_tensor from_checkpoint only (host values)
   float fc2_input_scale = 0.0f;
 
   size_t w13_bytes() const;
@@ -100,7 +110,7 @@ using PackProgress = std::function<void(int done, int total)>;
 // precision and, for fp8_block, scale format).
 void validate_packed(const MoeSpec& spec, const PackedWeights& packed);
 // The same for a view, whose pointers must also be set (scales for fp8 only), and whose
-// fp8_tensor input scales must be positive normal floats (1 / scale must be finite).
+// from_checkpoint fp8_tensor input scales must be positive normal floats (1 / scale must be finite).
 void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed);
 
 // Validates the spec and the view, then packs. Throws megamoe::Error on bad input.
@@ -112,10 +122,9 @@ void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed);
 // converts the decoded values to bf16. An fp8_tensor spec keeps per-tensor fp8_e4m3 input as it is
 // (codes and scales; a per_tensor w13 scale serves gate and up); from any other input each
 // expert's gate rows, up rows and w2 are quantized with scale amax / 448 each. It takes the
-// activation scales from weights.w13_input_scale / w2_input_scale (required, positive normal
-// floats: a per-tensor layer quantizes its activations with the checkpoint's static scales; weights
-// without them take fp8_block, whose activation scales are computed per token). Other precisions
-// never read them, so a bf16 or fp8_block layer loads the same checkpoint.
+// activation scales from weights.w13_input_scale / w2_input_scale (positive normal floats), or,
+// where both are null, packs InputScales::dynamic. Other precisions never read them, so a bf16 or
+// fp8_block layer loads the same checkpoint.
 PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights,
                               const PackProgress& progress = {});
 

@@ -205,12 +205,14 @@ void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed) {
     throw Error(ErrorCode::null_pointer,
                 std::string("packed ") + to_string(packed.precision) + " weights need w13_scales and w2_scales");
   }
-  if (packed.precision == Precision::fp8_tensor &&
+  if (packed.precision == Precision::fp8_tensor && packed.input_scales == InputScales::from_checkpoint &&
       !(is_valid_input_scale(packed.fc1_input_scale) && is_valid_input_scale(packed.fc2_input_scale))) {
     throw Error(ErrorCode::invalid_argument,
-                "packed fp8_tensor weights need finite, positive, normal fc1_input_scale and fc2_input_scale (got " +
+                "packed fp8_tensor weights with input_scales=from_checkpoint need finite, positive, normal "
+                "fc1_input_scale and fc2_input_scale (got " +
                     format_float(packed.fc1_input_scale) + " and " + format_float(packed.fc2_input_scale) +
-                    "); prepare_weights takes them from weights.w13_input_scale and weights.w2_input_scale");
+                    "); prepare_weights takes them from weights.w13_input_scale and weights.w2_input_scale, or "
+                    "packs input_scales=dynamic without them");
   }
 }
 
@@ -234,7 +236,7 @@ PackedWeightsView PackedWeights::view() const {
   auto scales = [](const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
   return PackedWeightsView{num_experts, hidden, intermediate, precision, scale_format,
                            w13.data(), scales(w13_scales), w2.data(), scales(w2_scales),
-                           fc1_input_scale, fc2_input_scale};
+                           input_scales, fc1_input_scale, fc2_input_scale};
 }
 
 size_t PackedWeightsView::w13_bytes() const {
@@ -307,23 +309,29 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
   packed.intermediate = I;
   packed.precision = spec.precision;
   packed.scale_format = spec.scale_format;
-  // Only fp8_tensor quantizes its activations with static scales; the other precisions leave the
-  // input scales unread (bf16 does not quantize them, fp8_block scales each token's 128 channels).
+  // Only fp8_tensor quantizes its activations with one scale per tensor; the other precisions
+  // leave the input scales unread (bf16 does not quantize them, fp8_block scales each token's 128
+  // channels).
   if (spec.precision == Precision::fp8_tensor) {
-    if (weights.w13_input_scale == nullptr || weights.w2_input_scale == nullptr) {
+    if ((weights.w13_input_scale == nullptr) != (weights.w2_input_scale == nullptr)) {
       throw Error(ErrorCode::null_pointer,
-                  "precision fp8_tensor needs weights.w13_input_scale and weights.w2_input_scale: a per-tensor layer "
-                  "quantizes its activations with the checkpoint's static scales (vLLM's w13_input_scale and "
-                  "w2_input_scale); for weights without them use precision fp8_block, whose activation scales "
-                  "are computed per token");
+                  std::string("precision fp8_tensor takes weights.w13_input_scale and weights.w2_input_scale "
+                              "together (the checkpoint's static activation scales) or neither (scales computed "
+                              "on the device each forward); got only ") +
+                      (weights.w13_input_scale != nullptr ? "w13_input_scale" : "w2_input_scale"));
     }
-    if (weights.input_scale_count != 1 && weights.input_scale_count != E) {
-      throw Error(ErrorCode::invalid_argument,
-                  "weights.input_scale_count=" + std::to_string(weights.input_scale_count) +
-                      " must be 1 (one scale per layer) or num_experts=" + std::to_string(E) + " (one per expert)");
+    if (weights.w13_input_scale == nullptr) {
+      packed.input_scales = InputScales::dynamic;
+    } else {
+      if (weights.input_scale_count != 1 && weights.input_scale_count != E) {
+        throw Error(ErrorCode::invalid_argument,
+                    "weights.input_scale_count=" + std::to_string(weights.input_scale_count) +
+                        " must be 1 (one scale per layer) or num_experts=" + std::to_string(E) + " (one per expert)");
+      }
+      packed.fc1_input_scale =
+          static_input_scale("w13_input_scale", weights.w13_input_scale, weights.input_scale_count);
+      packed.fc2_input_scale = static_input_scale("w2_input_scale", weights.w2_input_scale, weights.input_scale_count);
     }
-    packed.fc1_input_scale = static_input_scale("w13_input_scale", weights.w13_input_scale, weights.input_scale_count);
-    packed.fc2_input_scale = static_input_scale("w2_input_scale", weights.w2_input_scale, weights.input_scale_count);
   }
   const size_t w13_count = 2ull * I * H;
   const size_t w2_count = static_cast<size_t>(H) * I;

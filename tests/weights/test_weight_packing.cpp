@@ -485,10 +485,38 @@ TEST(PrepareFp8Tensor, InputScalesAreTheLargestGiven) {
         prepare_weights(spec, with_input_scales(WeightsView{w13.data(), w2.data(), DType::bf16}, input));
     EXPECT_EQ(packed.fc1_input_scale, *std::max_element(input.w13.begin(), input.w13.end())) << count;
     EXPECT_EQ(packed.fc2_input_scale, *std::max_element(input.w2.begin(), input.w2.end())) << count;
+    EXPECT_EQ(packed.input_scales, InputScales::from_checkpoint);
     const PackedWeightsView view = packed.view();
+    EXPECT_EQ(view.input_scales, InputScales::from_checkpoint);
     EXPECT_EQ(view.fc1_input_scale, packed.fc1_input_scale);
     EXPECT_EQ(view.fc2_input_scale, packed.fc2_input_scale);
   }
+}
+
+// Without activation scales (vLLM's activation_scheme "dynamic") the pack says so and holds none;
+// the weights are packed as with them, and the view passes validation.
+TEST(PrepareFp8Tensor, NoInputScalesPackDynamicScales) {
+  test::SeededRng rng;
+  const int E = 2;
+  const MoeSpec spec = small_spec(Precision::fp8_tensor, E, 128, 128);
+  const std::vector<bf16_t> w13 = rng.bf16_normals(static_cast<size_t>(E) * 2 * 128 * 128, 0.05f);
+  const std::vector<bf16_t> w2 = rng.bf16_normals(static_cast<size_t>(E) * 128 * 128, 0.05f);
+  const WeightsView without = WeightsView{w13.data(), w2.data(), DType::bf16};
+  const PackedWeights dynamic = prepare_weights(spec, without);
+  EXPECT_EQ(dynamic.input_scales, InputScales::dynamic);
+  EXPECT_EQ(dynamic.fc1_input_scale, 0.0f);
+  EXPECT_EQ(dynamic.fc2_input_scale, 0.0f);
+  EXPECT_EQ(dynamic.view().input_scales, InputScales::dynamic);
+  EXPECT_NO_THROW(validate_packed(spec, dynamic));
+  const PackedWeights fixed = prepare_weights(spec, with_input_scales(without, make_input_scales(rng, 1)));
+  EXPECT_EQ(dynamic.w13, fixed.w13);
+  EXPECT_EQ(dynamic.w13_scales, fixed.w13_scales);
+  EXPECT_EQ(dynamic.w2, fixed.w2);
+  EXPECT_EQ(dynamic.w2_scales, fixed.w2_scales);
+  // A from_checkpoint view without its scales is refused.
+  PackedWeightsView unscaled = dynamic.view();
+  unscaled.input_scales = InputScales::from_checkpoint;
+  EXPECT_THROW(validate_packed(spec, unscaled), Error);
 }
 
 TEST(PrepareFp8Tensor, RejectsBadInput) {
@@ -509,10 +537,14 @@ TEST(PrepareFp8Tensor, RejectsBadInput) {
   WeightsView no_weight_scales = good;
   no_weight_scales.w2_scales = nullptr;
   expect_rejected(no_weight_scales, ErrorCode::null_pointer, "w2_scales", spec);
-  WeightsView no_input_scales = good;
-  no_input_scales.w2_input_scale = nullptr;
-  expect_rejected(no_input_scales, ErrorCode::null_pointer, "w2_input_scale", spec);
-  expect_rejected(no_input_scales, ErrorCode::null_pointer, "w13_input_scale and w2_input_scale", spec);
+  // One static activation scale without the other: neither static nor dynamic.
+  for (bool keep_fc1 : {true, false}) {
+    WeightsView one_input_scale = good;
+    (keep_fc1 ? one_input_scale.w2_input_scale : one_input_scale.w13_input_scale) = nullptr;
+    expect_rejected(one_input_scale, ErrorCode::null_pointer, "together", spec);
+    expect_rejected(one_input_scale, ErrorCode::null_pointer, keep_fc1 ? "only w13_input_scale" : "only w2_input_scale",
+                    spec);
+  }
   for (int count : {0, 2, E + 1}) {
     WeightsView bad_count = good;
     bad_count.input_scale_count = count;
