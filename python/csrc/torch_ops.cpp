@@ -135,7 +135,8 @@ c10::DeviceIndex checked_device(int64_t index) {
 Precision precision_from(const std::string& name) {
   if (name == "bf16") return Precision::bf16;
   if (name == "fp8_block") return Precision::fp8_block;
-  TORCH_CHECK_VALUE(false, "megamoe: precision must be 'bf16' or 'fp8_block', not '", name, "'");
+  if (name == "fp8_tensor") return Precision::fp8_tensor;
+  TORCH_CHECK_VALUE(false, "megamoe: precision must be 'bf16', 'fp8_block' or 'fp8_tensor', not '", name, "'");
 }
 
 ScaleFormat scale_format_from(const std::string& name) {
@@ -209,12 +210,57 @@ MoeLayerOptions options_from(int64_t token_tile, const std::string& fc1_token_ro
 // A host copy of `t` as `dtype`, contiguous: what prepare_weights reads.
 at::Tensor host_contiguous(const at::Tensor& t, at::ScalarType dtype) { return t.to(at::kCPU, dtype).contiguous(); }
 
+// The layout of an fp8_e4m3 checkpoint's fp32 scales for its [E, rows, cols] matrices, from their
+// shape: per expert matrix [E], [E, 1] or [E, 1, 1] (vLLM's per-tensor weight_scale), for w13
+// (gate_up) also [E, 2] (the gate rows' scale, then the up rows', as vLLM holds them before
+// merging), per 128 x 128 block [E, ceil(rows/128), ceil(cols/128)] (DeepSeek-V3's
+// weight_scale_inv), or per row [E, rows] or [E, rows, 1]. Per expert comes first: [E, 1, 1] is
+// also the block shape of a matrix within one block, where both name the same scale.
+ScaleLayout scale_layout_of(const at::Tensor& scale, const char* name, int64_t E, int64_t rows, int64_t cols,
+                            bool gate_up) {
+  const bool per_tensor = (scale.dim() == 1 && scale.size(0) == E) ||
+                          (scale.dim() == 2 && scale.size(0) == E && scale.size(1) == 1) ||
+                          (scale.dim() == 3 && scale.size(0) == E && scale.size(1) == 1 && scale.size(2) == 1);
+  if (per_tensor) return ScaleLayout::per_tensor;
+  if (gate_up && scale.dim() == 2 && scale.size(0) == E && scale.size(1) == 2) return ScaleLayout::per_gate_up;
+  const std::vector<int64_t> blocks{E, (rows + 127) / 128, (cols + 127) / 128};
+  if (scale.sizes() == at::IntArrayRef(blocks)) return ScaleLayout::block_128x128;
+  const bool per_row = (scale.dim() == 3 && scale.size(0) == E && scale.size(1) == rows && scale.size(2) == 1) ||
+                       (scale.dim() == 2 && scale.size(0) == E && scale.size(1) == rows);
+  TORCH_CHECK_VALUE(per_row, "megamoe: ", name, " must be ", blocks, " (per block), [", E, ", ", rows,
+                    ", 1] (per row) or [", E, "] (per expert", gate_up ? "; or [E, 2], gate then up" : "",
+                    "), got ", scale.sizes());
+  return ScaleLayout::per_row;
+}
+
+// A checkpoint's static activation scale (w13_input_scale or w2_input_scale, vLLM's names): one
+// per layer ([] or [1]) or one per expert ([E] or [E, 1]), of any float dtype; as float32 values
+// on the host.
+at::Tensor input_scale_values(const at::Tensor& scale, const char* name, int64_t E) {
+  TORCH_CHECK_TYPE(at::isFloatingType(scale.scalar_type()), "megamoe: ", name,
+                   " must be a floating-point tensor, not ", scale.scalar_type());
+  const bool per_layer = scale.numel() == 1 && scale.dim() <= 1;
+  const bool per_expert = (scale.dim() == 1 && scale.size(0) == E) ||
+                          (scale.dim() == 2 && scale.size(0) == E && scale.size(1) == 1);
+  TORCH_CHECK_VALUE(per_layer || per_expert, "megamoe: ", name,
+                    " must hold one activation scale per layer ([] or [1]) or one per expert ([", E, "] or [", E,
+                    ", 1]), got ", scale.sizes());
+  return host_contiguous(scale, at::kFloat).reshape({-1});
+}
+
 // Packs vLLM-layout weights on the host (w13 [E, 2I, H], gate rows then up rows; w2 [E, H, I];
-// bf16, fp32, or float8_e4m3fn with fp32 scales per 128 x 128 block or per row): PackedWeights as CPU
-// tensors [w13 bytes [E, 2I, H * element bytes], w13 scales [E, 2I/128, H/128], w2 bytes, w2
-// scales] (empty scales for bf16). python/megamoe/packing.py packs the same bytes on any device.
+// bf16, fp32, or float8_e4m3fn with fp32 scales per expert matrix, per 128 x 128 block or per row)
+// into PackedWeights as CPU tensors: [w13 bytes [E, 2I, H * element bytes], w13 scales, w2 bytes
+// [E, H, I * element bytes], w2 scales, input scales]. The scales are [E, 2I/128, H/128] and
+// [E, H/128, I/128] for fp8_block, [E, 2] (gate, up) and [E] for fp8_tensor, empty [0] for bf16;
+// the input scales (fc1_input_scale, fc2_input_scale) [2] for fp8_tensor with a checkpoint's
+// static activation scales (w13_input_scale and w2_input_scale, one per layer or per expert: the
+// largest is taken), empty [0] for dynamic ones (neither given) and other precisions.
+// python/megamoe/packing.py packs the same bytes on any device.
 std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2, const std::optional<at::Tensor>& w13_scale,
-                                     const std::optional<at::Tensor>& w2_scale, const std::string& precision,
+                                     const std::optional<at::Tensor>& w2_scale,
+                                     const std::optional<at::Tensor>& w13_input_scale,
+                                     const std::optional<at::Tensor>& w2_input_scale, const std::string& precision,
                                      const std::string& scale_format) {
   TORCH_CHECK_VALUE(w13.dim() == 3 && w2.dim() == 3, "megamoe: w13 must be [E, 2I, H] and w2 [E, H, I]; got ",
                     w13.sizes(), " and ", w2.sizes());
@@ -244,20 +290,11 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
   at::Tensor w13_scale_host, w2_scale_host;
   if (view.dtype == DType::fp8_e4m3) {
     TORCH_CHECK_VALUE(w13_scale.has_value() && w2_scale.has_value(),
-                      "megamoe: float8_e4m3fn weights need w13_scale [E, 2I/128, H/128] and w2_scale [E, H/128, I/128] "
-                      "(per block), or [E, 2I, 1] and [E, H, 1] (per row)");
-    // Per 128 x 128 block, or per row ([E, rows, 1] or [E, rows]).
-    auto layout_of = [E](const at::Tensor& scale, const char* name, int64_t rows, int64_t cols) {
-      const std::vector<int64_t> blocks{E, (rows + 127) / 128, (cols + 127) / 128};
-      if (scale.sizes() == at::IntArrayRef(blocks)) return ScaleLayout::block_128x128;
-      const bool per_row = (scale.dim() == 3 && scale.size(0) == E && scale.size(1) == rows && scale.size(2) == 1) ||
-                           (scale.dim() == 2 && scale.size(0) == E && scale.size(1) == rows);
-      TORCH_CHECK_VALUE(per_row, "megamoe: ", name, " must be ", blocks, " (per block) or [", E, ", ", rows,
-                        ", 1] (per row), got ", scale.sizes());
-      return ScaleLayout::per_row;
-    };
-    view.w13_scale_layout = layout_of(*w13_scale, "w13_scale", two_i, H);
-    view.w2_scale_layout = layout_of(*w2_scale, "w2_scale", H, two_i / 2);
+                      "megamoe: float8_e4m3fn weights need w13_scale and w2_scale: [E] (per expert; w13's also [E, 2], "
+                      "gate then up), [E, 2I/128, H/128] and [E, H/128, I/128] (per block), or [E, 2I, 1] and "
+                      "[E, H, 1] (per row)");
+    view.w13_scale_layout = scale_layout_of(*w13_scale, "w13_scale", E, two_i, H, true);
+    view.w2_scale_layout = scale_layout_of(*w2_scale, "w2_scale", E, H, two_i / 2, false);
     w13_scale_host = host_contiguous(*w13_scale, at::kFloat);
     w2_scale_host = host_contiguous(*w2_scale, at::kFloat);
     view.w13_scales = w13_scale_host.data_ptr<float>();
@@ -265,6 +302,25 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
   } else {
     TORCH_CHECK_VALUE(!w13_scale.has_value() && !w2_scale.has_value(),
                       "megamoe: weight scales go with float8_e4m3fn weights only; these are ", w13.scalar_type());
+  }
+  at::Tensor w13_input_host, w2_input_host;
+  if (w13_input_scale.has_value() || w2_input_scale.has_value()) {
+    TORCH_CHECK_VALUE(spec.precision == Precision::fp8_tensor,
+                      "megamoe: input scales go with precision fp8_tensor (a per-tensor checkpoint's static activation "
+                      "scales); precision ", to_string(spec.precision), " takes none");
+    TORCH_CHECK_VALUE(w13_input_scale.has_value() && w2_input_scale.has_value(),
+                      "megamoe: w13_input_scale and w2_input_scale go together (static activation scales) or neither "
+                      "(dynamic ones, computed on the device each forward); ",
+                      w13_input_scale.has_value() ? "w2_input_scale" : "w13_input_scale", " is missing");
+    w13_input_host = input_scale_values(*w13_input_scale, "w13_input_scale", E);
+    w2_input_host = input_scale_values(*w2_input_scale, "w2_input_scale", E);
+    // One count serves both: a per-layer scale beside per-expert ones is repeated (the largest is taken).
+    const int64_t count = std::max(w13_input_host.numel(), w2_input_host.numel());
+    if (w13_input_host.numel() != count) w13_input_host = w13_input_host.expand({count}).contiguous();
+    if (w2_input_host.numel() != count) w2_input_host = w2_input_host.expand({count}).contiguous();
+    view.w13_input_scale = w13_input_host.data_ptr<float>();
+    view.w2_input_scale = w2_input_host.data_ptr<float>();
+    view.input_scale_count = static_cast<int>(count);
   }
 
   return translating_errors([&] {
@@ -285,10 +341,19 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
       if (v.empty()) return at::empty({0}, dtype);
       return at::from_blob(v.data(), shape, [packed](void*) {}, at::TensorOptions().dtype(dtype));
     };
+    const bool tensor = packed->precision == Precision::fp8_tensor;
+    const std::vector<int64_t> w13_scales_shape = tensor ? std::vector<int64_t>{E, 2}
+                                                         : std::vector<int64_t>{E, two_i / 128, H / 128};
+    const std::vector<int64_t> w2_scales_shape = tensor ? std::vector<int64_t>{E}
+                                                        : std::vector<int64_t>{E, H / 128, two_i / 2 / 128};
+    at::Tensor input_scales = at::empty({0}, at::kFloat);
+    if (tensor && packed->input_scales == InputScales::from_checkpoint) {
+      input_scales = at::tensor({packed->fc1_input_scale, packed->fc2_input_scale}, at::kFloat);
+    }
     return std::vector<at::Tensor>{tensor_of(packed->w13, {E, two_i, H * element_bytes}, at::kByte),
-                                   tensor_of(packed->w13_scales, {E, two_i / 128, H / 128}, at::kFloat),
+                                   tensor_of(packed->w13_scales, w13_scales_shape, at::kFloat),
                                    tensor_of(packed->w2, {E, H, two_i / 2 * element_bytes}, at::kByte),
-                                   tensor_of(packed->w2_scales, {E, H / 128, two_i / 2 / 128}, at::kFloat)};
+                                   tensor_of(packed->w2_scales, w2_scales_shape, at::kFloat), input_scales};
   });
 }
 
@@ -329,11 +394,15 @@ void check_layer(int64_t num_experts, int64_t hidden, int64_t intermediate, int6
 int64_t check_device(int64_t device_index) { return checked_device(device_index); }
 
 // Packed tensors of `experts` experts of `spec`'s shapes (pack_weights' tensors, or the same bytes
-// packed on the GPU) as the view a layer copies from, their sizes checked.
+// packed on the GPU) as the view a layer copies from, their sizes checked. fp8_tensor's
+// input_scales are (fc1_input_scale, fc2_input_scale) [2], static, or empty [0], dynamic (the layer
+// computes them each forward); other precisions take an empty tensor (or none, for the
+// expert-parallel layer, which refuses fp8_tensor).
 PackedWeightsView packed_view(const MoeSpec& spec, int experts, const at::Tensor& w13, const at::Tensor& w13_scales,
-                              const at::Tensor& w2, const at::Tensor& w2_scales) {
+                              const at::Tensor& w2, const at::Tensor& w2_scales,
+                              const std::optional<at::Tensor>& input_scales) {
   PackedWeightsView view{experts, spec.hidden, spec.intermediate, spec.precision, spec.scale_format};
-  const bool fp8 = spec.precision == Precision::fp8_block;
+  const bool fp8 = spec.precision != Precision::bf16;
   auto check_packed = [](const at::Tensor& t, const char* name, at::ScalarType dtype, size_t count) {
     TORCH_CHECK_TYPE(t.scalar_type() == dtype, "megamoe: packed ", name, " must be ", dtype, ", not ", t.scalar_type());
     TORCH_CHECK_VALUE(t.is_contiguous() && static_cast<size_t>(t.numel()) == count, "megamoe: packed ", name,
@@ -347,6 +416,25 @@ PackedWeightsView packed_view(const MoeSpec& spec, int experts, const at::Tensor
   view.w2 = w2.data_ptr<uint8_t>();
   view.w13_scales = fp8 ? w13_scales.data_ptr<float>() : nullptr;
   view.w2_scales = fp8 ? w2_scales.data_ptr<float>() : nullptr;
+  const int64_t input_scale_count = input_scales.has_value() ? input_scales->numel() : 0;
+  if (spec.precision == Precision::fp8_tensor) {
+    TORCH_CHECK_TYPE(!input_scales.has_value() || input_scales->scalar_type() == at::kFloat,
+                     "megamoe: packed input_scales must be ", at::kFloat, ", not ", input_scales->scalar_type());
+    TORCH_CHECK_VALUE(input_scale_count == 2 || input_scale_count == 0,
+                      "megamoe: packed input_scales must hold (fc1_input_scale, fc2_input_scale) [2] for static "
+                      "activation scales, or nothing [0] for dynamic ones; got ", input_scales->sizes());
+    if (input_scale_count == 0) {
+      view.input_scales = InputScales::dynamic;
+    } else {
+      const at::Tensor host = input_scales->to(at::kCPU).contiguous();
+      view.input_scales = InputScales::from_checkpoint;
+      view.fc1_input_scale = host.data_ptr<float>()[0];
+      view.fc2_input_scale = host.data_ptr<float>()[1];
+    }
+  } else {
+    TORCH_CHECK_VALUE(input_scale_count == 0, "megamoe: packed input_scales go with precision fp8_tensor; precision ",
+                      to_string(spec.precision), " takes an empty tensor [0], got ", input_scales->sizes());
+  }
   return view;
 }
 
@@ -356,9 +444,10 @@ void wait_for_packing(const at::Tensor& packed) {
 }
 
 // A layer for up to max_tokens tokens on device `device_index`, from packed weights (pack_weights'
-// tensors, or the same bytes packed on the GPU) on the host or on a device: copied.
+// tensors, input_scales included, or the same bytes packed on the GPU) on the host or on a device:
+// copied.
 int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
-                     const at::Tensor& w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                     const at::Tensor& w2_scales, const at::Tensor& input_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
                      int64_t top_k, const std::string& precision, const std::string& scale_format,
                      const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
                      double routed_scaling_factor, const std::optional<at::Tensor>& bias, int64_t max_tokens,
@@ -367,7 +456,7 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const 
   const CheckedLayer layer =
       checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, routing, renormalize, n_group,
                     topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms, launch);
-  const PackedWeightsView view = packed_view(layer.spec, layer.spec.num_experts, w13, w13_scales, w2, w2_scales);
+  const PackedWeightsView view = packed_view(layer.spec, layer.spec.num_experts, w13, w13_scales, w2, w2_scales, input_scales);
   const c10::DeviceIndex device = checked_device(device_index);
   return translating_errors([&] {
     c10::cuda::CUDAGuard guard(device);
@@ -464,13 +553,17 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
   const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
                                      false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0, "auto")
                            .spec;
+  // The C++ EpLayer refuses it too, later: refused here before anything is checked against the ranks.
+  TORCH_CHECK_NOT_IMPLEMENTED(spec.precision != Precision::fp8_tensor,
+                              "megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on one "
+                              "GPU (prepare_weights)");
   checked_int(world_size, "world_size", 1);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
                     ")");
   TORCH_CHECK_VALUE(num_experts % world_size == 0, "megamoe: num_experts=", num_experts,
                     " must be a multiple of the world size ", world_size, " (each rank holds E / world experts)");
   const PackedWeightsView view =
-      packed_view(spec, static_cast<int>(num_experts / world_size), w13, w13_scales, w2, w2_scales);
+      packed_view(spec, static_cast<int>(num_experts / world_size), w13, w13_scales, w2, w2_scales, std::nullopt);
   const c10::DeviceIndex device = checked_device(device_index);
   return translating_errors([&] {
     c10::cuda::CUDAGuard guard(device);
@@ -531,18 +624,18 @@ void ep_check_peers(int64_t handle) {
 }  // namespace
 
 TORCH_LIBRARY(megamoe, m) {
-  m.def("pack_weights(Tensor w13, Tensor w2, Tensor? w13_scale, Tensor? w2_scale, str precision, str scale_format) "
-        "-> Tensor[]",
+  m.def("pack_weights(Tensor w13, Tensor w2, Tensor? w13_scale, Tensor? w2_scale, Tensor? w13_input_scale, "
+        "Tensor? w2_input_scale, str precision, str scale_format) -> Tensor[]",
         &pack_weights);
   m.def("check_layer(int num_experts, int hidden, int intermediate, int top_k, str precision, str scale_format, "
         "str routing, bool renormalize, int n_group, int topk_group, float routed_scaling_factor, Tensor? bias, "
         "int max_tokens, int token_tile, str fc1_token_rows, int num_sms, str launch) -> ()",
         &check_layer);
   m.def("check_device(int device_index) -> int", &check_device);
-  m.def("create_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "
-        "int intermediate, int top_k, str precision, str scale_format, str routing, bool renormalize, int n_group, "
-        "int topk_group, float routed_scaling_factor, Tensor? bias, int max_tokens, int token_tile, "
-        "str fc1_token_rows, int num_sms, str launch, int device_index) -> int",
+  m.def("create_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, Tensor input_scales, "
+        "int num_experts, int hidden, int intermediate, int top_k, str precision, str scale_format, str routing, "
+        "bool renormalize, int n_group, int topk_group, float routed_scaling_factor, Tensor? bias, int max_tokens, "
+        "int token_tile, str fc1_token_rows, int num_sms, str launch, int device_index) -> int",
         &create_layer);
   m.def("destroy_layer(int layer) -> ()", &destroy_layer);
   m.def("forward(int layer, Tensor x, Tensor? router_logits, Tensor? topk_ids, Tensor? topk_weights, "

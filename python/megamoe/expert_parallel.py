@@ -132,9 +132,13 @@ def prepare_ep_weights(
     the current CUDA device, one per rank). rank and world_size come from the arguments,
     torch.distributed, or RANK / WORLD_SIZE. The ranks meet in a folder they share: rendezvous_dir,
     else MEGAMOE_RENDEZVOUS_DIR (megamoe-run sets it), else one rank 0 makes and torch.distributed
-    broadcasts. top_k may not exceed the experts per rank.
+    broadcasts. top_k may not exceed the experts per rank. Precisions bf16 and fp8_block:
+    fp8_tensor runs on one GPU (prepare_weights).
     """
-    checked = checked_weights(w13, w2, w13_scale, w2_scale)
+    if precision == "fp8_tensor":
+        raise NotImplementedError("megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on "
+                                  "one GPU (prepare_weights)")
+    checked = checked_weights(w13, w2, w13_scale, w2_scale, precision)
     rank, world_size = _rank_and_world(rank, world_size)
     if not isinstance(num_experts, int) or checked.num_experts * world_size != num_experts:
         raise ValueError(f"megamoe: this rank's w13 holds {checked.num_experts} experts, so num_experts must be "
@@ -153,7 +157,7 @@ def prepare_ep_weights(
     layer_folder = os.path.join(folder, f"megamoe-ep-layer-{_layers_made}")
     _layers_made += 1
     os.makedirs(layer_folder, exist_ok=True)
-    handle = ops.create_ep_layer(*packed, num_experts, checked.hidden, checked.intermediate, top_k, precision,
+    handle = ops.create_ep_layer(*packed[:4], num_experts, checked.hidden, checked.intermediate, top_k, precision,
                                  scale_format, max_tokens, layer_folder, rank, world_size, device.index)
     return EpMoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=checked.hidden,
                         intermediate=checked.intermediate, precision=precision, scale_format=scale_format,

@@ -24,7 +24,7 @@ from megamoe.routing import (
     op_arguments,
 )
 
-PRECISIONS = ("bf16", "fp8_block")
+PRECISIONS = ("bf16", "fp8_block", "fp8_tensor")
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 _PRECOMPUTED = PrecomputedRouting()
 
@@ -89,10 +89,13 @@ class MoeWeights(LayerHandle):
 
     _pickle_hint = "; save the original weights and call prepare_weights again"
 
-    def __init__(self, *, routing: Routing, options: Optional[dict] = None, **layer):
+    def __init__(self, *, routing: Routing, options: Optional[dict] = None, input_scales: Optional[str] = None,
+                 **layer):
         super().__init__(**layer)
         self.routing = routing  # for calls with router_logits and no routing of their own
         self.options = options or {}  # the planner's choices the caller fixed (prepare_weights' keywords)
+        # fp8_tensor: "from_checkpoint" (static activation scales) or "dynamic" (computed each forward).
+        self.input_scales = input_scales
 
     def _destroy(self, handle: int) -> None:
         ops.destroy_layer(handle)
@@ -109,8 +112,9 @@ class MoeWeights(LayerHandle):
     def __repr__(self) -> str:
         return (
             f"MoeWeights(num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden}, "
-            f"intermediate={self.intermediate}, precision={self.precision!r}, routing={self.routing}, "
-            f"max_tokens={self.max_tokens}, device={self.device}"
+            f"intermediate={self.intermediate}, precision={self.precision!r}"
+            + ("" if self.input_scales is None else f", input_scales={self.input_scales!r}")
+            + f", routing={self.routing}, max_tokens={self.max_tokens}, device={self.device}"
             + "".join(f", {name}={value!r}" for name, value in self.options.items()) + ")"
         )
 
@@ -123,6 +127,8 @@ def prepare_weights(
     precision: str = "fp8_block",
     w13_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w13_input_scale: Optional[torch.Tensor] = None,
+    w2_input_scale: Optional[torch.Tensor] = None,
     scale_format: str = "fp32",
     routing: Union[Routing, str] = "softmax",
     max_tokens: int = 8192,
@@ -143,7 +149,20 @@ def prepare_weights(
     They are decoded and each packed block re-quantized with amax / 448, which keeps the codes
     only where the checkpoint's own block scale was that (DeepSeek-V3's w2) and re-rounds them
     elsewhere. precision "fp8_block" quantizes to 128 x 128 blocks (scale_format "ue8m0" makes
-    every scale a power of two), "bf16" keeps bf16. Weights on a CUDA device are packed there
+    every scale a power of two), "bf16" keeps bf16.
+
+    precision "fp8_tensor" runs vLLM's per-tensor FP8 checkpoints: E4M3 weights with one scale per
+    expert matrix, vLLM's w13_weight_scale [E] or [E, 2] (gate, up) and w2_weight_scale [E] passed
+    as w13_scale and w2_scale, whose codes and scales are kept bit for bit. Any other weights
+    (bf16, float32, fp8 with block or channel scales) are decoded and each expert's gate rows, up
+    rows and w2 quantized with amax / 448. w13_input_scale and w2_input_scale (vLLM's: one per
+    layer, [] or [1], or one per expert, [E] or [E, 1]; the largest is used, as vLLM does) are the
+    static scales of the layer input x and of FC2's input (SwiGLU's output), positive normal
+    floats; with neither (vLLM's activation_scheme "dynamic") the layer computes both on the GPU
+    each forward. They go together, and with precision fp8_tensor only. fp8_tensor runs on one GPU
+    (not prepare_ep_weights), with launch "auto" or "per_stage".
+
+    Weights on a CUDA device are packed there
     (megamoe.packing); others on the host by the C++ packer, where a large layer reports its
     progress on stderr. Both give the same bytes. max_tokens sizes the workspace: fused_moe runs a
     larger batch as consecutive passes of max_tokens tokens.
@@ -156,7 +175,7 @@ def prepare_weights(
     kernels, "single_kernel": the whole forward in one persistent kernel, opt-in and not yet faster;
     docs/design.md#single-kernel-forward).
     """
-    checked = checked_weights(w13, w2, w13_scale, w2_scale)
+    checked = checked_weights(w13, w2, w13_scale, w2_scale, precision, w13_input_scale, w2_input_scale)
     routing = as_routing(routing)
     options = {name: value for name, value in (("token_tile", token_tile), ("fc1_token_rows", fc1_token_rows),
                                                 ("num_sms", num_sms), ("launch", launch))
@@ -170,9 +189,13 @@ def prepare_weights(
     device = torch.device("cuda", ops.check_device(device_index(device)))
     packed = packed_on(checked, precision, scale_format, device)
     handle = ops.create_layer(*packed, *layer, device.index)
+    input_scales = None
+    if precision == "fp8_tensor":
+        input_scales = "dynamic" if checked.w13_input_scale is None else "from_checkpoint"
     return MoeWeights(handle=handle, num_experts=checked.num_experts, top_k=top_k, hidden=checked.hidden,
                       intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
-                      routing=routing, options=options, max_tokens=max_tokens, device=device)
+                      routing=routing, options=options, input_scales=input_scales, max_tokens=max_tokens,
+                      device=device)
 
 
 def require_int(value, name: str) -> int:
@@ -203,7 +226,8 @@ def device_index(device) -> int:
 
 @dataclasses.dataclass
 class CheckedWeights:
-    """vLLM-layout weights whose shapes and dtypes were checked, fp8 scales in a packer's form."""
+    """vLLM-layout weights whose shapes and dtypes were checked, fp8 scales in a packer's form
+    (checkpoint_scales for the precision), fp8_tensor's input scales as 1-D float32 values."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -212,10 +236,45 @@ class CheckedWeights:
     num_experts: int
     hidden: int
     intermediate: int
+    w13_input_scale: Optional[torch.Tensor] = None
+    w2_input_scale: Optional[torch.Tensor] = None
 
 
-def checked_weights(w13, w2, w13_scale, w2_scale) -> CheckedWeights:
-    """prepare_weights' checks of the weights it packs (also prepare_ep_weights')."""
+def checked_input_scale(scale, name: str, num_experts: int) -> torch.Tensor:
+    """One of fp8_tensor's static activation scales (vLLM's w13_input_scale or w2_input_scale):
+    one per layer ([] or [1]) or per expert ([E] or [E, 1]), floating point; as float32 [n]."""
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"megamoe: {name} must be a torch.Tensor, not {type(scale).__name__}")
+    if not scale.is_floating_point():
+        raise TypeError(f"megamoe: {name} must be a floating-point tensor, not {scale.dtype}")
+    shape = tuple(scale.shape)
+    if shape not in ((), (1,), (num_experts,), (num_experts, 1)):
+        raise ValueError(f"megamoe: {name} must hold one activation scale per layer ([] or [1]) or one per expert "
+                         f"([{num_experts}] or [{num_experts}, 1]), got {list(shape)}")
+    return scale.detach().float().reshape(-1)
+
+
+def checked_input_scales(w13_input_scale, w2_input_scale, precision, num_experts: int):
+    """fp8_tensor's static activation scales, checked (both or neither, shapes, positive normal
+    values), as float32 [n] each; (None, None) for dynamic ones."""
+    if w13_input_scale is None and w2_input_scale is None:
+        return None, None
+    if precision != "fp8_tensor":
+        raise ValueError(f"megamoe: input scales (w13_input_scale, w2_input_scale) go with precision fp8_tensor, "
+                         f"a per-tensor checkpoint's static activation scales; precision {precision!r} takes none")
+    if w13_input_scale is None or w2_input_scale is None:
+        missing = "w13_input_scale" if w13_input_scale is None else "w2_input_scale"
+        raise ValueError(f"megamoe: w13_input_scale and w2_input_scale go together (static activation scales) or "
+                         f"neither (dynamic ones, computed on the GPU each forward); {missing} is missing")
+    scales = (checked_input_scale(w13_input_scale, "w13_input_scale", num_experts),
+              checked_input_scale(w2_input_scale, "w2_input_scale", num_experts))
+    packing.input_scales(*scales)  # raises for values that are not positive normal floats
+    return scales
+
+
+def checked_weights(w13, w2, w13_scale, w2_scale, precision: str = "fp8_block", w13_input_scale=None,
+                    w2_input_scale=None) -> CheckedWeights:
+    """prepare_weights' checks of the weights it packs for `precision` (also prepare_ep_weights')."""
     require_tensor(w13, "w13", 3)
     require_tensor(w2, "w2", 3)
     if w13.dtype not in _WEIGHT_DTYPES:
@@ -242,21 +301,23 @@ def checked_weights(w13, w2, w13_scale, w2_scale) -> CheckedWeights:
             if not isinstance(scale, torch.Tensor):
                 raise TypeError(f"megamoe: {name} must be a torch.Tensor, not {type(scale).__name__}")
             scales[name] = packing.checkpoint_scales(scale, name, num_experts, rows, columns,
-                                                     gate_up=name == "w13_scale").to(w13.device)
+                                                     gate_up=name == "w13_scale", precision=precision).to(w13.device)
         w13_scale, w2_scale = scales["w13_scale"], scales["w2_scale"]
         for name, scale in scales.items():
             if not (torch.isfinite(scale).all() and (scale > 0).all()):
                 raise ValueError(f"megamoe: {name} holds non-finite or non-positive scales")
     elif w13_scale is not None or w2_scale is not None:
         raise ValueError(f"megamoe: weight scales go with float8_e4m3fn weights only; these are {w13.dtype}")
-    return CheckedWeights(w13, w2, w13_scale, w2_scale, num_experts, hidden, intermediate)
+    input_scales = checked_input_scales(w13_input_scale, w2_input_scale, precision, num_experts)
+    return CheckedWeights(w13, w2, w13_scale, w2_scale, num_experts, hidden, intermediate, *input_scales)
 
 
 def packed_on(checked: CheckedWeights, precision: str, scale_format: str, device: torch.device):
     """The packed tensors for `device` (checked by ops.check_device): packed on the GPU where the
     weights are, else on the host."""
     detached = [None if t is None else t.detach() for t in
-                (checked.w13, checked.w2, checked.w13_scale, checked.w2_scale)]
+                (checked.w13, checked.w2, checked.w13_scale, checked.w2_scale, checked.w13_input_scale,
+                 checked.w2_input_scale)]
     if checked.w13.is_cuda:
         # On the GPU with PyTorch (seconds for a large layer), the same bytes as the host packer.
         on_device = [None if t is None else t.to(device) for t in detached]
@@ -414,6 +475,8 @@ class MegaMoE(nn.Module):
         precision: str = "fp8_block",
         w13_scale: Optional[torch.Tensor] = None,
         w2_scale: Optional[torch.Tensor] = None,
+        w13_input_scale: Optional[torch.Tensor] = None,
+        w2_input_scale: Optional[torch.Tensor] = None,
         scale_format: str = "fp32",
         max_tokens: int = 8192,
         deterministic: bool = True,
@@ -425,7 +488,8 @@ class MegaMoE(nn.Module):
     ):
         super().__init__()
         self.weights = prepare_weights(w13, w2, top_k=top_k, precision=precision, w13_scale=w13_scale,
-                                       w2_scale=w2_scale, scale_format=scale_format, routing=routing,
+                                       w2_scale=w2_scale, w13_input_scale=w13_input_scale,
+                                       w2_input_scale=w2_input_scale, scale_format=scale_format, routing=routing,
                                        max_tokens=max_tokens, device=device, token_tile=token_tile,
                                        fc1_token_rows=fc1_token_rows, num_sms=num_sms, launch=launch)
         self.deterministic = deterministic

@@ -406,9 +406,9 @@ def test_create_layer_refuses_sizes_that_would_wrap():
     empty, scales = torch.empty(0, dtype=torch.uint8), torch.empty(0)
     spec = [4, 128, 128, 2, "bf16", "fp32", "softmax", False, 1, 1, 1.0, None]
     with pytest.raises(ValueError, match=r"num_experts=4294967300 is out of range"):
-        torch.ops.megamoe.create_layer(empty, scales, empty, scales, 2**32 + 4, *spec[1:], 16, 0, "auto", 0, "auto", 0)
+        torch.ops.megamoe.create_layer(empty, scales, empty, scales, scales, 2**32 + 4, *spec[1:], 16, 0, "auto", 0, "auto", 0)
     with pytest.raises(ValueError, match=r"max_tokens=4294967312 must be in"):
-        torch.ops.megamoe.create_layer(empty, scales, empty, scales, *spec, 2**32 + 16, 0, "auto", 0, "auto", 0)
+        torch.ops.megamoe.create_layer(empty, scales, empty, scales, scales, *spec, 2**32 + 16, 0, "auto", 0, "auto", 0)
     with pytest.raises(ValueError, match=r"n_group=-1 is out of range"):
         torch.ops.megamoe.check_layer(4, 128, 128, 2, "bf16", "fp32", "deepseek_grouped", True, -1, 1, 1.0, None, 16,
                                       0, "auto", 0, "auto")

@@ -40,7 +40,8 @@ def weights(source: str):
 
 
 def assert_same_bytes(actual, expected):
-    for name, a, e in zip(("w13", "w13 scales", "w2", "w2 scales"), actual, expected):
+    assert len(actual) == len(expected) == 5
+    for name, a, e in zip(("w13", "w13 scales", "w2", "w2 scales", "input scales"), actual, expected):
         a = a.cpu()
         assert a.shape == e.shape and a.dtype == e.dtype, name
         assert torch.equal(a, e), f"{name}: {(a != e).sum().item()} of {a.numel()} differ"
@@ -55,7 +56,7 @@ FORMATS = pytest.mark.parametrize("precision,scale_format",
 @FORMATS
 def test_the_same_bytes_as_the_host_packer(source, precision, scale_format):
     w13, w2, w13_scale, w2_scale = weights(source)
-    expected = torch.ops.megamoe.pack_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
+    expected = torch.ops.megamoe.pack_weights(w13, w2, w13_scale, w2_scale, None, None, precision, scale_format)
     assert_same_bytes(packing.pack_weights(w13, w2, precision, scale_format, w13_scale, w2_scale), expected)
 
 
@@ -64,7 +65,7 @@ def test_the_same_bytes_as_the_host_packer(source, precision, scale_format):
 @FORMATS
 def test_the_same_bytes_packed_on_the_gpu(hopper, source, precision, scale_format):
     w13, w2, w13_scale, w2_scale = weights(source)
-    expected = torch.ops.megamoe.pack_weights(w13, w2, w13_scale, w2_scale, precision, scale_format)
+    expected = torch.ops.megamoe.pack_weights(w13, w2, w13_scale, w2_scale, None, None, precision, scale_format)
     on_gpu = [None if t is None else t.to(hopper) for t in (w13, w2, w13_scale, w2_scale)]
     actual = packing.pack_weights(on_gpu[0], on_gpu[1], precision, scale_format, on_gpu[2], on_gpu[3])
     assert all(t.is_cuda for t in actual), "packing.pack_weights left its device"
@@ -82,11 +83,11 @@ def test_expert_pair_and_channel_scales_pack_as_their_decoded_values(kind, preci
     w2 = torch.randn(E, H, intermediate, generator=generator) * 0.05
     (w13_codes, w13_scale), (w2_codes, w2_scale) = quantized(w13, kind, gate_up=True), quantized(w2, kind)
     w13_values, w2_values = decoded(w13_codes, w13_scale, kind, gate_up=True), decoded(w2_codes, w2_scale, kind)
-    expected = torch.ops.megamoe.pack_weights(w13_values, w2_values, None, None, precision, scale_format)
+    expected = torch.ops.megamoe.pack_weights(w13_values, w2_values, None, None, None, None, precision, scale_format)
     scales = [packing.checkpoint_scales(w13_scale, "w13_scale", E, 2 * intermediate, H, gate_up=True),
               packing.checkpoint_scales(w2_scale, "w2_scale", E, H, intermediate)]
     assert_same_bytes(packing.pack_weights(w13_codes, w2_codes, precision, scale_format, *scales), expected)
-    assert_same_bytes(torch.ops.megamoe.pack_weights(w13_codes, w2_codes, *scales, precision, scale_format), expected)
+    assert_same_bytes(torch.ops.megamoe.pack_weights(w13_codes, w2_codes, *scales, None, None, precision, scale_format), expected)
     # Per-expert and gate/up scales become block scales where each block lies whole in one scale's
     # span (w13's 2I rows, or each half of them for a pair), rows otherwise, as channel scales are.
     w13_blocks = (kind == "expert" and 2 * intermediate % 128 == 0) or (kind == "pair" and intermediate % 128 == 0)
