@@ -1,6 +1,7 @@
 """megamoe.packing (PyTorch, any device) against the C++ packer (torch.ops.megamoe.pack_weights,
 host): the same bytes for every input dtype, precision and scale format, packed on the CPU and,
-on a Hopper machine, on the GPU."""
+on a Hopper machine, on the GPU (fp8_tensor's own checkpoints and input scales:
+test_fp8_tensor.py)."""
 
 import pytest
 import torch
@@ -49,7 +50,8 @@ def assert_same_bytes(actual, expected):
 
 SOURCES = pytest.mark.parametrize("source", ["bf16", "fp32", "fp8_checkpoint"])
 FORMATS = pytest.mark.parametrize("precision,scale_format",
-                                  [("bf16", "fp32"), ("fp8_block", "fp32"), ("fp8_block", "ue8m0")])
+                                  [("bf16", "fp32"), ("fp8_block", "fp32"), ("fp8_block", "ue8m0"),
+                                   ("fp8_tensor", "fp32")])
 
 
 @SOURCES
