@@ -112,8 +112,8 @@ def test_absent_devices_are_refused_by_name(hopper):
     # 4 experts, H = I = 128).
     w13, w2, scales = torch.zeros(4, 256, 256, dtype=torch.uint8), torch.zeros(4, 128, 256, dtype=torch.uint8), torch.empty(0)
     with pytest.raises(ValueError, match="does not exist"):
-        torch.ops.megamoe.create_layer(w13, scales, w2, scales, scales, 4, 128, 128, 2, "bf16", "fp32", "softmax", False,
-                                       1, 1, 1.0, None, 16, 0, "auto", 0, "auto", absent)
+        torch.ops.megamoe.create_layer(w13, scales, w2, scales, scales, 4, 128, 128, 2, "bf16", "fp32", "softmax",
+                                       False, 1, 1, 1.0, None, 16, 0, "auto", 0, "auto", absent)
 
 
 @pytest.mark.gpu

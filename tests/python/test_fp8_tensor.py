@@ -389,3 +389,25 @@ def test_reference_quantizes_as_the_packer_and_stays_near_the_plain_math():
     assert 0 < relative_l2(static, dynamic) < 0.1
     # A static scale other than the one calibrated moves the codes, and the output with them.
     assert relative_l2(moe_reference(x, w13, w2, ids, weights, "fp8_tensor", input_scales=(s1 * 1.3, s2)), static) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["values", "vllm [E, 2]", "vllm [E]", "channel"])
+def test_the_same_bytes_packed_on_the_gpu(hopper, source):
+    """megamoe.packing on the GPU (prepare_weights' path for CUDA weights) against the C++ packer."""
+    if source.startswith("vllm"):
+        c = vllm_checkpoint(16, source[5:])
+        arguments = [c["w13_weight"], c["w2_weight"], c["w13_weight_scale"], c["w2_weight_scale"], c["w13_input_scale"],
+                     c["w2_input_scale"]]
+    elif source == "channel":
+        w13, w2 = values(16)
+        (w13_codes, w13_scale), (w2_codes, w2_scale) = quantized(w13, "channel", gate_up=True), quantized(w2, "channel")
+        arguments = [w13_codes, w2_codes, w13_scale.unsqueeze(-1), w2_scale.unsqueeze(-1), None, None]
+    else:
+        arguments = [*(w.to(torch.bfloat16) for w in values(16)), None, None, *input_scale_values(16, 1)]
+    expected = OPS.pack_weights(*arguments, "fp8_tensor", "fp32")
+    on_gpu = [None if t is None else t.to(hopper) for t in arguments]
+    actual = packing.pack_weights(on_gpu[0], on_gpu[1], "fp8_tensor", "fp32", *on_gpu[2:])
+    assert all(t.is_cuda for t in actual), "packing.pack_weights left its device"
+    for name, a, e in zip(("w13", "w13 scales", "w2", "w2 scales", "input scales"), actual, expected):
+        assert a.shape == e.shape and torch.equal(a.cpu(), e), name

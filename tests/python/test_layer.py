@@ -1,7 +1,8 @@
 """megamoe.layer (prepare_weights, fused_moe, MegaMoE) against the MoE layer written plainly in
 PyTorch, on fresh random data: the named workloads' shapes at several token counts, CUDA-graph
 capture and replay, torch.compile, and the errors bad inputs raise. Outputs are checked against
-unquantized fp32 math: tightly for bf16, loosely for fp8_block (its quantization error)."""
+unquantized fp32 math: tightly for bf16, loosely for fp8_block and fp8_tensor (their quantization
+error), and tightly against the reference that quantizes as megamoe does."""
 
 import dataclasses
 import math
@@ -14,22 +15,31 @@ from checkpoints import SCALE_KINDS, decoded, quantized
 from conftest import SEED
 from megamoe.layer import ids_as_int32, ids_through_expert_map
 from megamoe.workloads import WORKLOADS
-from moe_reference import moe_reference, quantize_rows_per_128, relative_l2, route_deepseek, route_softmax
+from moe_reference import (calibrated_input_scales, moe_reference, quantize_rows_per_128, relative_l2,
+                           route_deepseek, route_softmax)
 
 # Relative L2 error bounds, as the C++ suite's (tests/api/test_moe_layer.cpp). Tight: against the
 # reference that quantizes as megamoe does (bf16: the rounding of the slot rows and y, 2.4e-3
 # seen on H200; fp8_block: the device's fp32 FC1 output moves a few values and block amaxes
-# across E4M3 rounding steps). Loose: against unquantized math (fp8_block quantizes weights, x
-# and FC1's output: ~6.3% seen).
-TIGHT = {"bf16": 4e-3, "fp8_block": 2e-2}
-LOOSE = {"bf16": 1e-2, "fp8_block": 0.1}
+# across E4M3 rounding steps; fp8_tensor: the same through one scale per tensor, and its
+# mainloops accumulate over the whole K without per-block promotion, which Hopper's FP8 tensor
+# cores do with fewer bits than fp32). Loose: against unquantized math (fp8_block quantizes
+# weights, x and FC1's output: ~6.3% seen; fp8_tensor with one scale per tensor, static ones
+# calibrated on other tokens: the C++ suite's 0.12).
+TIGHT = {"bf16": 4e-3, "fp8_block": 2e-2, "fp8_tensor": 3e-2}
+LOOSE = {"bf16": 1e-2, "fp8_block": 0.1, "fp8_tensor": 0.12}
+# The seed of the tokens fp8_tensor's static activation scales are calibrated on (no test's own).
+CALIBRATION_SEED = 4242
 
 
 class Problem:
-    """Random weights of one workload in the vLLM layout, on the GPU, and their prepared form."""
+    """Random weights of one workload in the vLLM layout, on the GPU, and their prepared form.
+    fp8_tensor layers take static activation scales (input_scales "static": calibrated on other
+    tokens, as a checkpoint's are, and given one per expert, of which the layer takes the largest)
+    or compute them each forward ("dynamic")."""
 
     def __init__(self, workload: str, precision: str, device: torch.device, weights: str = "normal",
-                 max_tokens: int = 4096):
+                 max_tokens: int = 4096, input_scales: str = "static"):
         w = WORKLOADS[workload]
         experts, top_k, hidden, intermediate = w.experts, w.top_k, w.hidden, w.intermediate
         generator = torch.Generator(device=device).manual_seed(SEED + sum(map(ord, workload + precision + weights)))
@@ -50,8 +60,21 @@ class Problem:
         if isinstance(w.routing, megamoe.DeepseekRouting):
             self.bias = torch.rand(experts, device=device, generator=generator) * 0.1 - 0.05
             self.routing = dataclasses.replace(w.routing, e_score_correction_bias=self.bias)
+        # fp8_tensor's static scales: (fc1_input_scale, fc2_input_scale) as the layer holds them
+        # (None: dynamic), and prepare_weights' arguments that give them.
+        self.input_scales = None
+        self.scale_arguments = {}
+        if precision == "fp8_tensor" and input_scales == "static":
+            x, logits = self.inputs(1024, seed=CALIBRATION_SEED)
+            fc1_scale, fc2_scale = calibrated_input_scales(x, self.w13, self.w2, self.route(logits)[0])
+            self.input_scales = (fc1_scale, fc2_scale)
+            spread = torch.rand(experts, device=device, generator=generator) * 0.5 + 0.5  # (0.5, 1]
+            w13_input_scale, w2_input_scale = fc1_scale * spread, fc2_scale * spread.flip(0)
+            w13_input_scale[experts // 3], w2_input_scale[experts // 2] = fc1_scale, fc2_scale  # the largest
+            self.scale_arguments = dict(w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
         self.weights = megamoe.prepare_weights(self.w13, self.w2, top_k=top_k, precision=precision,
-                                               routing=self.routing, max_tokens=max_tokens, device=device)
+                                               routing=self.routing, max_tokens=max_tokens, device=device,
+                                               **self.scale_arguments)
 
     def route(self, logits: torch.Tensor):
         r = self.routing
@@ -70,13 +93,14 @@ class Problem:
 _problems = {}
 
 
-def problem(workload: str, precision: str, device: torch.device, weights: str = "normal") -> Problem:
+def problem(workload: str, precision: str, device: torch.device, weights: str = "normal",
+            input_scales: str = "static") -> Problem:
     """One problem alive at a time: dsv3's weights alone are 22 GB in bf16."""
-    key = (workload, precision, weights)
+    key = (workload, precision, weights, input_scales)
     if key not in _problems:
         _problems.clear()
         torch.cuda.empty_cache()
-        _problems[key] = Problem(workload, precision, device, weights)
+        _problems[key] = Problem(workload, precision, device, weights, input_scales=input_scales)
     return _problems[key]
 
 
@@ -88,6 +112,7 @@ CASES = [(w, p, t, "normal") for w in ("qwen35-a3b", "qwen3-30b-a3b") for p in (
          for t in (1, 7, 128, 1000)]
 CASES += [("dsv3", "fp8_block", t, "normal") for t in (1, 7, 128, 1000)]
 CASES += [("qwen35-a3b", "fp8_block", t, "uniform") for t in (7, 1000)]
+CASES += [("qwen35-a3b", "fp8_tensor", t, "normal") for t in (1, 7, 128, 1000)]  # static scales
 
 
 @pytest.mark.gpu
@@ -99,7 +124,7 @@ def test_matches_plain_pytorch(hopper, workload, precision, tokens, weights):
     assert y.shape == x.shape and y.dtype == torch.bfloat16
     assert torch.isfinite(y).all()
     ids, weights = p.route(logits)
-    expected = moe_reference(x, p.w13, p.w2, ids, weights, precision)
+    expected = moe_reference(x, p.w13, p.w2, ids, weights, precision, input_scales=p.input_scales)
     tight = relative_l2(y, expected)
     loose = relative_l2(y, moe_reference(x, p.w13, p.w2, ids, weights))
     print(f"relative L2 error: {tight:.3e} against the quantizing reference, {loose:.3e} against unquantized math")
@@ -109,6 +134,53 @@ def test_matches_plain_pytorch(hopper, workload, precision, tokens, weights):
     y_ids = megamoe.fused_moe(x, p.weights, topk_ids=ids, topk_weights=weights)
     error = relative_l2(y_ids, expected)
     assert error < TIGHT[precision], f"precomputed ids: relative L2 error {error:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 128, 1000])
+def test_fp8_tensor_dynamic_scales_match_plain_pytorch(hopper, tokens):
+    """fp8_tensor without a checkpoint's activation scales: the layer computes x's and FC2's input
+    scale on the GPU each forward, from this forward's tokens."""
+    p = problem("qwen35-a3b", "fp8_tensor", hopper, input_scales="dynamic")
+    assert p.weights.input_scales == "dynamic" and "input_scales='dynamic'" in repr(p.weights)
+    x, logits = p.inputs(tokens, seed=tokens)
+    y = megamoe.fused_moe(x, p.weights, logits)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    ids, weights = p.route(logits)
+    expected = moe_reference(x, p.w13, p.w2, ids, weights, "fp8_tensor")
+    tight = relative_l2(y, expected)
+    loose = relative_l2(y, moe_reference(x, p.w13, p.w2, ids, weights))
+    print(f"relative L2 error: {tight:.3e} against the quantizing reference, {loose:.3e} against unquantized math")
+    assert tight < TIGHT["fp8_tensor"], f"relative L2 error {tight:.3e} against the quantizing reference"
+    assert loose < LOOSE["fp8_tensor"], f"relative L2 error {loose:.3e} against unquantized math"
+    # The scales follow the tokens: x ten times larger gives (about) ten times y, not a saturated one.
+    y_large = megamoe.fused_moe((x.float() * 10).to(torch.bfloat16), p.weights, logits)
+    expected_large = moe_reference((x.float() * 10).to(torch.bfloat16), p.w13, p.w2, ids, weights, "fp8_tensor")
+    assert relative_l2(y_large, expected_large) < TIGHT["fp8_tensor"]
+
+
+@pytest.mark.gpu
+def test_fp8_tensor_static_scales_are_the_largest_given(hopper):
+    """The checkpoint's per-expert activation scales: the layer takes the largest of each, and the
+    output changes when they change (a scale the layer ignored would not)."""
+    p = problem("qwen35-a3b", "fp8_tensor", hopper)
+    assert p.weights.input_scales == "from_checkpoint"
+    x, logits = p.inputs(300, seed=23)
+    ids, weights = p.route(logits)
+    y = megamoe.fused_moe(x, p.weights, logits)
+    assert relative_l2(y, moe_reference(x, p.w13, p.w2, ids, weights, "fp8_tensor", input_scales=p.input_scales)) \
+        < TIGHT["fp8_tensor"]
+    fc1_scale, fc2_scale = p.input_scales
+    one_per_layer = megamoe.prepare_weights(p.w13, p.w2, top_k=p.top_k, precision="fp8_tensor", routing=p.routing,
+                                            max_tokens=512, w13_input_scale=fc1_scale.reshape(1),
+                                            w2_input_scale=fc2_scale)
+    assert torch.equal(megamoe.fused_moe(x, one_per_layer, logits), y)
+    coarser = megamoe.prepare_weights(p.w13, p.w2, top_k=p.top_k, precision="fp8_tensor", routing=p.routing,
+                                      max_tokens=512, w13_input_scale=fc1_scale * 4, w2_input_scale=fc2_scale * 4)
+    y_coarser = megamoe.fused_moe(x, coarser, logits)
+    assert not torch.equal(y_coarser, y)
+    expected = moe_reference(x, p.w13, p.w2, ids, weights, "fp8_tensor", input_scales=(fc1_scale * 4, fc2_scale * 4))
+    assert relative_l2(y_coarser, expected) < TIGHT["fp8_tensor"]
 
 
 @pytest.mark.gpu
@@ -186,11 +258,14 @@ def test_torch_compile_traces_the_op(hopper):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
-def test_host_and_device_packing_give_the_same_layer(hopper, precision):
-    p = problem("qwen35-a3b", precision, hopper)  # packed on the GPU (megamoe.packing)
+@pytest.mark.parametrize("precision,input_scales", [("bf16", "static"), ("fp8_block", "static"),
+                                                    ("fp8_tensor", "static"), ("fp8_tensor", "dynamic")])
+def test_host_and_device_packing_give_the_same_layer(hopper, precision, input_scales):
+    p = problem("qwen35-a3b", precision, hopper, input_scales=input_scales)  # packed on the GPU (megamoe.packing)
+    scales = {name: t.cpu() for name, t in p.scale_arguments.items()}
     on_host = megamoe.prepare_weights(p.w13.cpu(), p.w2.cpu(), top_k=p.top_k, precision=precision,
-                                      routing=p.routing, max_tokens=256)  # the C++ packer
+                                      routing=p.routing, max_tokens=256, **scales)  # the C++ packer
+    assert on_host.input_scales == p.weights.input_scales
     x, logits = p.inputs(200, seed=13)
     assert torch.equal(megamoe.fused_moe(x, on_host, logits), megamoe.fused_moe(x, p.weights, logits))
 
@@ -213,6 +288,44 @@ def test_fp8_checkpoints_with_expert_pair_or_channel_scales(hopper, kind):
     # Packed on the host (megamoe.packing on the CPU for channel scales, else the C++ packer).
     on_host = megamoe.prepare_weights(w13.cpu(), w2.cpu(), w13_scale=w13_scale.cpu(), w2_scale=w2_scale.cpu(),
                                       top_k=p.top_k, routing=p.routing, max_tokens=256)
+    assert torch.equal(megamoe.fused_moe(x, on_host, logits), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w13_scales", ["pair", "expert"])
+@pytest.mark.parametrize("input_scales", ["static", "dynamic"])
+def test_a_vllm_per_tensor_checkpoint(hopper, w13_scales, input_scales):
+    """vLLM's per-tensor fp8 checkpoint: w13_weight [E, 2I, H] and w2_weight [E, H, I] E4M3,
+    w13_weight_scale [E, 2] (gate, up) or [E], w2_weight_scale [E], and w13_input_scale and
+    w2_input_scale [E] (static) or none (vLLM's activation_scheme "dynamic"). Its codes are kept,
+    so the reference takes the decoded checkpoint as it is."""
+    p = problem("qwen35-a3b", "fp8_tensor", hopper)  # its calibrated static scales, one per expert
+    (w13, w13_scale), (w2, w2_scale) = quantized(p.w13, w13_scales, gate_up=True), quantized(p.w2, "expert")
+    experts = p.w13.shape[0]
+    assert w13.dtype == torch.float8_e4m3fn
+    assert w13_scale.shape == ((experts, 2) if w13_scales == "pair" else (experts,))
+    static = input_scales == "static"
+    arguments = dict(p.scale_arguments) if static else {}
+    layer = megamoe.prepare_weights(w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, top_k=p.top_k,
+                                    precision="fp8_tensor", routing=p.routing, max_tokens=256, **arguments)
+    assert layer.input_scales == ("from_checkpoint" if static else "dynamic")
+    x, logits = p.inputs(200, seed=19)
+    y = megamoe.fused_moe(x, layer, logits)
+    assert torch.isfinite(y).all()
+    ids, weights = p.route(logits)
+    w13_values = decoded(w13, w13_scale, w13_scales, gate_up=True)
+    w2_values = decoded(w2, w2_scale, "expert")
+    expected = moe_reference(x, w13_values, w2_values, ids, weights, "fp8_tensor",
+                             input_scales=p.input_scales if static else None, quantized_weights=True)
+    error = relative_l2(y, expected)
+    print(f"{w13_scales} w13 scales, {input_scales} input scales: relative L2 error {error:.3e} against the "
+          f"quantizing reference")
+    assert error < TIGHT["fp8_tensor"]
+    assert relative_l2(y, moe_reference(x, p.w13, p.w2, ids, weights)) < LOOSE["fp8_tensor"]
+    # Packed on the host by the C++ packer: the same layer.
+    on_host = megamoe.prepare_weights(w13.cpu(), w2.cpu(), w13_scale=w13_scale.cpu(), w2_scale=w2_scale.cpu(),
+                                      top_k=p.top_k, precision="fp8_tensor", routing=p.routing, max_tokens=256,
+                                      **{name: t.cpu() for name, t in arguments.items()})
     assert torch.equal(megamoe.fused_moe(x, on_host, logits), y)
 
 
