@@ -173,9 +173,9 @@ def pack_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str, scale_form
     megamoe.prepare_weights does). The scales are [E, 2I/128, H/128] and [E, H/128, I/128] for
     fp8_block, [E, 2] (gate, up) and [E] for fp8_tensor, empty for bf16; the input scales are
     fp8_tensor's static activation scales [2] (input_scales), else empty. An fp8 checkpoint's
-    scales may be per block or per row (checkpoint_scales), and per expert: fp8_tensor keeps such a
-    matrix's codes and scales, and quantizes any other (its values decoded) as one block per expert
-    matrix, gate rows and up rows apart."""
+    scales may be per block, per row or per expert, in any of checkpoint_scales' shapes: fp8_tensor
+    keeps a matrix's codes and scales where they are per expert, and quantizes any other (its values
+    decoded) as one block per expert matrix, gate rows and up rows apart."""
     experts, two_i, hidden = w13.shape
     intermediate = two_i // 2
     device = w13.device
@@ -186,6 +186,9 @@ def pack_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str, scale_form
                          f"activation scales); precision {precision} takes none")
     out_input_scales = input_scales(w13_input_scale, w2_input_scale, device) if tensor else \
         torch.empty(0, dtype=torch.float32, device=device)
+    if w13.dtype == torch.float8_e4m3fn:  # any layout the op takes, in the form the packing below reads
+        w13_scale = checkpoint_scales(w13_scale, "w13_scale", experts, two_i, hidden, gate_up=True, precision=precision)
+        w2_scale = checkpoint_scales(w2_scale, "w2_scale", experts, hidden, intermediate, precision=precision)
     element_bytes = 1 if fp8 else 2
     out_w13 = torch.empty(experts, two_i, hidden * element_bytes, dtype=torch.uint8, device=device)
     out_w2 = torch.empty(experts, hidden, intermediate * element_bytes, dtype=torch.uint8, device=device)

@@ -90,6 +90,11 @@ def test_expert_pair_and_channel_scales_pack_as_their_decoded_values(kind, preci
               packing.checkpoint_scales(w2_scale, "w2_scale", E, H, intermediate)]
     assert_same_bytes(packing.pack_weights(w13_codes, w2_codes, precision, scale_format, *scales), expected)
     assert_same_bytes(torch.ops.megamoe.pack_weights(w13_codes, w2_codes, *scales, None, None, precision, scale_format), expected)
+    # The checkpoint's own shapes ([E], [E, 2], [E, rows]) pack the same in both packers.
+    raw = (w13_scale, w2_scale)
+    assert_same_bytes(packing.pack_weights(w13_codes, w2_codes, precision, scale_format, *raw), expected)
+    assert_same_bytes(torch.ops.megamoe.pack_weights(w13_codes, w2_codes, *raw, None, None, precision, scale_format),
+                      expected)
     # Per-expert and gate/up scales become block scales where each block lies whole in one scale's
     # span (w13's 2I rows, or each half of them for a pair), rows otherwise, as channel scales are.
     w13_blocks = (kind == "expert" and 2 * intermediate % 128 == 0) or (kind == "pair" and intermediate % 128 == 0)
