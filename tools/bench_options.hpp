@@ -27,6 +27,7 @@ struct Options {
   std::optional<int> experts;
   Precision precision = Precision::fp8_block;
   ScaleFormat scale_format = ScaleFormat::fp32;
+  InputScales input_scales = InputScales::from_checkpoint;  // fp8_tensor: calibrated static or dynamic
   std::string routing = "auto";
   uint64_t seed = 0x5eed;
   std::string json_path;

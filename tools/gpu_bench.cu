@@ -15,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <optional>
 #include <vector>
 
 #include "bench_json.hpp"
@@ -233,7 +234,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
               facts.hbm_read_bytes_per_s / 1e12, to_string(spec.precision), facts.dense_flops_per_s(spec.precision) / 1e12,
               dense_rate_source.c_str());
 
-  const ref::RandomWeights weights = ref::make_random_weights(spec, o.seed);
+  const ref::RandomWeights weights = ref::make_random_weights(spec, o.seed, o.input_scales);
   PackedWeights packed;
   {
     Progress progress("prepare_weights, experts");
@@ -329,9 +330,16 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     MEGAMOE_CUDA_CHECK(cudaMemcpy(y.data(), y_dev.as<void>(), y.size() * 2, cudaMemcpyDeviceToHost));
     const int checked = std::min(tokens, kCheckedTokens);
     std::vector<bf16_t> y_ref(static_cast<size_t>(checked) * H);
+    // Dynamic activation scales come from all `tokens`: the reference on the first rows applies the
+    // layer's (the tests check how the layer computes them).
+    std::optional<ref::ActivationScaleOverride> scales;
+    if (spec.precision == Precision::fp8_tensor && packed.input_scales == InputScales::dynamic) {
+      const MoeLayer::ActivationScales used = layer.activation_scales(stream);
+      scales = ref::ActivationScaleOverride{used.fc1, used.fc2};
+    }
     const ref::ReferenceReport ref = ref::reference_forward(
         spec, packed, MoeInputs{checked, x.data(), logits.data(), ids.data(), weights_host.data()},
-        MoeOutputs{y_ref.data()});
+        MoeOutputs{y_ref.data()}, {}, scales);
     std::vector<double> y_device(ref.y.size());
     for (size_t i = 0; i < y_device.size(); ++i) y_device[i] = y[i].to_float();
     const double rel_err = ref::relative_l2(y_device, ref.y);
@@ -360,6 +368,9 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     Json record = Json::object();
     record.set("workload", workload.name)
         .set("precision", to_string(spec.precision))
+        .set("input_scales", spec.precision != Precision::fp8_tensor                  ? "none"
+                             : packed.input_scales == InputScales::dynamic ? "dynamic"
+                                                                            : "static (calibrated)")
         .set("tokens", tokens)
         .set("gpu", gpu_name)
         .set("median_us", us)

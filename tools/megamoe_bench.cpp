@@ -41,6 +41,7 @@ void print_usage() {
   std::printf(
       "usage: megamoe-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3] [--tokens N[,N...]]\n"
       "                     [--precision bf16|fp8_block|fp8_tensor] [--scales fp32|ue8m0]\n"
+      "                     [--input-scales static|dynamic]\n"
       "                     [--routing auto|softmax|grouped|precomputed] [--experts N] [--seed S]\n"
       "                     [--token-tile auto|16|32|64|128] [--fc1-token-rows auto|pool|row_copy]\n"
       "                     [--combine deterministic|fast] [--num-sms N] [--launch auto|per_stage|single_kernel]\n"
@@ -52,6 +53,8 @@ void print_usage() {
       "  --precision       bf16, fp8_block or fp8_tensor (default fp8_block; fp8_tensor's activation\n"
       "                    scales are calibrated on 64 sample tokens, as a checkpoint's)\n"
       "  --scales          fp8_block scale format (default fp32)\n"
+      "  --input-scales    fp8_tensor's activation scales: static (default, calibrated as above) or\n"
+      "                    dynamic (computed on the GPU each forward: two more kernels)\n"
       "  --routing         auto = the workload's own routing (default)\n"
       "  --experts         experts materialized for the CPU reference (default min(E, %d))\n"
       "  --seed            random seed of the generated weights and inputs (default %llu)\n"
@@ -79,6 +82,7 @@ void print_usage() {
 template <class T>
 using Choices = std::vector<std::pair<std::string, T>>;
 const Choices<ScaleFormat> kScaleFormats = {{"fp32", ScaleFormat::fp32}, {"ue8m0", ScaleFormat::ue8m0}};
+const Choices<InputScales> kInputScales = {{"static", InputScales::from_checkpoint}, {"dynamic", InputScales::dynamic}};
 const Choices<std::string> kRoutings = {
     {"auto", "auto"}, {"softmax", "softmax"}, {"grouped", "grouped"}, {"precomputed", "precomputed"}};
 const Choices<Fc1TokenRows> kFc1TokenRows = {
@@ -120,6 +124,7 @@ Options parse(int argc, char** argv) {
                      o.experts = static_cast<int>(cli::parse_integer("--experts", v, 1, 1 << 24, "a positive integer"));
                    }),
       value_option("--precision", [&](Value v) { o.precision = parse_choice("--precision", v, cli::kPrecisions); }),
+      value_option("--input-scales", [&](Value v) { o.input_scales = parse_choice("--input-scales", v, kInputScales); }),
       value_option("--scales", [&](Value v) { o.scale_format = parse_choice("--scales", v, kScaleFormats); }),
       value_option("--routing", [&](Value v) { o.routing = parse_choice("--routing", v, kRoutings); }),
       value_option("--seed", [&](Value v) { o.seed = cli::parse_unsigned("--seed", v); }),
@@ -261,7 +266,7 @@ int run_cpu(const Options& o) {
             << "\n  reduced: " << spec << "\n\n";
 
   const int E = spec.num_experts, H = spec.hidden, I = spec.intermediate, k = spec.top_k;
-  const ref::RandomWeights random_weights = ref::make_random_weights(spec, o.seed);
+  const ref::RandomWeights random_weights = ref::make_random_weights(spec, o.seed, o.input_scales);
   Progress pack_progress("prepare_weights, experts");
   const PackedWeights packed =
       prepare_weights(spec, random_weights.view(), [&](int done, int total) { pack_progress.update(done, total); });
@@ -273,7 +278,8 @@ int run_cpu(const Options& o) {
   // build (for the largest count) and each count's forward.
   const plan::DeviceFacts h200 = plan::DeviceFacts::h200_measured();
   const plan::LayerPlan layer_plan =
-      plan::plan_layer(full, *std::max_element(counts.begin(), counts.end()), o.layer, h200);
+      plan::plan_layer(full, *std::max_element(counts.begin(), counts.end()), o.layer, h200,
+                       full.precision == Precision::fp8_tensor ? o.input_scales : InputScales::from_checkpoint);
   std::vector<plan::ForwardPlan> forward_plans;
   std::cout << "planner, full workload on " << h200 << ":\n  " << layer_plan;
   for (int tokens : counts) {

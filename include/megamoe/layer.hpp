@@ -47,6 +47,15 @@ class MoeLayer {
   // a token) since the last call, and resets the count. Invalid ids contribute nothing.
   long take_invalid_routing_ids(cudaStream_t stream);
 
+  // fp8_tensor: the activation scales (x's, and FC2's input's) the last forward on `stream` used:
+  // the static ones, or the dynamic ones it computed (InputScales::dynamic). Synchronizes `stream`;
+  // throws megamoe::Error(invalid_argument) for the other precisions.
+  struct ActivationScales {
+    float fc1;
+    float fc2;
+  };
+  ActivationScales activation_scales(cudaStream_t stream) const;
+
   // Diagnosis (megamoe-bench --breakdown): later forwards that run as one kernel fold the GPU's
   // global timer at the points of src/kernels/layout/forward_timeline.hpp into `stamps` (device,
   // [event][2] unsigned long long: the earliest and the latest ns any CTA reached the point; the

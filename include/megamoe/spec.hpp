@@ -13,9 +13,10 @@ enum class Precision {
   fp8_block,  // DeepSeek-V3 format: E4M3 weights with one scale per 128x128 block,
               // activations and the FC1 output quantized per token per 128 channels
   fp8_tensor, // per-tensor FP8 (vLLM's fp8 checkpoints): E4M3 weights with one scale per expert
-              // matrix (gate and up apart), the layer input and FC2's input E4M3 with one static
-              // scale each from the checkpoint (PackedWeights' input scales); the scales apply in
-              // the epilogues, so the mainloops accumulate without per-K-block promotion
+              // matrix (gate and up apart), the layer input and FC2's input E4M3 with one scale
+              // each, static from the checkpoint or computed per forward (PackedWeights'
+              // input_scales); the scales apply in the epilogues, so the mainloops accumulate
+              // without per-K-block promotion
 };
 
 // How fp8_block scales are represented (fp8_tensor takes fp32 only). ue8m0 restricts every scale to a power of two

@@ -189,7 +189,9 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int ma
   facts.name = prop.name;
   facts.num_sms = prop.multiProcessorCount;
   facts.smem_per_block_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
-  plan::LayerPlan layer_plan = plan::plan_layer(spec, max_tokens, options, facts);
+  const InputScales input_scales =
+      spec.precision == Precision::fp8_tensor ? weights.input_scales : InputScales::from_checkpoint;
+  plan::LayerPlan layer_plan = plan::plan_layer(spec, max_tokens, options, facts, input_scales);
 
   auto impl = std::make_unique<Impl>();
   impl->facts = facts;
@@ -203,6 +205,14 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int ma
   // The routing counters must read zero when the first forward starts, on whatever stream it
   // runs (a non-blocking stream does not wait for the legacy stream's memset).
   MEGAMOE_CUDA_CHECK(cudaMemset(impl->workspace, 0, w.total_bytes));
+  if (w.tensor_scales && !w.dynamic_scales) {
+    // Static fp8_tensor scales (validate_packed checked them): the kernels read them from here.
+    const layout::TensorScaleSlots slots{weights.fc1_input_scale, quant::tensor_factor(weights.fc1_input_scale),
+                                         weights.fc2_input_scale, quant::tensor_factor(weights.fc2_input_scale),
+                                         0, 0, 0, 0};
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(w.at<void>(impl->workspace, w.tensor_scale_slots), &slots, sizeof slots,
+                                  cudaMemcpyHostToDevice));
+  }
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
 
   kernels::MoeLayerParams& p = impl->params;
@@ -211,11 +221,6 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int ma
   p.hidden = spec.hidden;
   p.intermediate = spec.intermediate;
   p.precision = spec.precision;
-  p.fc1_input_scale = weights.fc1_input_scale;
-  p.fc2_input_scale = weights.fc2_input_scale;
-  const bool tensor_scales = spec.precision == Precision::fp8_tensor;  // validate_packed checked the scales
-  p.fc1_input_factor = tensor_scales ? quant::tensor_factor(weights.fc1_input_scale) : 0.0f;
-  p.fc2_input_factor = tensor_scales ? quant::tensor_factor(weights.fc2_input_scale) : 0.0f;
   p.ue8m0 = spec.scale_format == ScaleFormat::ue8m0;
   p.w13 = impl->w13;
   p.w13_scales = impl->w13_scales;
@@ -297,6 +302,21 @@ long MoeLayer::take_invalid_routing_ids(cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaMemsetAsync(flags, 0, sizeof count, stream));
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return count;
+}
+
+MoeLayer::ActivationScales MoeLayer::activation_scales(cudaStream_t stream) const {
+  const layout::MoeWorkspaceLayout& w = impl_->plan.workspace;
+  if (!w.tensor_scales) {
+    throw Error(ErrorCode::invalid_argument, std::string("activation_scales: a precision ") +
+                                                 to_string(spec_.precision) +
+                                                 " layer has no per-tensor activation scales (fp8_tensor only)");
+  }
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  layout::TensorScaleSlots slots{};
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&slots, w.at<void>(impl_->workspace, w.tensor_scale_slots), sizeof slots,
+                                     cudaMemcpyDeviceToHost, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return ActivationScales{slots.fc1_scale, slots.fc2_scale};
 }
 
 }  // namespace megamoe

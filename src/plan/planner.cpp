@@ -152,7 +152,8 @@ double expert_weight_bytes(const MoeSpec& spec) {
   return elements * 2.0;
 }
 
-LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions& options, const DeviceFacts& facts) {
+LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions& options, const DeviceFacts& facts,
+                     InputScales input_scales) {
   validate(spec);
   validate(options, spec);
   validate_max_tokens(max_tokens);
@@ -169,7 +170,7 @@ LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions&
   // or the planner's at max_tokens (the tile grows with the token count).
   const int row_padding = options.token_tile != 0 ? options.token_tile : choose_token_tile(spec, max_tokens);
   plan.workspace = layout::MoeWorkspaceLayout::make(spec.num_experts, spec.top_k, spec.hidden, spec.intermediate,
-                                                    max_tokens, row_padding, spec.precision);
+                                                    max_tokens, row_padding, spec.precision, input_scales);
   return plan;
 }
 
@@ -223,6 +224,7 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   if (p.weight_multicast) p.grid -= p.grid % 2;
   p.fc1 = choose_gemm("fc1", spec, p.token_tile, mean_rows, touched, 2 * spec.intermediate, detail);
   p.fc2 = choose_gemm("fc2", spec, p.token_tile, mean_rows, touched, spec.hidden, detail);
+  p.launches = p.single_kernel ? 1 : layer.workspace.dynamic_scales ? 7 : 5;
   if (!explain) return p;
   if (o.token_tile != 0) {
     p.reasons.push_back(format("token tile %lld: options.token_tile", p.token_tile));
@@ -257,6 +259,10 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
                                "(0: it is opt-in, not yet faster) and token tiles of at most %lld",
                                static_cast<long long>(kMaxSingleKernelTokens),
                                static_cast<long long>(kMaxSingleKernelTokenTile)));
+  }
+  if (layer.workspace.dynamic_scales) {
+    p.reasons.push_back("seven kernels: fp8_tensor's dynamic activation scales add x's amax before the router and "
+                        "the encoding of FC1's bf16 output before FC2 (docs/decisions.md#dynamic-input-scales)");
   }
   if (spec.precision != Precision::fp8_block) {
     p.reasons.push_back("FC1 reads the gathered pool: rows are copied from x's fp8_block copy only");
@@ -321,7 +327,8 @@ std::ostream& operator<<(std::ostream& os, const LayerPlan& p) {
 
 std::ostream& operator<<(std::ostream& os, const ForwardPlan& p) {
   os << "forward of " << p.tokens << " tokens (~" << p.expected_rows_per_expert << " rows per touched expert): "
-     << (p.single_kernel ? "one kernel" : "five kernels") << ", token tile " << p.token_tile << ", FC1 "
+     << (p.single_kernel ? "one kernel" : p.launches == 7 ? "seven kernels" : "five kernels") << ", token tile "
+     << p.token_tile << ", FC1 "
      << (p.fc1_copies_token_rows ? "copies token rows" : "reads the pool") << ", combine "
      << to_string(p.combine) << ", grid " << p.grid << (p.weight_multicast ? " in CTA pairs" : "");
   for (const std::string& reason : p.reasons) os << "\n    - " << reason;

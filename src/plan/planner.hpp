@@ -72,6 +72,7 @@ struct ForwardPlan {
   int expected_rows_per_expert = 0;     // under uniform routing
   int token_tile = 0;                   // 16, 32 or 64 (swapAB) or 128 (tokens on M), for FC1 and FC2
   bool single_kernel = false;           // one persistent launch, else five
+  int launches = 5;                     // kernels per forward: 1, 5, or 7 (fp8_tensor's dynamic scales add two)
   bool weight_multicast = false;        // tokens on M: the GEMMs' CTAs in pairs sharing weight blocks
   bool fc1_copies_token_rows = false;
   CombineMode combine = CombineMode::deterministic;
@@ -82,8 +83,10 @@ struct ForwardPlan {
 };
 
 // The layer's plan. Throws megamoe::Error when the spec, the options or max_tokens are invalid or
-// the device cannot host the kernels.
-LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions& options, const DeviceFacts& facts);
+// the device cannot host the kernels. input_scales: where an fp8_tensor layer's activation scales
+// come from (its packed weights'); dynamic ones take a bf16 copy of FC1's output in the workspace.
+LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions& options, const DeviceFacts& facts,
+                     InputScales input_scales = InputScales::from_checkpoint);
 
 // The plan of a forward of `tokens` rows (1 <= tokens <= the layer's max_tokens) with `combine`.
 // A forward needs the decisions only; `explain` adds the reasons and the expected tile counts

@@ -16,11 +16,14 @@ namespace {
 // Where the activations and the FC1 output are rounded, matching one device precision mode.
 enum class ActivationPath { fp8_block, fp8_tensor, bf16, unquantized };
 
-// The path, with fp8_tensor's static scales (PackedWeights' fc1_input_scale / fc2_input_scale).
+// The path, with fp8_tensor's scales: static (PackedWeights' fc1_input_scale / fc2_input_scale),
+// or dynamic, computed from the run's own x and FC1 output as the device computes them.
 struct Rounding {
   ActivationPath path;
   float fc1_input_scale = 0.0f;
   float fc2_input_scale = 0.0f;
+  bool dynamic = false;          // FC1's output is stored in bf16 before its encoding
+  bool computes_scales = false;  // dynamic: from this run's x and FC1 output, else given
 };
 
 // The rounding the device applies to layers of the weights' precision.
@@ -28,10 +31,23 @@ Rounding rounding_of(const PackedWeights& weights) {
   switch (weights.precision) {
     case Precision::fp8_block: return Rounding{ActivationPath::fp8_block};
     case Precision::fp8_tensor:
-      return Rounding{ActivationPath::fp8_tensor, weights.fc1_input_scale, weights.fc2_input_scale};
+      return Rounding{ActivationPath::fp8_tensor, weights.fc1_input_scale, weights.fc2_input_scale,
+                      weights.input_scales == InputScales::dynamic, weights.input_scales == InputScales::dynamic};
     case Precision::bf16: break;
   }
   return Rounding{ActivationPath::bf16};
+}
+
+// A dynamic per-tensor scale's amax: the largest finite |value| (an inf or NaN element encodes as
+// itself, saturated or NaN, and leaves the other elements' scale alone).
+template <class Values>
+float finite_amax(const Values& values) {
+  float amax = 0.0f;
+  for (const auto v : values) {
+    const float f = static_cast<float>(v);
+    if (std::isfinite(f)) amax = std::fmax(amax, std::fabs(f));
+  }
+  return amax;
 }
 
 // What a run computes: the report, and for calibration the largest |SwiGLU output| of any routed
@@ -85,8 +101,25 @@ void round_fc1_output(const MoeSpec& spec, const Rounding& rounding, std::vector
     const quant::QuantizedRows q = quant::quantize_rows_per_128(hf.data(), 1, I, spec.scale_format);
     h = quant::dequantize_rows_per_128(q.codes.data(), q.scales.data(), 1, I);
   } else if (rounding.path == ActivationPath::fp8_tensor) {
-    h = round_per_tensor(std::vector<float>(h.begin(), h.end()), rounding.fc2_input_scale);
+    // Dynamic scales: the device stores FC1's output in bf16 and encodes that (dynamic_fc2_scale).
+    std::vector<float> hf(h.begin(), h.end());
+    if (rounding.dynamic)
+      for (float& v : hf) v = bf16_t::from_float(v).to_float();
+    h = round_per_tensor(hf, rounding.fc2_input_scale);
   }
+}
+
+// Dynamic fp8_tensor: FC2's input scale from the FC1 output of every routed row, as the device
+// takes it: the amax of the values rounded to bf16.
+float dynamic_fc2_scale(const std::vector<std::vector<std::vector<double>>>& h_of_expert) {
+  float amax = 0.0f;
+  for (const auto& rows : h_of_expert)
+    for (const auto& row : rows) {
+      std::vector<float> rounded(row.size());
+      for (size_t c = 0; c < row.size(); ++c) rounded[c] = bf16_t::from_float(static_cast<float>(row[c])).to_float();
+      amax = std::fmax(amax, finite_amax(rounded));
+    }
+  return quant::tensor_scale(amax);
 }
 
 // Four independent partial sums: a single running sum waits on the add latency for every element
@@ -106,8 +139,10 @@ double dot(const double* a, const double* b, int n) {
 }
 
 // Computes every routed slot's expert output (unweighted) into slot_out [T*k, H]; returns the
-// largest |SwiGLU output| of any slot, before round_fc1_output.
-double compute_experts(const MoeSpec& spec, const Rounding& rounding, const ExpertLoader& load_expert,
+// largest |SwiGLU output| of any slot, before round_fc1_output. Two passes over the experts: FC1
+// of every slot, then (after a dynamic scale of FC2's input has seen all of FC1's output) the
+// rounding of FC1's output and FC2; a dynamic scale is left in `rounding`.
+double compute_experts(const MoeSpec& spec, Rounding& rounding, const ExpertLoader& load_expert,
                        const std::vector<double>& activations, const std::vector<std::vector<Slot>>& slots_of_expert,
                        std::vector<double>& slot_out, const ReferenceProgress& progress) {
   const ActivationPath path = rounding.path;
@@ -115,45 +150,58 @@ double compute_experts(const MoeSpec& spec, const Rounding& rounding, const Expe
   std::mutex mutex;  // guards done, fc1_output_amax and the progress callback
   int done = 0;
   double fc1_output_amax = 0.0;
+  std::vector<std::vector<std::vector<double>>> h_of_expert(E);  // [e][slot][channel]
   parallel_for(E, [&](int e) {
     const std::vector<Slot>& slots = slots_of_expert[e];
+    if (slots.empty()) return;
+    const ExpertRows w = load_expert(e);
+    const size_t n_slots = slots.size();
+    // Each weight row is decoded once and used for every slot routed to this expert.
+    std::vector<double> gate_row(H), up_row(H);
+    std::vector<std::vector<double>>& h = h_of_expert[e];
+    h.assign(n_slots, std::vector<double>(I));
+    for (int c = 0; c < I; ++c) {
+      w.w13(c, gate_row.data());
+      w.w13(I + c, up_row.data());
+      for (size_t s = 0; s < n_slots; ++s) {
+        const double* a = activations.data() + static_cast<size_t>(slots[s].token) * H;
+        const double g = dot(gate_row.data(), a, H), u = dot(up_row.data(), a, H);
+        // The device keeps SwiGLU in fp32 registers before requantizing.
+        h[s][c] = path == ActivationPath::unquantized ? swiglu(g, u) : static_cast<float>(swiglu(g, u));
+      }
+    }
     double expert_amax = 0.0;
+    for (const std::vector<double>& row : h)
+      for (double v : row) expert_amax = std::max(expert_amax, std::fabs(v));
+    std::lock_guard<std::mutex> lock(mutex);
+    fc1_output_amax = std::max(fc1_output_amax, expert_amax);
+  });
+  if (path == ActivationPath::fp8_tensor && rounding.computes_scales) {
+    rounding.fc2_input_scale = dynamic_fc2_scale(h_of_expert);
+  }
+  parallel_for(E, [&](int e) {
+    const std::vector<Slot>& slots = slots_of_expert[e];
     if (!slots.empty()) {
       const ExpertRows w = load_expert(e);
-      const size_t n_slots = slots.size();
-      // Each weight row is decoded once and used for every slot routed to this expert.
-      std::vector<double> gate_row(H), up_row(H), w2_row(I);
-      std::vector<std::vector<double>> h(n_slots, std::vector<double>(I));
-      for (int c = 0; c < I; ++c) {
-        w.w13(c, gate_row.data());
-        w.w13(I + c, up_row.data());
-        for (size_t s = 0; s < n_slots; ++s) {
-          const double* a = activations.data() + static_cast<size_t>(slots[s].token) * H;
-          const double g = dot(gate_row.data(), a, H), u = dot(up_row.data(), a, H);
-          // The device keeps SwiGLU in fp32 registers before requantizing.
-          h[s][c] = path == ActivationPath::unquantized ? swiglu(g, u) : static_cast<float>(swiglu(g, u));
-        }
-      }
-      for (std::vector<double>& row : h) {
-        for (double v : row) expert_amax = std::max(expert_amax, std::fabs(v));
-        round_fc1_output(spec, rounding, row);
-      }
+      std::vector<std::vector<double>>& h = h_of_expert[e];
+      for (std::vector<double>& row : h) round_fc1_output(spec, rounding, row);
+      std::vector<double> w2_row(I);
       for (int n = 0; n < H; ++n) {
         w.w2(n, w2_row.data());
-        for (size_t s = 0; s < n_slots; ++s) {
+        for (size_t s = 0; s < slots.size(); ++s) {
           slot_out[static_cast<size_t>(slots[s].index) * H + n] = dot(w2_row.data(), h[s].data(), I);
         }
       }
+      std::vector<std::vector<double>>().swap(h);
     }
     std::lock_guard<std::mutex> lock(mutex);
-    fc1_output_amax = std::max(fc1_output_amax, expert_amax);
     ++done;
     if (progress) progress(done, E);
   });
   return fc1_output_amax;
 }
 
-ReferenceRun run_reference(const MoeSpec& spec, const Rounding& rounding, const ExpertLoader& load_expert,
+ReferenceRun run_reference(const MoeSpec& spec, Rounding rounding, const ExpertLoader& load_expert,
                            const MoeInputs& inputs, const MoeOutputs& outputs, const ReferenceProgress& progress) {
   validate_forward_args(spec, inputs.num_tokens, inputs, outputs);
   if (inputs.num_valid_tokens != nullptr) {
@@ -181,9 +229,17 @@ ReferenceRun run_reference(const MoeSpec& spec, const Rounding& rounding, const 
       if (check.used[index]) slots_of_expert[report.routing.ids[index]].push_back({t, index});
     }
 
+  if (rounding.path == ActivationPath::fp8_tensor && rounding.computes_scales) {
+    const bf16_t* x = static_cast<const bf16_t*>(inputs.x);
+    std::vector<float> xf(static_cast<size_t>(T) * H);
+    for (size_t i = 0; i < xf.size(); ++i) xf[i] = x[i].to_float();
+    rounding.fc1_input_scale = quant::tensor_scale(finite_amax(xf));
+  }
   const std::vector<double> activations = load_activations(spec, rounding, inputs);
   std::vector<double> slot_out(static_cast<size_t>(T) * k * H, 0.0);
   run.fc1_output_amax = compute_experts(spec, rounding, load_expert, activations, slots_of_expert, slot_out, progress);
+  report.fc1_input_scale = rounding.fc1_input_scale;
+  report.fc2_input_scale = rounding.fc2_input_scale;
 
   // Deterministic combine: fixed slot order per token.
   report.y.assign(static_cast<size_t>(T) * H, 0.0);
@@ -241,7 +297,8 @@ double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
 }
 
 ReferenceReport reference_forward(const MoeSpec& spec, const PackedWeights& weights, const MoeInputs& inputs,
-                                  const MoeOutputs& outputs, const ReferenceProgress& progress) {
+                                  const MoeOutputs& outputs, const ReferenceProgress& progress,
+                                  std::optional<ActivationScaleOverride> scales) {
   validate(spec);
   validate_packed(spec, weights);
   const int I = spec.intermediate;
@@ -251,7 +308,16 @@ ReferenceReport reference_forward(const MoeSpec& spec, const PackedWeights& weig
                       },
                       [&, e](int row, double* out) { weights::decode_packed_row(weights, weights::PackedMatrix::w2, e, row, out); }};
   };
-  return run_reference(spec, rounding_of(weights), rows_of, inputs, outputs, progress).report;
+  Rounding rounding = rounding_of(weights);
+  if (scales.has_value()) {
+    if (rounding.path != ActivationPath::fp8_tensor) {
+      throw Error(ErrorCode::invalid_argument, "reference_forward: activation scales apply to fp8_tensor weights only");
+    }
+    rounding.fc1_input_scale = scales->fc1;
+    rounding.fc2_input_scale = scales->fc2;
+    rounding.computes_scales = false;
+  }
+  return run_reference(spec, rounding, rows_of, inputs, outputs, progress).report;
 }
 
 ReferenceReport reference_forward_unquantized(const MoeSpec& spec, const WeightsView& weights,
@@ -260,7 +326,7 @@ ReferenceReport reference_forward_unquantized(const MoeSpec& spec, const Weights
   return run_unquantized(spec, weights, inputs, outputs, progress).report;
 }
 
-InputScales calibrate_input_scales(const MoeSpec& spec, const WeightsView& weights, const MoeInputs& inputs) {
+CalibratedInputScales calibrate_input_scales(const MoeSpec& spec, const WeightsView& weights, const MoeInputs& inputs) {
   validate(spec);
   const size_t elements = static_cast<size_t>(std::max(inputs.num_tokens, 0)) * spec.hidden;
   // Calibration reads the run's amaxes, not its output, but the run writes one.
@@ -269,7 +335,7 @@ InputScales calibrate_input_scales(const MoeSpec& spec, const WeightsView& weigh
   const bf16_t* x = static_cast<const bf16_t*>(inputs.x);  // validated by the run
   float input_amax = 0.0f;
   for (size_t i = 0; i < elements; ++i) input_amax = std::fmax(input_amax, std::fabs(x[i].to_float()));
-  return InputScales{quant::tensor_scale(input_amax), quant::tensor_scale(static_cast<float>(run.fc1_output_amax))};
+  return CalibratedInputScales{quant::tensor_scale(input_amax), quant::tensor_scale(static_cast<float>(run.fc1_output_amax))};
 }
 
 }  // namespace megamoe::ref

@@ -29,14 +29,14 @@ void calibrate_activation_scales(const MoeSpec& spec, uint64_t seed, RandomWeigh
   MoeSpec precomputed = spec;
   precomputed.routing = Precomputed{};
   MoeInputs inputs{T, x.data(), nullptr, routing.ids.data(), routing.weights.data()};
-  const InputScales scales = calibrate_input_scales(precomputed, w.view(), inputs);
+  const CalibratedInputScales scales = calibrate_input_scales(precomputed, w.view(), inputs);
   w.fc1_input_scale = scales.fc1;
   w.fc2_input_scale = scales.fc2;
 }
 
 }  // namespace
 
-RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed) {
+RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed, InputScales input_scales) {
   const int E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
   const size_t w13_count = 2ull * I * H, w2_count = static_cast<size_t>(H) * I;
   RandomWeights w;
@@ -49,7 +49,9 @@ RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed) {
     for (size_t i = 0; i < w13_count; ++i) w.w13[e * w13_count + i] = bf16_t::from_float(rng.uniform(w13_width));
     for (size_t i = 0; i < w2_count; ++i) w.w2[e * w2_count + i] = bf16_t::from_float(rng.uniform(w2_width));
   });
-  if (spec.precision == Precision::fp8_tensor) calibrate_activation_scales(spec, seed, w);
+  if (spec.precision == Precision::fp8_tensor && input_scales == InputScales::from_checkpoint) {
+    calibrate_activation_scales(spec, seed, w);
+  }
   return w;
 }
 

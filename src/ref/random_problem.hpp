@@ -25,11 +25,14 @@ struct RandomWeights {
 // Tokens an fp8_tensor spec's activation scales are calibrated on.
 inline constexpr int kCalibrationTokens = 64;
 
-// For an fp8_tensor spec, also the static activation scales, calibrated (calibrate_input_scales)
-// the way a checkpoint's are, on sample inputs: kCalibrationTokens tokens of bf16 N(0, 1)
-// activations (the distribution the tests and benchmarks draw) with uniform random routing.
-// Inputs beyond what the sample held saturate, as they would with a checkpoint's scales.
-RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed);
+// For an fp8_tensor spec with input_scales from_checkpoint, also the static activation scales,
+// calibrated (calibrate_input_scales) the way a checkpoint's are, on sample inputs:
+// kCalibrationTokens tokens of bf16 N(0, 1) activations (the distribution the tests and benchmarks
+// draw) with uniform random routing. Inputs beyond what the sample held saturate, as they would
+// with a checkpoint's scales. With input_scales dynamic the weights come without them (and pack
+// InputScales::dynamic).
+RandomWeights make_random_weights(const MoeSpec& spec, uint64_t seed,
+                                  InputScales input_scales = InputScales::from_checkpoint);
 
 // Precomputed routing drawn uniformly: top_k distinct experts per token, weights uniform in
 // [0.05, 1).

@@ -32,6 +32,7 @@ struct Case {
   RoutingKind routing;
   Skew skew;
   CombineMode combine;
+  InputScales input_scales = InputScales::from_checkpoint;  // fp8_tensor: static or dynamic activation scales
 };
 
 inline std::string name_of(const ::testing::TestParamInfo<Case>& info) {
@@ -41,6 +42,7 @@ inline std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   name += routing[static_cast<int>(c.routing)];
   if (c.skew == Skew::skewed) name += "_skewed";
   if (c.combine == CombineMode::fast) name += "_fast";
+  if (c.input_scales == InputScales::dynamic) name += "_dynamic";
   for (char& ch : name)
     if (ch == '-') ch = '_';
   return name;
@@ -89,12 +91,12 @@ inline LayerFixture& fixture_for(const Case& c, uint64_t seed) {
   static std::string cached_key;
   const MoeSpec spec = spec_for(c, seed);
   std::ostringstream key;
-  key << spec;
+  key << spec << (c.input_scales == InputScales::dynamic ? " dynamic" : "");
   if (!cached || cached_key != key.str()) {
     cached.reset();
     auto f = std::make_unique<LayerFixture>();
     f->spec = spec;
-    f->weights = ref::make_random_weights(spec, seed);
+    f->weights = ref::make_random_weights(spec, seed, c.input_scales);
     f->packed = prepare_weights(spec, f->weights.view());
     f->layer = std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens);
     if (spec.precision != Precision::fp8_tensor) {

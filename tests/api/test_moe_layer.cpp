@@ -13,6 +13,7 @@
 #include <initializer_list>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -23,6 +24,7 @@
 #include "common/test_random.hpp"
 #include "megamoe/error.hpp"
 #include "plan/workloads.hpp"
+#include "quant/quantize.hpp"
 #include "ref/moe_reference.hpp"
 #include "ref/random_problem.hpp"
 
@@ -64,6 +66,27 @@ void expect_tight(Precision precision, const Comparison& c) {
   EXPECT_LT(c.max_normalized, fp8 ? 0.15 : 2e-2);
 }
 
+// A dynamic fp8_tensor layer's scales after a forward of `tokens` rows of `in`: x's is the
+// tensor_scale of their largest finite |x|, exactly; FC2's input's is that of FC1's output over
+// every routed row, which the reference (`ref`) computed where it saw every row (`whole`): the two
+// agree within one bf16 step of the amax (the device's fp32 FC1 sums differ from the reference's
+// fp64 ones in the last bits). On a sample the reference applied the layer's scales.
+void expect_dynamic_scales(const MoeLayer& layer, const MoeSpec& spec, const Inputs& in, int tokens,
+                           const ref::ReferenceReport& ref, bool whole) {
+  const MoeLayer::ActivationScales used = layer.activation_scales(nullptr);
+  float x_amax = 0.0f;
+  for (size_t i = 0; i < static_cast<size_t>(tokens) * spec.hidden; ++i) {
+    const float v = in.x[i].to_float();
+    if (std::isfinite(v)) x_amax = std::fmax(x_amax, std::fabs(v));
+  }
+  EXPECT_EQ(used.fc1, quant::tensor_scale(x_amax)) << "x's dynamic scale";
+  const float bf16_step = 1.0f / 128.0f;
+  EXPECT_EQ(ref.fc1_input_scale, used.fc1);
+  if (whole) {
+    EXPECT_NEAR(used.fc2 / ref.fc2_input_scale, 1.0f, bf16_step) << "FC2's input's dynamic scale";
+  }
+}
+
 // What one device forward of `layer` gave, and the rows of it compared with the references.
 struct CheckedForward {
   std::vector<bf16_t> y;
@@ -87,7 +110,18 @@ CheckedForward expect_matches_reference(MoeLayer& layer, LayerFixture& f, const 
   const int checked = static_cast<int>(rows.size());
   const Inputs sample = take_rows(in, f.spec, rows);
   std::vector<bf16_t> y_ref(static_cast<size_t>(checked) * f.spec.hidden), y_exact(y_ref.size());
-  const ref::ReferenceReport ref = ref::reference_forward(f.spec, f.packed, sample.view(checked), MoeOutputs{y_ref.data()});
+  // Dynamic activation scales come from every token of the call: the reference computes its own
+  // where it sees them all, and applies the layer's where it runs on a sample (expect_dynamic_scales
+  // checks those).
+  const bool dynamic = f.packed.input_scales == InputScales::dynamic && f.spec.precision == Precision::fp8_tensor;
+  std::optional<ref::ActivationScaleOverride> scales;
+  if (dynamic && checked < c.tokens) {
+    const MoeLayer::ActivationScales used = layer.activation_scales(nullptr);
+    scales = ref::ActivationScaleOverride{used.fc1, used.fc2};
+  }
+  const ref::ReferenceReport ref =
+      ref::reference_forward(f.spec, f.packed, sample.view(checked), MoeOutputs{y_ref.data()}, {}, scales);
+  if (dynamic) expect_dynamic_scales(layer, f.spec, in, c.tokens, ref, checked == c.tokens);
   const ref::ReferenceReport exact =
       ref::reference_forward_unquantized(f.spec, f.weights.view(), sample.view(checked), MoeOutputs{y_exact.data()});
   // make_inputs draws valid, distinct ids: no call here may flag any.
@@ -103,7 +137,9 @@ CheckedForward expect_matches_reference(MoeLayer& layer, LayerFixture& f, const 
   // calibrated on other tokens (ref::make_random_weights), so its error runs higher: the reference
   // alone measured 6.6% mean over 200 seeds of the small shape, 9.7% at worst over 1200 one-token
   // seeds (tests/ref/test_moe_reference.cpp).
-  const double loose_bound = c.precision == Precision::bf16 ? 1e-2 : c.precision == Precision::fp8_block ? 0.1 : 0.12;
+  // Dynamic scales come from the call's own tokens: nothing saturates, fp8_block's bound.
+  const bool calibrated = c.precision == Precision::fp8_tensor && c.input_scales == InputScales::from_checkpoint;
+  const double loose_bound = c.precision == Precision::bf16 ? 1e-2 : calibrated ? 0.12 : 0.1;
   EXPECT_LT(loose.rel_l2, loose_bound);
   ::testing::Test::RecordProperty("rel_l2_vs_reference", std::to_string(tight.rel_l2));
   ::testing::Test::RecordProperty("rel_l2_vs_unquantized", std::to_string(loose.rel_l2));
@@ -157,6 +193,20 @@ std::vector<Case> cases() {
       out.push_back({w, p, 128, RoutingKind::workload, Skew::skewed, CombineMode::deterministic});
       out.push_back({w, p, 128, RoutingKind::workload, Skew::uniform, CombineMode::fast});
     }
+  }
+  // fp8_tensor with dynamic activation scales (seven launches): the small shape in every routing
+  // mode, and the named workloads at a few counts.
+  constexpr InputScales kDynamic = InputScales::dynamic;
+  const Precision tensor = Precision::fp8_tensor;
+  for (RoutingKind r : {RoutingKind::softmax, RoutingKind::grouped, RoutingKind::precomputed}) {
+    for (int t : {1, 7, 128, 1000}) out.push_back({"small", tensor, t, r, Skew::uniform, CombineMode::deterministic, kDynamic});
+    out.push_back({"small", tensor, 333, r, Skew::skewed, CombineMode::deterministic, kDynamic});
+    out.push_back({"small", tensor, 7, r, Skew::uniform, CombineMode::fast, kDynamic});
+  }
+  for (const auto& [w, t] : std::initializer_list<std::pair<const char*, int>>{
+           {"qwen35-a3b", 1}, {"qwen35-a3b", 128}, {"qwen35-a3b", 1000}, {"qwen3-30b-a3b", 128},
+           {"qwen3-30b-a3b", 4096}, {"dsv3", 7}, {"dsv3", 128}}) {
+    out.push_back({w, tensor, t, RoutingKind::workload, Skew::uniform, CombineMode::deterministic, kDynamic});
   }
   return out;
 }
@@ -212,6 +262,14 @@ std::vector<Case> tokens_on_m_cases() {
       out.push_back({w, p, 2048, RoutingKind::workload, Skew::uniform, CombineMode::fast});
     }
   }
+  for (int t : {7, 65, 1000}) {
+    out.push_back({"small", Precision::fp8_tensor, t, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic,
+                   InputScales::dynamic});
+  }
+  out.push_back({"small", Precision::fp8_tensor, 333, RoutingKind::grouped, Skew::skewed, CombineMode::deterministic,
+                 InputScales::dynamic});
+  out.push_back({"qwen3-30b-a3b", Precision::fp8_tensor, 8192, RoutingKind::workload, Skew::uniform,
+                 CombineMode::deterministic, InputScales::dynamic});
   return out;
 }
 
@@ -248,10 +306,13 @@ std::vector<Case> weight_multicast_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerWeightMulticast, ::testing::ValuesIn(weight_multicast_cases()), name_of);
 
-TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
+// fp8_block, and fp8_tensor with dynamic scales, whose amaxes must start from zero in every forward.
+class MoeLayerDeterminism : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeLayerDeterminism, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
-  const Case c{"qwen35-a3b", Precision::fp8_block, 128, RoutingKind::workload, Skew::uniform, CombineMode::deterministic};
+  const Case c = GetParam();
   LayerFixture& f = fixture_for(c, rng.seed());
   const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
   const std::vector<bf16_t> first = run_device(*f.layer, f.spec, in, c.tokens, CombineMode::deterministic);
@@ -281,6 +342,66 @@ TEST(MoeLayer, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerDeterminism,
+                         ::testing::Values(Case{"qwen35-a3b", Precision::fp8_block, 128, RoutingKind::workload,
+                                                Skew::uniform, CombineMode::deterministic},
+                                           Case{"qwen35-a3b", Precision::fp8_tensor, 128, RoutingKind::workload,
+                                                Skew::uniform, CombineMode::deterministic, InputScales::dynamic}),
+                         name_of);
+
+// Dynamic activation scales are each call's own: a call on x * 64 takes 64 times x's scale (a
+// power of two commutes with the scale's rounding) and leaves nothing behind, so x again gives the
+// first call's bits.
+TEST(MoeLayer, DynamicScalesFollowEachCall) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case c{"small", Precision::fp8_tensor, 128, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic,
+               InputScales::dynamic};
+  LayerFixture& f = fixture_for(c, rng.seed());
+  ASSERT_NE(f.layer->describe_plan(c.tokens).find("seven kernels"), std::string::npos) << f.layer->describe_plan(c.tokens);
+  const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  const std::vector<bf16_t> first = run_device(*f.layer, f.spec, in, c.tokens, c.combine);
+  const MoeLayer::ActivationScales small = f.layer->activation_scales(nullptr);
+  Inputs scaled = in;
+  for (bf16_t& v : scaled.x) v = bf16_t::from_float(v.to_float() * 64.0f);
+  run_device(*f.layer, f.spec, scaled, c.tokens, c.combine);
+  const MoeLayer::ActivationScales large = f.layer->activation_scales(nullptr);
+  EXPECT_EQ(large.fc1, 64.0f * small.fc1);
+  EXPECT_GT(large.fc2, small.fc2);
+  const std::vector<bf16_t> again = run_device(*f.layer, f.spec, in, c.tokens, c.combine);
+  EXPECT_EQ(std::memcmp(first.data(), again.data(), first.size() * sizeof(bf16_t)), 0);
+  const MoeLayer::ActivationScales after = f.layer->activation_scales(nullptr);
+  EXPECT_EQ(after.fc1, small.fc1);
+  EXPECT_EQ(after.fc2, small.fc2);
+}
+
+// An inf or NaN in x stays out of the dynamic amax: its own token's output saturates or turns NaN,
+// the other tokens' match the reference (which leaves them out of its amax as well).
+TEST(MoeLayer, NonFiniteInputsLeaveTheOtherTokensScale) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case c{"small", Precision::fp8_tensor, 64, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic,
+               InputScales::dynamic};
+  LayerFixture& f = fixture_for(c, rng.seed());
+  Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  const int H = f.spec.hidden;
+  in.x[5] = bf16_t::from_float(INFINITY);     // token 0
+  in.x[H + 7] = bf16_t::from_float(NAN);      // token 1
+  const std::vector<bf16_t> y = run_device(*f.layer, f.spec, in, c.tokens, c.combine);
+  std::vector<bf16_t> y_ref(y.size());
+  const ref::ReferenceReport ref = ref::reference_forward(f.spec, f.packed, in.view(c.tokens), MoeOutputs{y_ref.data()});
+  EXPECT_EQ(f.layer->activation_scales(nullptr).fc1, ref.fc1_input_scale);
+  EXPECT_TRUE(std::isfinite(ref.fc1_input_scale) && ref.fc1_input_scale < 1.0f) << ref.fc1_input_scale;
+  const std::vector<int> rest = [&] {
+    std::vector<int> rows;
+    for (int t = 2; t < c.tokens; ++t) rows.push_back(t);
+    return rows;
+  }();
+  const Comparison tight = compare(take_rows(y, H, rest), take_rows(ref.y, H, rest));
+  EXPECT_EQ(tight.non_finite, 0);
+  expect_tight(c.precision, tight);
 }
 
 // Layers on the fixture's packed weights for up to `max_tokens` tokens, one built with each of
@@ -497,7 +618,13 @@ TEST(MoeLayer, RunsOnEveryGpuOfOneProcess) {
 void expect_only_valid_rows_computed(test::SeededRng& rng, const Case& c) {
   LayerFixture& f = fixture_for(c, rng.seed());
   const int H = f.spec.hidden;
-  const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  // The last token, padding for every count but the clamped one, holds x's largest values: a
+  // dynamic activation scale must not see them.
+  for (int h = 0; h < H; ++h) {
+    bf16_t& v = in.x[static_cast<size_t>(c.tokens - 1) * H + h];
+    v = bf16_t::from_float(v.to_float() * 64.0f);
+  }
   test::PrecomputedCall device_call(f.spec, in, c.tokens);
   for (const int count : {rng.integer(1, c.tokens - 1), 0, c.tokens + 5}) {
     device_call.y.poison();
@@ -528,6 +655,9 @@ TEST(MoeLayer, DeviceTokenCountComputesOnlyTheValidRows) {
         rng, Case{"qwen35-a3b", Precision::fp8_block, tokens, RoutingKind::precomputed, Skew::uniform,
                   CombineMode::deterministic});
   }
+  // Dynamic activation scales from the valid rows only (the padding row holds the largest x).
+  expect_only_valid_rows_computed(rng, Case{"qwen35-a3b", Precision::fp8_tensor, 128, RoutingKind::precomputed,
+                                            Skew::uniform, CombineMode::deterministic, InputScales::dynamic});
 }
 
 TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {

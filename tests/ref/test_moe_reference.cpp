@@ -23,7 +23,7 @@ struct Problem {
   std::vector<float> logits;
   std::vector<int32_t> ids;
   std::vector<float> weights;
-  InputScales input_scales;  // fp8_tensor: calibrated on these inputs
+  CalibratedInputScales input_scales;  // fp8_tensor: calibrated on these inputs
 
   MoeInputs inputs() const { return MoeInputs{tokens, x.data(), logits.data(), ids.data(), weights.data()}; }
   WeightsView view() const {
@@ -220,16 +220,63 @@ TEST(CalibrateInputScales, AmaxOver448OfTheInputAndOfSwigluOutput) {
       }
     }
   }
-  const InputScales scales = calibrate_input_scales(p.spec, p.view(), p.inputs());
+  const CalibratedInputScales scales = calibrate_input_scales(p.spec, p.view(), p.inputs());
   EXPECT_EQ(scales.fc1, x_amax / 448.0f);
   // The same fp64 sums in another order.
   EXPECT_NEAR(scales.fc2, static_cast<float>(h_amax) / 448.0f, 1e-6 * h_amax / 448.0);
 
   // Amaxes below 1e-4 count as 1e-4, as for block scales.
   for (bf16_t& v : p.x) v = bf16_t::from_float(v.to_float() * 1e-6f);
-  const InputScales tiny = calibrate_input_scales(p.spec, p.view(), p.inputs());
+  const CalibratedInputScales tiny = calibrate_input_scales(p.spec, p.view(), p.inputs());
   EXPECT_EQ(tiny.fc1, quant::kMinBlockAmax / 448.0f);
   EXPECT_EQ(tiny.fc2, quant::kMinBlockAmax / 448.0f);
+}
+
+// Dynamic scales (weights packed without activation scales): x's is tensor_scale of its largest
+// finite |value| over the call's tokens, FC2's input's that of the bf16-rounded FC1 output over the
+// routed slots (near the calibration's unrounded amax); the reference given those two scales
+// computes the same y, and a larger x gives proportionally larger scales. An inf in x stays out
+// of the amax. Scales are refused for other precisions.
+TEST(ReferenceLayerFp8Tensor, DynamicScalesAreTheCallsOwn) {
+  test::SeededRng rng;
+  Problem p = make_problem(rng, Precision::fp8_tensor, Precomputed{}, 6);
+  WeightsView without = p.view();
+  without.w13_input_scale = without.w2_input_scale = nullptr;
+  const PackedWeights packed = prepare_weights(p.spec, without);
+  ASSERT_EQ(packed.input_scales, InputScales::dynamic);
+  std::vector<bf16_t> y(static_cast<size_t>(p.tokens) * p.spec.hidden), y_given(y.size());
+  const ReferenceReport dynamic = reference_forward(p.spec, packed, p.inputs(), MoeOutputs{y.data()});
+  float x_amax = 0.0f;
+  for (const bf16_t& v : p.x) x_amax = std::max(x_amax, std::fabs(v.to_float()));
+  EXPECT_EQ(dynamic.fc1_input_scale, quant::tensor_scale(x_amax));
+  const CalibratedInputScales calibrated = calibrate_input_scales(p.spec, p.view(), p.inputs());
+  EXPECT_EQ(dynamic.fc1_input_scale, calibrated.fc1);
+  // FC1 here runs on the quantized x and weights, the calibration's on the bf16 ones: a few percent.
+  EXPECT_NEAR(dynamic.fc2_input_scale / calibrated.fc2, 1.0f, 0.1f);
+  const ReferenceReport given = reference_forward(p.spec, packed, p.inputs(), MoeOutputs{y_given.data()}, {},
+                                                  ActivationScaleOverride{dynamic.fc1_input_scale, dynamic.fc2_input_scale});
+  EXPECT_EQ(given.y, dynamic.y);
+
+  Problem larger = p;
+  for (bf16_t& v : larger.x) v = bf16_t::from_float(v.to_float() * 4.0f);
+  const ReferenceReport scaled = reference_forward(p.spec, packed, larger.inputs(), MoeOutputs{y.data()});
+  EXPECT_EQ(scaled.fc1_input_scale, 4.0f * dynamic.fc1_input_scale);
+  EXPECT_GT(scaled.fc2_input_scale, 2.0f * dynamic.fc2_input_scale);
+
+  Problem with_inf = p;
+  with_inf.x[3] = bf16_t::from_float(INFINITY);
+  const ReferenceReport inf = reference_forward(p.spec, packed, with_inf.inputs(), MoeOutputs{y.data()});
+  float rest_amax = 0.0f;
+  for (size_t i = 0; i < p.x.size(); ++i)
+    if (i != 3) rest_amax = std::max(rest_amax, std::fabs(p.x[i].to_float()));
+  EXPECT_EQ(inf.fc1_input_scale, quant::tensor_scale(rest_amax));
+  EXPECT_TRUE(std::isfinite(inf.fc2_input_scale));
+
+  MoeSpec block = p.spec;
+  block.precision = Precision::fp8_block;
+  const PackedWeights block_packed = prepare_weights(block, p.view());
+  EXPECT_THROW(reference_forward(block, block_packed, p.inputs(), MoeOutputs{y.data()}, {}, ActivationScaleOverride{1, 1}),
+               Error);
 }
 
 // With an fc2_input_scale far below what the FC1 output needs, every FC2 input saturates to a

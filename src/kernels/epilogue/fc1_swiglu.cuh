@@ -13,6 +13,7 @@
 #include "kernels/layout/weight_layout.hpp"
 #include "kernels/ptx/sync.cuh"
 #include "kernels/quant/fp8_block_scale.cuh"
+#include "kernels/quant/tensor_amax.cuh"
 #include "kernels/scheduler/grouped_tile_scheduler.cuh"
 
 namespace megamoe::kernels::gemm_detail {
@@ -20,7 +21,8 @@ namespace megamoe::kernels::gemm_detail {
 // FC1 epilogue: SwiGLU on the gate/up rows r and r+8 that the interleave-by-8 packing put in the
 // same thread, then bf16, or E4M3 with one scale per token per 128 channels (the CTA's 256 packed
 // rows are exactly 128 channels; the amax is reduced over the math warpgroups through shared
-// memory), or E4M3 with FC2's one input scale (fp8_tensor: p.out_factor is its reciprocal).
+// memory), or E4M3 with FC2's one input scale (fp8_tensor: *p.out_factor is its reciprocal), or,
+// with dynamic fp8_tensor scales, bf16 and the amax the encoding pass takes FC2's input scale from.
 template <class Config, class Params, class Accumulators>
 __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
                                                     const int (&base_row)[Config::kMBlocks], int base_col,
@@ -51,8 +53,11 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
   }
   auto column = [&](int v0, int v2) { return base_col + 8 * v2 + v0; };
 
-  if constexpr (!Config::kFp8) {
+  // bf16 stores (bf16, and fp8_tensor with dynamic scales, whose encoding pass reads them); returns
+  // the largest finite magnitude stored, as bf16 bits (quant/tensor_amax.cuh).
+  auto store_bf16 = [&] {
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+    uint32_t magnitude = 0;
 #pragma unroll
     for (int m = 0; m < kMBlocks; ++m) {
       if (channel[m] >= p.out_channels) continue;
@@ -61,10 +66,18 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
 #pragma unroll
         for (int v0 = 0; v0 < 2; ++v0) {
           const int col = column(v0, v2);
-          if (col < tile.valid_rows)
-            out[static_cast<size_t>(tile.pool_row + col) * p.out_channels + channel[m]] = __float2bfloat16_rn(h[m][v0][v2]);
+          if (col < tile.valid_rows) {
+            const __nv_bfloat16 value = __float2bfloat16_rn(h[m][v0][v2]);
+            out[static_cast<size_t>(tile.pool_row + col) * p.out_channels + channel[m]] = value;
+            magnitude = max(magnitude, finite_bf16_magnitude(__bfloat16_as_ushort(value)));
+          }
         }
     }
+    return magnitude;
+  };
+
+  if constexpr (!Config::kFp8) {
+    store_bf16();
   } else {
     // E4M3 codes of this thread's values, each token column's with factor_of(column).
     auto store_codes = [&](auto factor_of) {
@@ -83,7 +96,12 @@ __device__ __forceinline__ void fc1_swiglu_epilogue(const Params& p, const Group
         }
     };
     if constexpr (Config::kTensorScales) {
-      store_codes([&](int) { return p.out_factor; });
+      if (p.out_amax != nullptr) {
+        publish_amax(p.out_amax, store_bf16());
+      } else {
+        const float factor = *p.out_factor;
+        store_codes([&](int) { return factor; });
+      }
       return;
     }
     // Each token's amax over the tile's 128 channels, in three steps: within a warp (lanes with

@@ -1,6 +1,6 @@
 // Epilogue role of FC1 in the grouped GEMM's tokens-on-M layout (mma/tokens_on_m_mainloop.cuh):
 // SwiGLU in registers, then bf16, per-token-per-128 E4M3 (fp8_block) or per-tensor E4M3
-// (fp8_tensor) requantization of the FC2 input, as the
+// (fp8_tensor; bf16 and an amax with dynamic scales) requantization of the FC2 input, as the
 // swapAB epilogue (epilogue/fc1_swiglu.cuh) computes it, from the other fragment layout.
 //
 // A thread holds rows r and r + 8 of the tile and, in each n128 half it holds, columns 8 v2 + c and
@@ -25,6 +25,7 @@
 #include "kernels/layout/weight_layout.hpp"
 #include "kernels/ptx/sync.cuh"
 #include "kernels/quant/fp8_block_scale.cuh"
+#include "kernels/quant/tensor_amax.cuh"
 #include "kernels/scheduler/grouped_tile_scheduler.cuh"
 
 namespace megamoe::kernels::gemm_detail {
@@ -78,7 +79,10 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
     }
   };
 
-  if constexpr (!Config::kFp8) {
+  // bf16 stores (bf16, and fp8_tensor with dynamic scales, whose encoding pass reads them); returns
+  // the largest finite magnitude stored, as bf16 bits (quant/tensor_amax.cuh).
+  auto store_bf16 = [&] {
+    uint32_t magnitude = 0;
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {
       const bool valid = base_row + 8 * v1 < tile.valid_rows;  // the same for the whole quad
@@ -90,14 +94,24 @@ __device__ __forceinline__ void fc1_swiglu_tokens_on_m_epilogue(const Params& p,
           // out_channels is a multiple of 64: a group of 8 channels is all in or all out.
           if (valid && channel < p.out_channels) {
             *reinterpret_cast<uint4*>(out + channel) = make_uint4(x[0], x[1], x[2], x[3]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) magnitude = max(magnitude, finite_bf16x2_magnitude(x[i]));
           }
         });
       }
     }
+    return magnitude;
+  };
+
+  if constexpr (!Config::kFp8) {
+    store_bf16();
+  } else if (Config::kTensorScales && p.out_amax != nullptr) {
+    publish_amax(p.out_amax, store_bf16());
   } else {
     // Row v1's encoding factor: fp8_block's from the row's amax over the tile's 128 channels (whose
     // scale is stored), fp8_tensor's the reciprocal of FC2's input scale.
-    float factor[2] = {p.out_factor, p.out_factor};
+    float factor[2];
+    if constexpr (Config::kTensorScales) factor[0] = factor[1] = *p.out_factor;
     if constexpr (Config::kBlockScales) {
       float amax[2];
 #pragma unroll

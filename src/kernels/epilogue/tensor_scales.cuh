@@ -12,19 +12,22 @@
 namespace megamoe::kernels::gemm_detail {
 
 // The two scales of a tile's outputs, read when the tile starts so that the global round trip
-// overlaps the mainloop. FC2 has one weight scale per expert: gate and up hold the same.
+// overlaps the mainloop. FC2 has one weight scale per expert: gate and up hold the same. The token
+// operand's scale is in the workspace (layout::TensorScaleSlots): written when the layer was built,
+// or (dynamic scales) by a kernel this grid has waited for.
 struct TensorScales {
   float gate;
   float up;
 
   template <class Config, class Params>
   __device__ __forceinline__ void load(const Params& p, const GroupedTile& tile) {
+    const float input_scale = *p.input_scale;
     if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
       const float2 weight = reinterpret_cast<const float2*>(p.weight_scales)[tile.expert];
-      gate = weight.x * p.input_scale;
-      up = weight.y * p.input_scale;
+      gate = weight.x * input_scale;
+      up = weight.y * input_scale;
     } else {
-      gate = up = p.weight_scales[tile.expert] * p.input_scale;
+      gate = up = p.weight_scales[tile.expert] * input_scale;
     }
   }
 };

@@ -30,8 +30,10 @@ struct GemmArguments {
   int out_channels;
   void* out;
   float* out_scales;
-  float input_scale;  // fp8_tensor: the token operand's scale
-  float out_factor;   // fp8_tensor FC1: 1 / FC2's input scale
+  const float* input_scale;  // fp8_tensor: the token operand's scale (layout::TensorScaleSlots)
+  const float* out_factor;   // fp8_tensor FC1, static scales: 1 / FC2's input scale
+  uint32_t* out_amax;        // fp8_tensor FC1, dynamic scales: bf16 out, its amax here
+  bool token_operand_of_previous_grid;  // fp8_tensor FC2, dynamic scales
 };
 
 // The stage count the plan names must be the kernel's (planner and kernel would disagree).
@@ -101,6 +103,8 @@ auto make_gemm_params(const MoeLayerParams& f, const GemmArguments& g, int first
   p.out_scales = g.out_scales;
   p.input_scale = g.input_scale;
   p.out_factor = g.out_factor;
+  p.out_amax = g.out_amax;
+  p.token_operand_of_previous_grid = g.token_operand_of_previous_grid;
   p.ue8m0 = f.ue8m0;
   p.pool_slot = w.at<int32_t>(f.workspace, w.pool_slot);
   p.routed_weights = w.at<float>(f.workspace, w.routed_weights);
@@ -154,6 +158,12 @@ inline RoutingParams make_routing_params(const MoeLayerParams& f, const MoeLaunc
   return routing;
 }
 
+// fp8_tensor's activation scales in the layer's workspace.
+inline layout::TensorScaleSlots* tensor_scale_slots(const MoeLayerParams& f) {
+  const layout::MoeWorkspaceLayout& w = f.workspace_layout;
+  return w.at<layout::TensorScaleSlots>(f.workspace, w.tensor_scale_slots);
+}
+
 inline GatherParams make_gather_params(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call,
                                        const RoutingParams& routing) {
   const layout::MoeWorkspaceLayout& w = f.workspace_layout;
@@ -174,7 +184,7 @@ inline GatherParams make_gather_params(const MoeLayerParams& f, const MoeLaunchC
   gather.rows_by_token = c.fc1_copies_token_rows;  // FC1 copies its rows (see dispatch_gemm)
   gather.activations = w.at<void>(ws, w.activations);
   gather.activation_scales = w.at<float>(ws, w.activation_scales);
-  gather.tensor_factor = f.fc1_input_factor;
+  gather.tensor_factor = w.tensor_scales ? &tensor_scale_slots(f)->fc1_factor : nullptr;
   return gather;
 }
 
@@ -195,29 +205,42 @@ inline CombineParams make_combine_params(const MoeLayerParams& f, const MoeCall&
   return combine;
 }
 
-// The two GEMMs' operands: FC1 reads the gathered pool, FC2 FC1's output.
+// The two GEMMs' operands: FC1 reads the gathered pool, FC2 FC1's output (with dynamic fp8_tensor
+// scales, FC1 writes bf16 and the encoding pass FC2's E4M3 rows: quant/dynamic_tensor_scales.cuh).
 inline GemmArguments fc1_arguments(const MoeLayerParams& f, const GatherParams& gather) {
   const layout::MoeWorkspaceLayout& w = f.workspace_layout;
   void* ws = f.workspace;
-  const GemmArguments fc1{f.w13,
-                          f.w13_scales,
-                          2 * f.intermediate,
-                          f.hidden,
-                          gather.activations,
-                          gather.activation_scales,
-                          f.intermediate,
-                          w.at<void>(ws, w.fc1_output),
-                          w.at<float>(ws, w.fc1_scales),
-                          f.fc1_input_scale,
-                          f.fc2_input_factor};
+  layout::TensorScaleSlots* slots = w.tensor_scales ? tensor_scale_slots(f) : nullptr;
+  GemmArguments fc1{};
+  fc1.weights = f.w13;
+  fc1.weight_scales = f.w13_scales;
+  fc1.a_rows = 2 * f.intermediate;
+  fc1.k = f.hidden;
+  fc1.pool = gather.activations;
+  fc1.token_scales = gather.activation_scales;
+  fc1.out_channels = f.intermediate;
+  fc1.out = w.at<void>(ws, w.dynamic_scales ? w.fc1_output_bf16 : w.fc1_output);
+  fc1.out_scales = w.at<float>(ws, w.fc1_scales);
+  fc1.input_scale = slots != nullptr ? &slots->fc1_scale : nullptr;
+  fc1.out_factor = slots != nullptr && !w.dynamic_scales ? &slots->fc2_factor : nullptr;
+  fc1.out_amax = w.dynamic_scales ? &slots->fc2_amax_bits : nullptr;
   return fc1;
 }
 
-inline GemmArguments fc2_arguments(const MoeLayerParams& f, const GemmArguments& fc1) {
+inline GemmArguments fc2_arguments(const MoeLayerParams& f) {
   const layout::MoeWorkspaceLayout& w = f.workspace_layout;
   void* ws = f.workspace;
-  const GemmArguments fc2{f.w2,      f.w2_scales, f.hidden, f.intermediate, fc1.out, fc1.out_scales, f.hidden,
-                          w.at<void>(ws, w.slot_outputs), nullptr, f.fc2_input_scale, 0.0f};
+  GemmArguments fc2{};
+  fc2.weights = f.w2;
+  fc2.weight_scales = f.w2_scales;
+  fc2.a_rows = f.hidden;
+  fc2.k = f.intermediate;
+  fc2.pool = w.at<void>(ws, w.fc1_output);
+  fc2.token_scales = w.at<float>(ws, w.fc1_scales);
+  fc2.out_channels = f.hidden;
+  fc2.out = w.at<void>(ws, w.slot_outputs);
+  fc2.input_scale = w.tensor_scales ? &tensor_scale_slots(f)->fc2_scale : nullptr;
+  fc2.token_operand_of_previous_grid = w.dynamic_scales;
   return fc2;
 }
 

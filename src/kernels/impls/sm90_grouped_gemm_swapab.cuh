@@ -142,7 +142,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // rows or the accumulator) are read by no kernel before it in this forward, and its reads of
     // the gather's slot table follow the producer's acquire of FC1's tiles (the last arrival on
     // each stage).
-    if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
+    // With dynamic fp8_tensor scales FC2's token operand scale is the encoding grid's (read by the
+    // epilogue's TensorScales), so FC2's math warps wait for it too.
+    if (!Config::kWaitsForFc1 || p.token_operand_of_previous_grid) ptx::wait_for_prerequisite_grids();
     ptx::setmaxnreg_increase<kConsumerRegisters>();
     if constexpr (Config::kTokensOnM) {
       tokens_on_m_math_warpgroups<Config>(p, smem, k_blocks);

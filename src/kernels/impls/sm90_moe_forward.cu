@@ -1,11 +1,13 @@
 #include "kernels/impls/sm90_moe_forward.hpp"
 
+#include <algorithm>
 #include <type_traits>
 
 #include "kernels/cuda_check.hpp"
 #include "kernels/impls/sm90_forward_params.cuh"
 #include "kernels/impls/sm90_grouped_gemm_swapab.cuh"
 #include "kernels/launch.hpp"
+#include "kernels/quant/dynamic_tensor_scales.cuh"
 #include "kernels/routing/route_and_count.cuh"
 
 namespace megamoe::kernels {
@@ -63,6 +65,23 @@ void dispatch_gemm(const MoeLayerParams& f, const MoeLaunchChoices& c, const Gem
   throw Error(ErrorCode::unsupported, "internal: unknown precision");
 }
 
+inline DynamicScaleParams dynamic_scale_params(const MoeLayerParams& f, const MoeCall& call) {
+  const layout::MoeWorkspaceLayout& w = f.workspace_layout;
+  void* ws = f.workspace;
+  DynamicScaleParams d{};
+  d.num_tokens = call.num_tokens;
+  d.num_valid_tokens = call.num_valid_tokens;
+  d.hidden = f.hidden;
+  d.intermediate = f.intermediate;
+  d.num_experts = f.num_experts;
+  d.x = static_cast<const __nv_bfloat16*>(call.x);
+  d.expert_offsets = w.at<int32_t>(ws, w.expert_offsets);
+  d.fc1_output_bf16 = w.at<__nv_bfloat16>(ws, w.fc1_output_bf16);
+  d.fc1_output = w.at<uint8_t>(ws, w.fc1_output);
+  d.slots = tensor_scale_slots(f);
+  return d;
+}
+
 int blocks_for(long threads, int block) { return static_cast<int>((threads + block - 1) / block); }
 
 }  // namespace
@@ -78,6 +97,19 @@ void launch_moe_forward(const MoeLayerParams& f, const MoeLaunchChoices& c, cons
     throw Error(ErrorCode::unsupported, "internal: the single kernel has no CTA pairs (planner bug)");
   }
   if (c.single_kernel) return launch_single_kernel_forward(f, c, call, stream);
+  const layout::MoeWorkspaceLayout& w = f.workspace_layout;
+  // Dynamic fp8_tensor scales: x's amax first (quant/dynamic_tensor_scales.cuh).
+  const DynamicScaleParams dynamic = w.dynamic_scales ? dynamic_scale_params(f, call) : DynamicScaleParams{};
+  const int dynamic_blocks_max = kDynamicScaleBlocksPerSm * c.grid;
+  auto dynamic_blocks = [&](size_t elements) {
+    return std::max(1, static_cast<int>(std::min<size_t>(dynamic_blocks_max,
+                                                         (elements / kDynamicScaleChunk + kDynamicScaleThreads - 1) /
+                                                             kDynamicScaleThreads)));
+  };
+  if (w.dynamic_scales) {
+    launch_overlapping_previous(x_amax_kernel, dynamic_blocks(static_cast<size_t>(T) * f.hidden),
+                                kDynamicScaleThreads, 0, stream, "x_amax_kernel", dynamic);
+  }
   const RoutingParams routing = make_routing_params(f, c, call);
   // For the most experts the router takes, once per device.
   allow_dynamic_smem<route_and_count_kernel>(static_cast<int>(router_smem_bytes(kMaxRoutingExperts)));
@@ -97,7 +129,12 @@ void launch_moe_forward(const MoeLayerParams& f, const MoeLaunchChoices& c, cons
   const GemmArguments fc1 = fc1_arguments(f, gather);
   dispatch_gemm<GemmOp::fc1_swiglu>(f, c, fc1, c.fc1_stages, stream);
 
-  const GemmArguments fc2 = fc2_arguments(f, fc1);
+  if (w.dynamic_scales) {
+    const size_t rows = layout::MoeWorkspaceLayout::worst_case_pool_rows(f.num_experts, f.top_k, T, w.row_padding);
+    launch_overlapping_previous(encode_fc1_output_kernel, dynamic_blocks(rows * f.intermediate), kDynamicScaleThreads,
+                                0, stream, "encode_fc1_output_kernel", dynamic);
+  }
+  const GemmArguments fc2 = fc2_arguments(f);
   if (c.deterministic) {
     dispatch_gemm<GemmOp::fc2_slot_store>(f, c, fc2, c.fc2_stages, stream);
   } else {

@@ -1,6 +1,8 @@
 // Host launchers of the single-GPU MoE forward (sm_90a): either the per-stage kernel sequence
 //   route_and_count (its last block scans the expert segments) -> gather_quantize
 //   -> FC1 grouped GEMM (SwiGLU) -> FC2 grouped GEMM -> combine
+// (fp8_tensor with dynamic activation scales adds x's amax before the router and the encoding of
+// FC1's bf16 output before FC2: quant/dynamic_tensor_scales.cuh)
 // or all of it in one persistent kernel (impls/sm90_moe_single_kernel.cuh), on one stream, with
 // no host synchronization (CUDA-graph capturable).
 #pragma once
@@ -24,10 +26,6 @@ struct MoeLayerParams {
   int intermediate;
   Precision precision;
   bool ue8m0;
-  float fc1_input_scale;      // fp8_tensor: the scales of x and of FC2's input (SwiGLU's output),
-  float fc2_input_scale;
-  float fc1_input_factor;     // and what values are multiplied by before their E4M3 encoding
-  float fc2_input_factor;     // (quant::tensor_factor, the reference's)
   RoutingMode routing_mode;
   bool renormalize;
   int n_group;

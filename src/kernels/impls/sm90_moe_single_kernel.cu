@@ -20,7 +20,7 @@ void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const Moe
   const RoutingParams routing = make_routing_params(f, c, call);
   const GatherParams gather = make_gather_params(f, c, call, routing);
   const GemmArguments fc1 = fc1_arguments(f, gather);
-  const GemmArguments fc2 = fc2_arguments(f, fc1);
+  const GemmArguments fc2 = fc2_arguments(f);
   // Every tile is claimed (first_wave 0): see scheduler/forward_items.hpp.
   auto fc1_params = make_gemm_params<Fc1Config>(f, fc1, 0);
   auto fc2_params = make_gemm_params<Fc2Config>(f, fc2, 0);

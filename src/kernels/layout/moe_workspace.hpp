@@ -7,6 +7,7 @@
 
 #include "kernels/layout/weight_layout.hpp"
 #include "megamoe/spec.hpp"
+#include "megamoe/weights.hpp"
 
 namespace megamoe::layout {
 
@@ -16,6 +17,22 @@ inline constexpr int kForwardCounterSlots = 8;  // the single-kernel forward's (
 MEGAMOE_HOST_DEVICE constexpr size_t align_up(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
+
+// fp8_tensor's activation scales as the kernels read them, in the workspace: written once when the
+// layer is built (InputScales::from_checkpoint), or each forward by the dynamic-scale kernels
+// (quant/dynamic_tensor_scales.cuh). A factor is what values are multiplied by before their E4M3
+// encoding, 1 / scale (quant::tensor_factor).
+struct TensorScaleSlots {
+  float fc1_scale;        // x's
+  float fc1_factor;
+  float fc2_scale;        // FC2's input's (SwiGLU's output)
+  float fc2_factor;
+  // Dynamic only; zero between forwards (the x-amax kernel's last block clears them for the next).
+  uint32_t x_amax_bits;      // float bits of the largest finite |x| (atomicMax: non-negative floats order as their bits)
+  uint32_t x_blocks_done;    // x-amax blocks finished
+  uint32_t fc2_amax_bits;    // the largest finite |FC1 output| (rounded to bf16) of any routed row
+  uint32_t reserved;
+};
 
 struct MoeWorkspaceLayout {
   // Shape facts the layout was built from.
@@ -27,6 +44,8 @@ struct MoeWorkspaceLayout {
   int row_padding = 1;       // each expert's segment of the pool is padded to this many rows
   int element_bytes = 2;     // 1 for fp8, 2 for bf16
   bool has_scales = false;   // fp8_block keeps one fp32 scale per row per 128 channels
+  bool tensor_scales = false;   // fp8_tensor: its TensorScaleSlots
+  bool dynamic_scales = false;  // fp8_tensor with InputScales::dynamic: FC1 stores bf16, then one pass encodes it
   size_t pool_rows = 0;      // worst-case rows of the expert-contiguous pool
 
   // Byte offsets of each region. "slot" is t * k + j: token t's j-th routed expert.
@@ -46,12 +65,14 @@ struct MoeWorkspaceLayout {
                                  // copies its rows, one per token (row = token)
   size_t activation_scales = 0;  // fp32 [H/128, pool_rows] (fp8_block), K-block-major for TMA
   size_t fc1_output = 0;         // [pool_rows, I] SwiGLU output, the FC2 input
+  size_t fc1_output_bf16 = 0;    // bf16 [pool_rows, I] (dynamic_scales): FC1's output before its encoding
   size_t fc1_scales = 0;         // fp32 [I/128, pool_rows] (fp8_block), K-block-major for TMA
   size_t slot_outputs = 0;       // bf16 [T*k, H] expert outputs for the deterministic combine
   size_t y_accumulator = 0;      // fp32 [T, H] atomically accumulated output (fast combine)
   size_t error_flags = 0;        // int32 [4]: [0] invalid routing ids seen, reported after forward
   size_t forward_counters = 0;   // uint32 [kForwardCounterSlots]: the single-kernel forward's hand-offs,
                                  // zero between forwards
+  size_t tensor_scale_slots = 0; // TensorScaleSlots (tensor_scales)
   size_t total_bytes = 0;
 
   template <class T>
@@ -69,7 +90,8 @@ struct MoeWorkspaceLayout {
   }
 
   MEGAMOE_HOST_DEVICE static constexpr MoeWorkspaceLayout make(int num_experts, int top_k, int hidden, int intermediate,
-                                                               int max_tokens, int row_padding, Precision precision) {
+                                                               int max_tokens, int row_padding, Precision precision,
+                                                               InputScales input_scales = InputScales::from_checkpoint) {
     MoeWorkspaceLayout l;
     l.num_experts = num_experts;
     l.top_k = top_k;
@@ -79,6 +101,8 @@ struct MoeWorkspaceLayout {
     l.row_padding = row_padding;
     l.element_bytes = precision == Precision::bf16 ? 2 : 1;
     l.has_scales = precision == Precision::fp8_block;
+    l.tensor_scales = precision == Precision::fp8_tensor;
+    l.dynamic_scales = l.tensor_scales && input_scales == InputScales::dynamic;
     l.pool_rows = worst_case_pool_rows(num_experts, top_k, max_tokens, row_padding);
     const size_t slots = static_cast<size_t>(max_tokens) * top_k;
     size_t cursor = 0;
@@ -102,11 +126,13 @@ struct MoeWorkspaceLayout {
     l.activations = take(l.pool_rows * hidden * l.element_bytes);
     l.activation_scales = take(l.has_scales ? l.pool_rows * (hidden / 128) * sizeof(float) : 0);
     l.fc1_output = take(l.pool_rows * intermediate * l.element_bytes);
+    l.fc1_output_bf16 = take(l.dynamic_scales ? l.pool_rows * intermediate * sizeof(uint16_t) : 0);
     l.fc1_scales = take(l.has_scales ? l.pool_rows * (intermediate / 128) * sizeof(float) : 0);
     l.slot_outputs = take(slots * hidden * sizeof(uint16_t));
     l.y_accumulator = take(static_cast<size_t>(max_tokens) * hidden * sizeof(float));
     l.error_flags = take(sizeof(int32_t) * 4);
     l.forward_counters = take(sizeof(uint32_t) * kForwardCounterSlots);
+    l.tensor_scale_slots = take(l.tensor_scales ? sizeof(TensorScaleSlots) : 0);
     l.total_bytes = cursor;
     return l;
   }

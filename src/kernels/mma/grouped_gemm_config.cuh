@@ -195,7 +195,8 @@ struct GroupedGemmParams {
   TmaB tma_b;                    // pool [pool_rows][K]
   TmaScales tma_token_scales;    // fp8_block: [K/128][pool_rows]
   const float* weight_scales;    // fp8_block: [E][a_rows/128][K/128]; fp8_tensor: [E][2] (fc1: gate, up) or [E] (fc2)
-  float input_scale;             // fp8_tensor: the scale of the token operand (x's, or FC2's input)
+  const float* input_scale;      // fp8_tensor: the scale of the token operand (x's, or FC2's input;
+                                 // layout::TensorScaleSlots), read when a tile starts
   int a_rows;                    // 2I (fc1) or H (fc2)
   int k;                         // H (fc1) or I (fc2)
   int num_experts;
@@ -205,7 +206,11 @@ struct GroupedGemmParams {
   int out_channels;              // I (fc1) or H (fc2)
   void* out;                     // fc1: [pool_rows, I] (fp8 or bf16); fc2 slot store: bf16 [T*k, H]
   float* out_scales;             // fc1 fp8_block: [I/128, pool_rows]
-  float out_factor;              // fc1 fp8_tensor: h is stored as e4m3(h * out_factor), 1 / FC2's input scale
+  const float* out_factor;       // fc1 fp8_tensor: h is stored as e4m3(h * *out_factor), 1 / FC2's input scale
+  uint32_t* out_amax;            // fc1 fp8_tensor, dynamic scales: h is stored in bf16 and its largest finite
+                                 // |value| folded in here (quant/dynamic_tensor_scales.cuh); else null
+  bool token_operand_of_previous_grid;  // fc2 fp8_tensor, dynamic scales: the E4M3 rows and their scale come
+                                        // from the encoding grid before this one, not from FC1's counters
   bool ue8m0;
   const int32_t* pool_slot;      // fc2
   const float* routed_weights;   // fc2 atomic

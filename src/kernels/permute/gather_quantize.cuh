@@ -40,14 +40,16 @@ struct GatherParams {
   bool rows_by_token;            // fp8_block: activations row = token (one per token), not one per slot
   void* activations;             // [pool_rows, H] bf16 or e4m3
   float* activation_scales;      // [H/128, pool_rows] (fp8_block)
-  float tensor_factor;           // fp8_tensor: x is encoded as e4m3(x * tensor_factor), 1 / its scale
+  const float* tensor_factor;    // fp8_tensor: x is encoded as e4m3(x * *tensor_factor), 1 / its scale
+                                 // (layout::TensorScaleSlots::fc1_factor, read after the dependency wait)
 };
 
 // One 8-channel chunk of a token into the pool rows of its slots (row < 0: unused slot).
 // Called by whole warps; out-of-range lanes (in_range false) take part in the shuffles only.
+// tensor_factor: fp8_tensor's encoding factor of x.
 template <Precision kPrecision>
 __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, int chunk, bool in_range,
-                                            const int32_t* slot_rows, int num_rows) {
+                                            const int32_t* slot_rows, int num_rows, float tensor_factor) {
   constexpr int kLanesPerBlock = 128 / kGatherChunkElements;
   if constexpr (kPrecision != Precision::bf16) {
     const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
@@ -58,7 +60,7 @@ __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, in
       f[i] = __bfloat162float(v[i]);
       amax = fmaxf(amax, fabsf(f[i]));
     }
-    float factor = p.tensor_factor;
+    float factor = tensor_factor;
     BlockScale s{};
     if constexpr (kPrecision == Precision::fp8_block) {
       // The 16 lanes of one 128-channel block are a contiguous half-warp.
@@ -112,6 +114,8 @@ __device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int
   int chunk = threadIdx.x;
   uint4 raw = chunk < chunks ? source[chunk] : zero;
   if (!wait()) return;
+  [[maybe_unused]] float tensor_factor = 0.0f;
+  if constexpr (kPrecision == Precision::fp8_tensor) tensor_factor = *p.tensor_factor;
   // Thread j < k looks up slot j's pool row while the first chunk is on its way.
   if (threadIdx.x < p.top_k) {
     const int row = place_slot(p, token, threadIdx.x);
@@ -123,7 +127,7 @@ __device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int
   for (int first = 0; first < chunks; first += kThreads) {
     const int next = chunk + kThreads;
     const uint4 next_raw = next < chunks ? source[next] : zero;
-    write_chunk<kPrecision>(p, raw, chunk, chunk < chunks, slot_rows, num_rows);
+    write_chunk<kPrecision>(p, raw, chunk, chunk < chunks, slot_rows, num_rows, tensor_factor);
     chunk = next;
     raw = next_raw;
   }

@@ -74,6 +74,9 @@ __device__ __forceinline__ void token_producer(const Params& p, typename Config:
       ptx::wait_for_prerequisite_grids();
     }
   }
+  // With dynamic fp8_tensor scales FC2's rows are the encoding grid's, whose completion implies FC1's:
+  // the counters below then read complete at once.
+  if (Config::kWaitsForFc1 && p.token_operand_of_previous_grid) ptx::wait_for_prerequisite_grids();
   Fc1Progress fc1{p.fc1_tiles_done, p.num_experts,
                    static_cast<uint32_t>(p.fc1_channel_blocks * p.scheduler.token_tiles())};
   pipeline::PipelineState<kStages> state;
