@@ -307,7 +307,8 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
   if (w13_input_scale.has_value() || w2_input_scale.has_value()) {
     TORCH_CHECK_VALUE(spec.precision == Precision::fp8_tensor,
                       "megamoe: input scales go with precision fp8_tensor (a per-tensor checkpoint's static activation "
-                      "scales); precision ", to_string(spec.precision), " takes none");
+                      "scales); precision ", to_string(spec.precision),
+                      " takes none (it computes its own activation scales: drop them, or use precision fp8_tensor)");
     TORCH_CHECK_VALUE(w13_input_scale.has_value() && w2_input_scale.has_value(),
                       "megamoe: w13_input_scale and w2_input_scale go together (static activation scales) or neither "
                       "(dynamic ones, computed on the device each forward); ",
@@ -447,8 +448,8 @@ void wait_for_packing(const at::Tensor& packed) {
 // tensors, input_scales included, or the same bytes packed on the GPU) on the host or on a device:
 // copied.
 int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
-                     const at::Tensor& w2_scales, const at::Tensor& input_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
-                     int64_t top_k, const std::string& precision, const std::string& scale_format,
+                     const at::Tensor& w2_scales, const at::Tensor& input_scales, int64_t num_experts, int64_t hidden,
+                     int64_t intermediate, int64_t top_k, const std::string& precision, const std::string& scale_format,
                      const std::string& routing, bool renormalize, int64_t n_group, int64_t topk_group,
                      double routed_scaling_factor, const std::optional<at::Tensor>& bias, int64_t max_tokens,
                      int64_t token_tile, const std::string& fc1_token_rows, int64_t num_sms,
@@ -456,7 +457,8 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const 
   const CheckedLayer layer =
       checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, routing, renormalize, n_group,
                     topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms, launch);
-  const PackedWeightsView view = packed_view(layer.spec, layer.spec.num_experts, w13, w13_scales, w2, w2_scales, input_scales);
+  const PackedWeightsView view =
+      packed_view(layer.spec, layer.spec.num_experts, w13, w13_scales, w2, w2_scales, input_scales);
   const c10::DeviceIndex device = checked_device(device_index);
   return translating_errors([&] {
     c10::cuda::CUDAGuard guard(device);

@@ -261,7 +261,8 @@ def checked_input_scales(w13_input_scale, w2_input_scale, precision, num_experts
         return None, None
     if precision != "fp8_tensor":
         raise ValueError(f"megamoe: input scales (w13_input_scale, w2_input_scale) go with precision fp8_tensor, "
-                         f"a per-tensor checkpoint's static activation scales; precision {precision!r} takes none")
+                         f"a per-tensor checkpoint's static activation scales; precision {precision!r} takes none "
+                         f"(it computes its own activation scales: drop them, or use precision 'fp8_tensor')")
     if w13_input_scale is None or w2_input_scale is None:
         missing = "w13_input_scale" if w13_input_scale is None else "w2_input_scale"
         raise ValueError(f"megamoe: w13_input_scale and w2_input_scale go together (static activation scales) or "
