@@ -243,7 +243,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
   MoeLayer layer(spec, packed, max_tokens, o.layer);
   // The plan's decisions for the records, from the planner with the layer's inputs; each count's
   // is checked against the layer's own describe_plan, the plan its forward launches.
-  const plan::LayerPlan layer_plan = plan::plan_layer(spec, max_tokens, o.layer, facts);
+  const plan::LayerPlan layer_plan = plan::plan_layer(spec, max_tokens, o.layer, facts, packed.input_scales);
   std::vector<plan::ForwardPlan> forward_plans;
   for (int tokens : token_counts) {
     forward_plans.push_back(plan::plan_forward(spec, layer_plan, tokens, o.layer.combine, facts));

@@ -116,8 +116,6 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
     [[maybe_unused]] gemm_detail::TensorScales tensor_scales;
     if constexpr (Config::kTensorScales) tensor_scales.load<Config>(p, tile);
     clear(acc);
-    // Without promotion: the stage whose K block may still be multiplying.
-    [[maybe_unused]] int in_flight_stage = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);  // K block 0's: before the tile
       // Copied rows came through the generic proxy; the wgmma reads through the async one.
@@ -131,21 +129,14 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
         release_stage(state.stage);
         promote(partial, scales);
       } else {
-        // One K block's batch stays in flight while the next is issued, so the tensor cores do not
-        // wait for this warp's stage hand-back and full-barrier wait between them
-        // (docs/decisions.md#mainloop-without-promotion); the previous stage is free once at most
-        // this batch is pending.
+        // Without promotion the batch accumulates into acc; waiting for it before the next K block
+        // costs nothing measurable (docs/decisions.md#mainloop-without-promotion).
         issue_block(acc, state.stage, true);
-        warpgroup_wait<1>();
-        if (in_flight_stage >= 0) release_stage(in_flight_stage);
-        in_flight_stage = state.stage;
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc);
+        release_stage(state.stage);
       }
       state.advance();
-    }
-    if constexpr (!Config::kBlockScales) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc);
-      release_stage(in_flight_stage);
     }
     if constexpr (Config::kTensorScales) {
       // Rows base_row + 8 v1 of each m64 block: of an FC1 tile, v1 = 0 are gate rows and v1 = 1 up

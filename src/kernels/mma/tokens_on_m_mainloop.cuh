@@ -129,11 +129,9 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     scale[0] = stage_scales[row];
     scale[1] = stage_scales[row + 8];
   };
-  // Without promotion a K block's batches stay in flight while the next K block's are issued
-  // (docs/decisions.md#mainloop-without-promotion): `in_flight` is the stage they read, handed back
-  // once the next block's are issued and at most those are pending; k_loop hands back the last.
-  // A K block of the warpgroup's own 64 rows: both halves, into acc_low and acc_high.
-  auto whole_rows_block = [&](int stage, int& in_flight) {
+  // A K block of the warpgroup's own 64 rows: both halves, into acc_low and acc_high (without
+  // promotion, waited for like fp8_block's: docs/decisions.md#mainloop-without-promotion).
+  auto whole_rows_block = [&](int stage) {
     if constexpr (Config::kBlockScales) {
       const float weight_low = weight_scale(stage, 0), weight_high = weight_scale(stage, 1);
       float token_scale[2];
@@ -150,13 +148,14 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     } else {
       issue_half(acc_low, tCrX, stage, 0, true);
       issue_half(acc_high, tCrX, stage, 1, true);
-      warpgroup_wait<2>();
-      if (in_flight >= 0) release_stage(in_flight);
-      in_flight = stage;
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_low);
+      warpgroup_fence_operand(acc_high);
+      release_stage(stage);
     }
   };
   // A K block of a short tile: the first subtile's rows, this warpgroup's half, into acc_low.
-  auto short_rows_block = [&](int stage, int& in_flight) {
+  auto short_rows_block = [&](int stage) {
     if constexpr (Config::kBlockScales) {
       const float weight = weight_scale(stage, warpgroup);
       float token_scale[2];
@@ -168,9 +167,9 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
       promote(acc_low, weight, token_scale);
     } else {
       issue_half(acc_low, tCrX_short, stage, warpgroup, true);
-      warpgroup_wait<1>();
-      if (in_flight >= 0) release_stage(in_flight);
-      in_flight = stage;
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_low);
+      release_stage(stage);
     }
   };
 
@@ -178,17 +177,10 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   // rather than a branch per K block, whose join keeps both kinds' registers live (the fp8 build
   // spilled).
   auto k_loop = [&](auto k_block) {
-    int in_flight = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       if (kb > 0) ptx::wait_parity(&smem.full[state.stage], state.phase);  // K block 0's: before the tile
-      k_block(state.stage, in_flight);
+      k_block(state.stage);
       state.advance();
-    }
-    if constexpr (!Config::kBlockScales) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_low);
-      warpgroup_fence_operand(acc_high);
-      release_stage(in_flight);
     }
   };
 
