@@ -29,7 +29,7 @@ README_END = "<!-- end of results -->"
 # Order of the sections on the performance page; workloads and precisions not named here follow,
 # sorted by name.
 WORKLOAD_ORDER = ["qwen35-a3b", "qwen3-30b-a3b", "dsv3"]
-PRECISION_ORDER = ["fp8_block", "bf16"]
+PRECISION_ORDER = ["fp8_block", "fp8_tensor", "fp8_tensor (dynamic activation scales)", "bf16"]
 NOT_RECORDED = "not recorded in the JSON"
 
 
@@ -62,7 +62,10 @@ def load(results_dir=RESULTS):
             results.ep[path.stem] = sorted(data, key=lambda r: r["tokens_per_rank"])
             results.paths[("ep", path.stem)] = shown
         elif isinstance(data, list) and data and all("tokens" in r and "median_us" in r for r in data):
-            keys = {(r["workload"], r["precision"]) for r in data}
+            # fp8_tensor with dynamic activation scales is a section of its own.
+            keys = {(r["workload"], r["precision"] + (" (dynamic activation scales)"
+                                                      if r.get("input_scales") == "dynamic" else ""))
+                    for r in data}
             if len(keys) != 1:
                 sys.exit(f"{path}: records of several workloads or precisions: {sorted(keys)}")
             key = keys.pop()
