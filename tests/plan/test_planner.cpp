@@ -228,6 +228,36 @@ TEST(Planner, Fp8TensorStagesHoldCodesOnly) {
   }
 }
 
+// fp8_tensor with dynamic activation scales: the same tiles as with static ones, seven launches (x's
+// amax, FC1's output encoded) said in the printed plan with the reason, and a bf16 copy of FC1's
+// output in the workspace; other precisions ignore the input scales.
+TEST(Planner, DynamicInputScalesAddTwoLaunchesAndABf16Fc1Output) {
+  const DeviceFacts h200 = DeviceFacts::h200_measured();
+  const MoeSpec tensor = workload("qwen35-a3b", Precision::fp8_tensor);
+  const LayerPlan fixed = plan_layer(tensor, 4096, {}, h200);
+  const LayerPlan dynamic = plan_layer(tensor, 4096, {}, h200, InputScales::dynamic);
+  EXPECT_TRUE(fixed.workspace.tensor_scales && !fixed.workspace.dynamic_scales);
+  EXPECT_TRUE(dynamic.workspace.dynamic_scales);
+  EXPECT_EQ(dynamic.workspace.total_bytes - fixed.workspace.total_bytes,
+            layout::align_up(dynamic.workspace.pool_rows * tensor.intermediate * 2, layout::kRegionAlignment));
+  for (int tokens : {1, 128, 4096}) {
+    SCOPED_TRACE(tokens);
+    const ForwardPlan f = plan_forward(tensor, fixed, tokens, CombineMode::deterministic, h200, PlanDetail::explained);
+    const ForwardPlan d = plan_forward(tensor, dynamic, tokens, CombineMode::deterministic, h200, PlanDetail::explained);
+    EXPECT_EQ(f.launches, 5);
+    EXPECT_EQ(d.launches, 7);
+    EXPECT_EQ(d.token_tile, f.token_tile);
+    std::ostringstream printed;
+    printed << d;
+    EXPECT_NE(printed.str().find("seven kernels"), std::string::npos) << printed.str();
+    EXPECT_NE(printed.str().find("dynamic activation scales"), std::string::npos) << printed.str();
+    // Without the reasons (a forward's own plan) the count is the same.
+    EXPECT_EQ(plan_forward(tensor, dynamic, tokens, CombineMode::deterministic, h200, PlanDetail::decisions).launches, 7);
+  }
+  const MoeSpec block = workload("qwen35-a3b", Precision::fp8_block);
+  EXPECT_FALSE(plan_layer(block, 4096, {}, h200, InputScales::dynamic).workspace.dynamic_scales);
+}
+
 // A layer whose option fixes the token tile pads its pool for that tile, not the planner's.
 TEST(Planner, AFixedTokenTilePadsTheWorkspaceForIt) {
   const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);

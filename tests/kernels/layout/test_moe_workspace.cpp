@@ -26,9 +26,16 @@ TEST(MoeWorkspaceLayout, WorstCasePoolCoversEveryRoutingThatFits) {
 }
 
 TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
-  for (Precision precision : {Precision::bf16, Precision::fp8_block, Precision::fp8_tensor}) {
-    const MoeWorkspaceLayout l = MoeWorkspaceLayout::make(256, 8, 7168, 2048, 4096, 128, precision);
+  const std::vector<std::pair<Precision, InputScales>> kinds = {
+      {Precision::bf16, InputScales::from_checkpoint}, {Precision::fp8_block, InputScales::from_checkpoint},
+      {Precision::fp8_tensor, InputScales::from_checkpoint}, {Precision::fp8_tensor, InputScales::dynamic},
+      {Precision::fp8_block, InputScales::dynamic}};  // read by fp8_tensor only
+  for (const auto& [precision, input_scales] : kinds) {
+    const MoeWorkspaceLayout l = MoeWorkspaceLayout::make(256, 8, 7168, 2048, 4096, 128, precision, input_scales);
     const bool fp8 = precision != Precision::bf16, block_scales = precision == Precision::fp8_block;
+    const bool tensor = precision == Precision::fp8_tensor, dynamic = tensor && input_scales == InputScales::dynamic;
+    EXPECT_EQ(l.tensor_scales, tensor);
+    EXPECT_EQ(l.dynamic_scales, dynamic);
     const size_t slots = 4096ull * 8;
     const std::vector<std::pair<size_t, size_t>> regions = {
         {l.expert_counts, 4 * 256},
@@ -46,10 +53,13 @@ TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
         {l.activations, l.pool_rows * 7168 * (fp8 ? 1 : 2)},
         {l.activation_scales, block_scales ? l.pool_rows * 56 * 4 : 0},
         {l.fc1_output, l.pool_rows * 2048 * (fp8 ? 1 : 2)},
+        {l.fc1_output_bf16, dynamic ? l.pool_rows * 2048 * 2 : 0},
         {l.fc1_scales, block_scales ? l.pool_rows * 16 * 4 : 0},
         {l.slot_outputs, slots * 7168 * 2},
         {l.y_accumulator, 4096ull * 7168 * 4},
-        {l.error_flags, 16}};
+        {l.error_flags, 16},
+        {l.forward_counters, 4 * kForwardCounterSlots},
+        {l.tensor_scale_slots, tensor ? sizeof(TensorScaleSlots) : 0}};
     test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
     EXPECT_EQ(l.pool_rows % 128, 0u);
   }
