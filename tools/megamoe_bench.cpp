@@ -139,6 +139,10 @@ Options parse(int argc, char** argv) {
       value_option("--num-sms", [&](Value v) { o.layer.num_sms = parse_option_int("--num-sms", v, "an integer"); }),
       value_option("--launch", [&](Value v) { o.layer.launch = parse_choice("--launch", v, kLaunches); }),
   });
+  if (o.input_scales == InputScales::dynamic && o.precision != Precision::fp8_tensor) {
+    throw cli::UsageError(std::string("--input-scales dynamic applies to --precision fp8_tensor, not ") +
+                          to_string(o.precision));
+  }
   return o;
 }
 

@@ -48,8 +48,9 @@ class MoeLayer {
   long take_invalid_routing_ids(cudaStream_t stream);
 
   // fp8_tensor: the activation scales (x's, and FC2's input's) the last forward on `stream` used:
-  // the static ones, or the dynamic ones it computed (InputScales::dynamic). Synchronizes `stream`;
-  // throws megamoe::Error(invalid_argument) for the other precisions.
+  // the static ones, or the dynamic ones it computed (InputScales::dynamic; 0 before the first
+  // forward, and a call of zero tokens leaves the previous ones). Synchronizes `stream`, so not
+  // while it is being captured; throws megamoe::Error(invalid_argument) for the other precisions.
   struct ActivationScales {
     float fc1;
     float fc2;

@@ -311,10 +311,14 @@ MoeLayer::ActivationScales MoeLayer::activation_scales(cudaStream_t stream) cons
                                                  to_string(spec_.precision) +
                                                  " layer has no per-tensor activation scales (fp8_tensor only)");
   }
-  std::lock_guard<std::mutex> lock(impl_->mutex);
   layout::TensorScaleSlots slots{};
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&slots, w.at<void>(impl_->workspace, w.tensor_scale_slots), sizeof slots,
-                                     cudaMemcpyDeviceToHost, stream));
+  {
+    // Ordered after the forwards already enqueued on `stream`; other threads' forwards need not
+    // wait for the synchronization.
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&slots, w.at<void>(impl_->workspace, w.tensor_scale_slots), sizeof slots,
+                                       cudaMemcpyDeviceToHost, stream));
+  }
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return ActivationScales{slots.fc1_scale, slots.fc2_scale};
 }

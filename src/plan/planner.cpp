@@ -244,8 +244,9 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
                                p.token_tile, p.expected_rows_per_expert,
                                static_cast<long long>(std::ceil(rows_to_cover(mean_rows)))));
   }
+  const char* per_stage = p.launches == 7 ? "seven kernels" : "five kernels";
   if (o.launch != ForwardLaunch::automatic) {
-    p.reasons.push_back(std::string(p.single_kernel ? "one persistent kernel" : "five kernels") +
+    p.reasons.push_back(std::string(p.single_kernel ? "one persistent kernel" : per_stage) +
                         ": options.launch=" + to_string(o.launch) +
                         (p.single_kernel && o.token_tile == 0 ? format(" (token tile at most %lld)",
                                                                         static_cast<long long>(kMaxSingleKernelTokenTile))
@@ -255,14 +256,15 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
                                static_cast<long long>(kMaxSingleKernelTokens), p.token_tile,
                                static_cast<long long>(kMaxSingleKernelTokenTile)));
   } else {
-    p.reasons.push_back(format("five kernels: under options.launch=auto the single kernel takes at most %lld tokens "
+    p.reasons.push_back(std::string(per_stage) +
+                        format(": under options.launch=auto the single kernel takes at most %lld tokens "
                                "(0: it is opt-in, not yet faster) and token tiles of at most %lld",
                                static_cast<long long>(kMaxSingleKernelTokens),
                                static_cast<long long>(kMaxSingleKernelTokenTile)));
   }
   if (layer.workspace.dynamic_scales) {
-    p.reasons.push_back("seven kernels: fp8_tensor's dynamic activation scales add x's amax before the router and "
-                        "the encoding of FC1's bf16 output before FC2 (docs/decisions.md#dynamic-input-scales)");
+    p.reasons.push_back("seven kernels, not five: fp8_tensor's dynamic activation scales add x's amax before the "
+                        "router and the encoding of FC1's bf16 output before FC2 (docs/decisions.md#dynamic-input-scales)");
   }
   if (spec.precision != Precision::fp8_block) {
     p.reasons.push_back("FC1 reads the gathered pool: rows are copied from x's fp8_block copy only");

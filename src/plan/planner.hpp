@@ -71,7 +71,7 @@ struct ForwardPlan {
   int tokens = 0;                       // the rows the tiles were chosen for
   int expected_rows_per_expert = 0;     // under uniform routing
   int token_tile = 0;                   // 16, 32 or 64 (swapAB) or 128 (tokens on M), for FC1 and FC2
-  bool single_kernel = false;           // one persistent launch, else five
+  bool single_kernel = false;           // one persistent launch, else one per stage (launches)
   int launches = 5;                     // kernels per forward: 1, 5, or 7 (fp8_tensor's dynamic scales add two)
   bool weight_multicast = false;        // tokens on M: the GEMMs' CTAs in pairs sharing weight blocks
   bool fc1_copies_token_rows = false;

@@ -205,6 +205,12 @@ void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed) {
     throw Error(ErrorCode::null_pointer,
                 std::string("packed ") + to_string(packed.precision) + " weights need w13_scales and w2_scales");
   }
+  if (packed.precision == Precision::fp8_tensor && packed.input_scales != InputScales::from_checkpoint &&
+      packed.input_scales != InputScales::dynamic) {
+    throw Error(ErrorCode::invalid_argument,
+                "packed fp8_tensor weights: input_scales=" + std::to_string(static_cast<int>(packed.input_scales)) +
+                    " is neither InputScales::from_checkpoint nor InputScales::dynamic");
+  }
   if (packed.precision == Precision::fp8_tensor && packed.input_scales == InputScales::from_checkpoint &&
       !(is_valid_input_scale(packed.fc1_input_scale) && is_valid_input_scale(packed.fc2_input_scale))) {
     throw Error(ErrorCode::invalid_argument,

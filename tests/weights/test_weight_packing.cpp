@@ -517,6 +517,10 @@ TEST(PrepareFp8Tensor, NoInputScalesPackDynamicScales) {
   PackedWeightsView unscaled = dynamic.view();
   unscaled.input_scales = InputScales::from_checkpoint;
   EXPECT_THROW(validate_packed(spec, unscaled), Error);
+  // Nor is a value that names neither kind (a cast from another language's integer).
+  PackedWeightsView unnamed = dynamic.view();
+  unnamed.input_scales = static_cast<InputScales>(7);
+  EXPECT_THROW(validate_packed(spec, unnamed), Error);
 }
 
 TEST(PrepareFp8Tensor, RejectsBadInput) {

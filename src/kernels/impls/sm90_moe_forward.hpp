@@ -48,7 +48,7 @@ struct MoeLaunchChoices {
   bool weight_multicast;       // tokens on M: the GEMMs' CTAs in pairs sharing each weight block
   bool fc1_copies_token_rows;  // fp8_block: the gather writes a row per token, FC1 copies its rows from it
   bool deterministic;          // slot store + ordered combine, else atomic combine
-  bool single_kernel;          // the whole forward in one launch (pool rows only), else five
+  bool single_kernel;          // the whole forward in one launch (pool rows only), else one per stage
   int grid;                    // persistent CTAs of the GEMMs (of the single kernel)
   int fc1_stages;
   int fc2_stages;
