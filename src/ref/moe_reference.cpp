@@ -78,7 +78,8 @@ std::vector<double> round_per_tensor(const std::vector<float>& values, float sca
   return quant::dequantize_per_tensor(codes.data(), codes.size(), scale);
 }
 
-std::vector<double> load_activations(const MoeSpec& spec, const Rounding& rounding, const MoeInputs& inputs) {
+// x as the device encodes it; a dynamic fp8_tensor scale computed from it is left in `rounding`.
+std::vector<double> load_activations(const MoeSpec& spec, Rounding& rounding, const MoeInputs& inputs) {
   const int T = inputs.num_tokens, H = spec.hidden;
   const bf16_t* x = static_cast<const bf16_t*>(inputs.x);
   std::vector<float> xf(static_cast<size_t>(T) * H);
@@ -87,7 +88,10 @@ std::vector<double> load_activations(const MoeSpec& spec, const Rounding& roundi
     const quant::QuantizedRows q = quant::quantize_rows_per_128(xf.data(), T, H, spec.scale_format);
     return quant::dequantize_rows_per_128(q.codes.data(), q.scales.data(), T, H);
   }
-  if (rounding.path == ActivationPath::fp8_tensor) return round_per_tensor(xf, rounding.fc1_input_scale);
+  if (rounding.path == ActivationPath::fp8_tensor) {
+    if (rounding.computes_scales) rounding.fc1_input_scale = quant::tensor_scale(finite_amax(xf));
+    return round_per_tensor(xf, rounding.fc1_input_scale);
+  }
   return std::vector<double>(xf.begin(), xf.end());
 }
 
@@ -101,25 +105,8 @@ void round_fc1_output(const MoeSpec& spec, const Rounding& rounding, std::vector
     const quant::QuantizedRows q = quant::quantize_rows_per_128(hf.data(), 1, I, spec.scale_format);
     h = quant::dequantize_rows_per_128(q.codes.data(), q.scales.data(), 1, I);
   } else if (rounding.path == ActivationPath::fp8_tensor) {
-    // Dynamic scales: the device stores FC1's output in bf16 and encodes that (dynamic_fc2_scale).
-    std::vector<float> hf(h.begin(), h.end());
-    if (rounding.dynamic)
-      for (float& v : hf) v = bf16_t::from_float(v).to_float();
-    h = round_per_tensor(hf, rounding.fc2_input_scale);
+    h = round_per_tensor(std::vector<float>(h.begin(), h.end()), rounding.fc2_input_scale);
   }
-}
-
-// Dynamic fp8_tensor: FC2's input scale from the FC1 output of every routed row, as the device
-// takes it: the amax of the values rounded to bf16.
-float dynamic_fc2_scale(const std::vector<std::vector<std::vector<double>>>& h_of_expert) {
-  float amax = 0.0f;
-  for (const auto& rows : h_of_expert)
-    for (const auto& row : rows) {
-      std::vector<float> rounded(row.size());
-      for (size_t c = 0; c < row.size(); ++c) rounded[c] = bf16_t::from_float(static_cast<float>(row[c])).to_float();
-      amax = std::fmax(amax, finite_amax(rounded));
-    }
-  return quant::tensor_scale(amax);
 }
 
 // Four independent partial sums: a single running sum waits on the add latency for every element
@@ -173,11 +160,18 @@ double compute_experts(const MoeSpec& spec, Rounding& rounding, const ExpertLoad
     double expert_amax = 0.0;
     for (const std::vector<double>& row : h)
       for (double v : row) expert_amax = std::max(expert_amax, std::fabs(v));
+    // Dynamic scales: the device stores FC1's output in bf16, takes its amax and encodes that.
+    if (rounding.dynamic)
+      for (std::vector<double>& row : h)
+        for (double& v : row) v = bf16_t::from_float(static_cast<float>(v)).to_float();
     std::lock_guard<std::mutex> lock(mutex);
     fc1_output_amax = std::max(fc1_output_amax, expert_amax);
   });
   if (path == ActivationPath::fp8_tensor && rounding.computes_scales) {
-    rounding.fc2_input_scale = dynamic_fc2_scale(h_of_expert);
+    float amax = 0.0f;
+    for (const auto& rows : h_of_expert)
+      for (const auto& row : rows) amax = std::fmax(amax, finite_amax(row));
+    rounding.fc2_input_scale = quant::tensor_scale(amax);
   }
   parallel_for(E, [&](int e) {
     const std::vector<Slot>& slots = slots_of_expert[e];
@@ -229,12 +223,6 @@ ReferenceRun run_reference(const MoeSpec& spec, Rounding rounding, const ExpertL
       if (check.used[index]) slots_of_expert[report.routing.ids[index]].push_back({t, index});
     }
 
-  if (rounding.path == ActivationPath::fp8_tensor && rounding.computes_scales) {
-    const bf16_t* x = static_cast<const bf16_t*>(inputs.x);
-    std::vector<float> xf(static_cast<size_t>(T) * H);
-    for (size_t i = 0; i < xf.size(); ++i) xf[i] = x[i].to_float();
-    rounding.fc1_input_scale = quant::tensor_scale(finite_amax(xf));
-  }
   const std::vector<double> activations = load_activations(spec, rounding, inputs);
   std::vector<double> slot_out(static_cast<size_t>(T) * k * H, 0.0);
   run.fc1_output_amax = compute_experts(spec, rounding, load_expert, activations, slots_of_expert, slot_out, progress);

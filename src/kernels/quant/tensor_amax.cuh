@@ -29,13 +29,13 @@ __device__ __forceinline__ void publish_amax(uint32_t* amax_bits, uint32_t bf16_
 }
 
 // The scale and encoding factor of a tensor whose amax has these float bits: quant::tensor_scale
-// and quant::tensor_factor, the same IEEE divisions.
+// (block_scale's fp32 scale) and quant::tensor_factor (1 / scale, not block_scale's 448 / amax).
 struct TensorScale {
   float scale;
   float factor;
 };
 __device__ __forceinline__ TensorScale tensor_scale_of(uint32_t amax_bits) {
-  const float scale = __fdiv_rn(fmaxf(__uint_as_float(amax_bits), kMinBlockAmax), kE4M3Max);
+  const float scale = block_scale(__uint_as_float(amax_bits), false).scale;
   return {scale, __fdiv_rn(1.0f, scale)};
 }
 
