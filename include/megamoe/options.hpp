@@ -19,7 +19,7 @@ enum class CombineMode {
 enum class Fc1TokenRows {
   automatic,  // the planner's choice per call: copied where experts get few rows
   pool,       // a pool of k gathered, quantized copies per token (the gather writes them)
-  row_copy,   // copied by FC1 from one quantized row per token (fp8_block only)
+  row_copy,   // copied by FC1 from one quantized row per token (fp8_block or fp8_tensor)
 };
 
 // How a forward is launched (docs/design.md#single-kernel-forward). Both give the same output bit

@@ -19,10 +19,9 @@ void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
                 "options.token_tile=128 (tokens on M) reads FC1's rows from the pool: it takes fc1_token_rows=auto or "
                 "pool, not row_copy");
   }
-  if (options.fc1_token_rows == Fc1TokenRows::row_copy && spec.precision != Precision::fp8_block) {
+  if (options.fc1_token_rows == Fc1TokenRows::row_copy && spec.precision == Precision::bf16) {
     throw Error(ErrorCode::invalid_argument,
-                std::string("options.fc1_token_rows=row_copy copies x's fp8 rows: it needs precision fp8_block, not ") +
-                    to_string(spec.precision));
+                "options.fc1_token_rows=row_copy copies x's fp8 rows: it needs precision fp8_block or fp8_tensor, not bf16");
   }
   if (options.launch == ForwardLaunch::single_kernel) {
     if (spec.precision == Precision::fp8_tensor) {

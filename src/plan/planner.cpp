@@ -45,7 +45,7 @@ double rows_to_cover(double mean_rows) { return mean_rows + kTokenTileSpread * s
 
 // fc1_copies_token_rows' rule, from the mean rows per touched expert.
 bool copies_rows_for(const MoeSpec& spec, double mean_rows) {
-  return spec.precision == Precision::fp8_block && mean_rows <= kMaxRowsPerExpertForRowCopy;
+  return spec.precision != Precision::bf16 && mean_rows <= kMaxRowsPerExpertForRowCopy;
 }
 
 // The row copy fills swapAB's token blocks only.
@@ -214,7 +214,7 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
       p.fc1_copies_token_rows = !p.single_kernel && copies_rows_for(spec, mean_rows, p.token_tile);
       break;
     case Fc1TokenRows::pool: p.fc1_copies_token_rows = false; break;
-    case Fc1TokenRows::row_copy: p.fc1_copies_token_rows = spec.precision == Precision::fp8_block; break;
+    case Fc1TokenRows::row_copy: p.fc1_copies_token_rows = spec.precision != Precision::bf16; break;
   }
   p.combine = combine;
   const int requested_grid = o.num_sms != 0 ? std::min(o.num_sms, facts.num_sms) : facts.num_sms;
@@ -266,8 +266,8 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
     p.reasons.push_back("seven kernels, not five: fp8_tensor's dynamic activation scales add x's amax before the "
                         "router and the encoding of FC1's bf16 output before FC2 (docs/decisions.md#dynamic-input-scales)");
   }
-  if (spec.precision != Precision::fp8_block) {
-    p.reasons.push_back("FC1 reads the gathered pool: rows are copied from x's fp8_block copy only");
+  if (spec.precision == Precision::bf16) {
+    p.reasons.push_back("FC1 reads the gathered pool: rows are copied from an fp8 copy of x only");
   } else if (layout::gemm_tokens_on_m(p.token_tile)) {
     p.reasons.push_back("FC1 reads the gathered pool: the row copy fills swapAB's token blocks only");
   } else if (p.single_kernel) {

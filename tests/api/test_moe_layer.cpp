@@ -411,10 +411,11 @@ TEST(MoeLayer, NonFiniteInputsLeaveTheOtherTokensScale) {
 // Layers on the fixture's packed weights for up to `max_tokens` tokens, one built with each of
 // `variants`, and what they give for the same inputs: the same y bit for bit.
 void expect_same_output_under(std::initializer_list<MoeLayerOptions> variants, std::initializer_list<int> token_counts,
-                              int max_tokens = kMaxTokens) {
+                              int max_tokens = kMaxTokens, Precision precision = Precision::fp8_block,
+                              InputScales input_scales = InputScales::from_checkpoint) {
   test::SeededRng rng;
-  const Case workload{"qwen35-a3b", Precision::fp8_block, 1, RoutingKind::workload, Skew::uniform,
-                      CombineMode::deterministic};
+  const Case workload{"qwen35-a3b", precision, 1, RoutingKind::workload, Skew::uniform, CombineMode::deterministic,
+                      input_scales};
   LayerFixture& f = fixture_for(workload, rng.seed());
   std::vector<std::unique_ptr<MoeLayer>> layers;
   for (const MoeLayerOptions& options : variants) {
@@ -436,10 +437,15 @@ void expect_same_output_under(std::initializer_list<MoeLayerOptions> variants, s
 // fp8 FC1 reads its token rows from the gathered pool, or copies them from one quantized row per
 // token (where experts get few rows): the same bytes into the same stages, so the same output bit
 // for bit. 2048 tokens forces the copy onto full 64-row tiles, which the planner never gives it.
+// fp8_tensor's copy carries no scales; with dynamic scales its gather encodes with the device's
+// own scale of x, read after the amax kernel.
 TEST(MoeLayer, TokenRowCopyMatchesThePoolBitForBit) {
   MEGAMOE_REQUIRE_HOPPER();
-  expect_same_output_under({{.fc1_token_rows = Fc1TokenRows::pool}, {.fc1_token_rows = Fc1TokenRows::row_copy}},
-                           {7, 128, 2048});
+  const std::initializer_list<MoeLayerOptions> variants{{.fc1_token_rows = Fc1TokenRows::pool},
+                                                        {.fc1_token_rows = Fc1TokenRows::row_copy}};
+  expect_same_output_under(variants, {7, 128, 2048});
+  expect_same_output_under(variants, {7, 128, 2048}, kMaxTokens, Precision::fp8_tensor);
+  expect_same_output_under(variants, {7, 1000}, kMaxTokens, Precision::fp8_tensor, InputScales::dynamic);
 }
 
 // A token's output element is the same sums in the same order whatever the token tile: the tile

@@ -98,8 +98,10 @@ TEST(Planner, Fc1CopiesTokenRowsOnlyForFewRowsPerExpert) {
   for (int tokens : {1, 16, 128, 1024}) EXPECT_TRUE(fc1_copies_token_rows(fp8, tokens)) << tokens << " tokens";
   for (int tokens : {2048, 8192}) EXPECT_FALSE(fc1_copies_token_rows(fp8, tokens)) << tokens << " tokens";
   EXPECT_FALSE(fc1_copies_token_rows(workload("qwen35-a3b", Precision::bf16), 1)) << "rows are copied from fp8 only";
-  EXPECT_FALSE(fc1_copies_token_rows(workload("qwen35-a3b", Precision::fp8_tensor), 1))
-      << "the copy carries block scales, which fp8_tensor has none of";
+  for (int tokens : {1, 1024}) {
+    EXPECT_TRUE(fc1_copies_token_rows(workload("qwen35-a3b", Precision::fp8_tensor), tokens))
+        << tokens << " tokens: fp8_tensor's copy is its codes alone";
+  }
   EXPECT_FALSE(fc1_copies_token_rows(workload("dsv3", Precision::fp8_block), 8192));
 }
 
@@ -223,7 +225,7 @@ TEST(Planner, Fp8TensorStagesHoldCodesOnly) {
     EXPECT_EQ(t.fc1.stage_bytes, (layout::kGemmChannelTile + t.token_tile) * layout::kGemmKBytes);
     EXPECT_LT(t.fc1.stage_bytes, b.fc1.stage_bytes);
     EXPECT_GE(t.fc1.stages, b.fc1.stages);
-    EXPECT_FALSE(t.fc1_copies_token_rows);
+    EXPECT_EQ(t.fc1_copies_token_rows, b.fc1_copies_token_rows) << "the row copy carries codes alone for fp8_tensor";
     EXPECT_FALSE(t.single_kernel);
   }
 }

@@ -496,7 +496,7 @@ def test_prepare_weights_checks_its_arguments():
     # The planner's choices a caller may fix, checked by the library's own rules.
     (dict(token_tile=48), ValueError, "options.token_tile=48 must be 16, 32, 64 or 128"),
     (dict(fc1_token_rows="copy"), ValueError, "fc1_token_rows must be 'auto', 'pool' or 'row_copy'"),
-    (dict(fc1_token_rows="row_copy", precision="bf16"), ValueError, "needs precision fp8_block"),
+    (dict(fc1_token_rows="row_copy", precision="bf16"), ValueError, "needs precision fp8_block or fp8_tensor"),
     (dict(num_sms=-1), ValueError, "num_sms=-1 is out of range"),
     (dict(launch="fused"), ValueError, "launch must be 'auto', 'per_stage' or 'single_kernel'"),
     (dict(launch="single_kernel", token_tile=64), ValueError, "takes token tiles of 16 or 32"),

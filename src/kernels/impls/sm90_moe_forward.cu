@@ -51,9 +51,12 @@ void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, con
 template <GemmOp kOp>
 void dispatch_gemm(const MoeLayerParams& f, const MoeLaunchChoices& c, const GemmArguments& g, int stages,
                    cudaStream_t stream) {
-  // fp8_block FC1 may copy its rows from x's quantized copy (the gather's rows_by_token).
+  // fp8 FC1 may copy its rows from x's quantized copy (the gather's rows_by_token).
   if constexpr (kOp == GemmOp::fc1_swiglu) {
     if (c.fc1_copies_token_rows) {
+      if (f.precision == Precision::fp8_tensor) {
+        return dispatch_token_tile<Precision::fp8_tensor, kOp, true>(f, c, g, stages, stream);
+      }
       return dispatch_token_tile<Precision::fp8_block, kOp, true>(f, c, g, stages, stream);
     }
   }
@@ -90,8 +93,8 @@ void launch_moe_forward(const MoeLayerParams& f, const MoeLaunchChoices& c, cons
                         cudaStream_t stream) {
   const int T = call.num_tokens;
   if (T == 0) return;
-  if (c.fc1_copies_token_rows && f.precision != Precision::fp8_block) {
-    throw Error(ErrorCode::unsupported, "internal: FC1 copies token rows from the fp8_block copy of x only");
+  if (c.fc1_copies_token_rows && f.precision == Precision::bf16) {
+    throw Error(ErrorCode::unsupported, "internal: FC1 copies token rows from an fp8 copy of x only");
   }
   if (c.single_kernel && c.weight_multicast) {
     throw Error(ErrorCode::unsupported, "internal: the single kernel has no CTA pairs (planner bug)");

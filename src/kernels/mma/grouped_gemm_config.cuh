@@ -38,7 +38,8 @@ static_assert(128 * kProducerRegisters + 128 * layout::kGemmMathWarpgroups * kCo
               "the math warpgroups would wait forever for registers the producer never released");
 
 // kCopiesRows: the token role is a whole warp copying the tile's rows of x's quantized copy
-// (permute/stage_row_copy.cuh) instead of one lane's TMA loads of the gathered pool (FC1, fp8).
+// (permute/stage_row_copy.cuh) instead of one lane's TMA loads of the gathered pool (FC1, fp8_block or
+// fp8_tensor).
 // kPairs: the CTAs run in clusters of two on the tiles 2u and 2u + 1 of the numbering
 // (scheduler/tile_numbering.hpp); where those share a weight block each CTA loads half of it into
 // both by TMA multicast (docs/decisions.md#weight-multicast-pairs).
@@ -57,8 +58,8 @@ struct GroupedGemmConfig {
   static constexpr bool kTokensOnM = layout::gemm_tokens_on_m(kTokenTile);
   static constexpr bool kSharesWeights = kPairs;
   static constexpr int kClusterSize = kPairs ? 2 : 1;
-  static_assert(!kCopiesRows || (kBlockScales && kOp == GemmOp::fc1_swiglu),
-                "rows and their block scales are copied from x's fp8_block copy, by FC1");
+  static_assert(!kCopiesRows || (kFp8 && kOp == GemmOp::fc1_swiglu),
+                "rows (and fp8_block's scales) are copied from x's fp8 copy, by FC1");
   static_assert(!(kCopiesRows && kTokensOnM), "the row copy fills swapAB's token blocks only");
   static_assert(!kPairs || kTokensOnM, "CTA pairs share the weight blocks of the tokens-on-M layout only");
   // FC1 waits for the gather's whole grid; FC2 per expert for FC1's tiles (pipeline/fc1_handoff.cuh).

@@ -1,6 +1,6 @@
 // Token role of FC1 when the gather quantizes each token once (GatherParams::rows_by_token): one
 // producer warp copies each tile's rows, K block by K block, from x's quantized copy ([T, H], row =
-// token) and its scales into the stage's token block with cp.async, in the layout a TMA load of the
+// token) and (fp8_block) its scales into the stage's token block with cp.async, in the layout a TMA load of the
 // pool would leave there (K-major, 128-byte swizzle), so the math warps cannot tell the two apart.
 // The pool of k copies of every row is then never written: the gather writes T rows instead of
 // T * k, and FC1 reads rows from a copy k times smaller, which L2 keeps.
@@ -22,7 +22,7 @@ namespace megamoe::kernels {
 // What the row copy reads: x quantized per token (the gather's rows_by_token mode).
 struct QuantizedTokenRows {
   const uint8_t* rows;       // e4m3 [T, hidden]
-  const float* scales;       // [hidden / 128, scale_stride]: token t's scale of K block kb at kb * stride + t
+  const float* scales;       // fp8_block: [hidden / 128, scale_stride], token t's scale of K block kb at kb * stride + t
   int scale_stride;
   const int32_t* pool_slot;  // [pool rows]: slot = token * top_k + j
   int top_k;
@@ -31,7 +31,7 @@ struct QuantizedTokenRows {
 
 template <class Config>
 struct StageRowCopy {
-  static_assert(Config::kBlockScales && Config::kBlockK == 128, "a row's K block is one 128-byte line of e4m3");
+  static_assert(Config::kFp8 && Config::kBlockK == 128, "a row's K block is one 128-byte line of e4m3");
   static constexpr int kRows = Config::kBlockN;
   static constexpr int kChunks = 8;                  // 16-byte chunks of a row's K block
   static constexpr int kRowsPerCopy = 32 / kChunks;  // rows one warp instruction copies
@@ -89,12 +89,16 @@ struct StageRowCopy {
           ptx::cp_async_16_or_zero(b + swizzled_offset(row, chunk, state.stage),
                                    block_start + static_cast<size_t>(t < 0 ? 0 : t) * src.hidden, t >= 0);
         }
-        float* scales = token_scales + state.stage * Config::kScaleStageStride;
-        const float* block_scales = src.scales + static_cast<size_t>(kb) * src.scale_stride;
+        if constexpr (Config::kBlockScales) {
+          float* scales = token_scales + state.stage * Config::kScaleStageStride;
+          const float* block_scales = src.scales + static_cast<size_t>(kb) * src.scale_stride;
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) {
-          const int row = lane + 32 * h;
-          if (row < rows) ptx::cp_async_4_or_zero(scales + row, block_scales + (token[h] < 0 ? 0 : token[h]), token[h] >= 0);
+          for (int h = 0; h < kHalves; ++h) {
+            const int row = lane + 32 * h;
+            if (row < rows) {
+              ptx::cp_async_4_or_zero(scales + row, block_scales + (token[h] < 0 ? 0 : token[h]), token[h] >= 0);
+            }
+          }
         }
         ptx::cp_async_mbarrier_arrive_noinc(&full[state.stage]);
       }
