@@ -637,6 +637,7 @@ void expect_only_valid_rows_computed(test::SeededRng& rng, const Case& c) {
   }
   test::PrecomputedCall device_call(f.spec, in, c.tokens);
   for (const int count : {rng.integer(1, c.tokens - 1), 0, c.tokens + 5}) {
+    SCOPED_TRACE("valid count " + std::to_string(count));
     device_call.y.poison();
     f.layer->forward(nullptr, device_call.inputs(count), MoeOutputs{device_call.y.get()});
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -645,9 +646,20 @@ void expect_only_valid_rows_computed(test::SeededRng& rng, const Case& c) {
     if (rows > 0) {
       std::vector<bf16_t> want(static_cast<size_t>(rows) * H);
       const ref::ReferenceReport report = ref::reference_forward(f.spec, f.packed, in.view(rows), MoeOutputs{want.data()});
-      const Comparison tight = compare(std::vector<bf16_t>(got.begin(), got.begin() + want.size()), report.y);
-      EXPECT_EQ(tight.non_finite, 0) << "valid count " << count;
-      expect_tight(c.precision, tight);
+      // Where the large token is valid its y (some 64^2 times the others', through SwiGLU) would
+      // set the rms every error is normalized by, so its row and the others are compared apart:
+      // otherwise fp8_tensor's percent-level error on that one row reads as 0.2-0.6 normalized.
+      const int ordinary_rows = std::min(rows, c.tokens - 1);
+      for (const auto& [first, last] : {std::pair{0, ordinary_rows}, std::pair{ordinary_rows, rows}}) {
+        if (first == last) continue;
+        SCOPED_TRACE("rows " + std::to_string(first) + " to " + std::to_string(last));
+        const auto begin = static_cast<ptrdiff_t>(first) * H, end = static_cast<ptrdiff_t>(last) * H;
+        const Comparison tight = compare(std::vector<bf16_t>(got.begin() + begin, got.begin() + end),
+                                         std::vector<double>(report.y.begin() + begin, report.y.begin() + end));
+        EXPECT_EQ(tight.non_finite, 0);
+        expect_tight(c.precision, tight);
+      }
+      if (c.input_scales == InputScales::dynamic) expect_dynamic_scales(*f.layer, f.spec, in, rows, report, true);
     }
     long written_padding = 0;
     for (size_t i = static_cast<size_t>(rows) * H; i < got.size(); ++i) written_padding += got[i].bits != 0xFFFF;
