@@ -21,7 +21,8 @@ void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
   }
   if (options.fc1_token_rows == Fc1TokenRows::row_copy && spec.precision == Precision::bf16) {
     throw Error(ErrorCode::invalid_argument,
-                "options.fc1_token_rows=row_copy copies x's fp8 rows: it needs precision fp8_block or fp8_tensor, not bf16");
+                "options.fc1_token_rows=row_copy copies x's fp8 rows: it needs precision fp8_block or fp8_tensor, "
+                "not bf16");
   }
   if (options.launch == ForwardLaunch::single_kernel) {
     if (spec.precision == Precision::fp8_tensor) {

@@ -1,7 +1,8 @@
 // Token role of FC1 when the gather quantizes each token once (GatherParams::rows_by_token): one
 // producer warp copies each tile's rows, K block by K block, from x's quantized copy ([T, H], row =
-// token) and (fp8_block) its scales into the stage's token block with cp.async, in the layout a TMA load of the
-// pool would leave there (K-major, 128-byte swizzle), so the math warps cannot tell the two apart.
+// token) and (fp8_block) its scales into the stage's token block with cp.async, in the layout a TMA
+// load of the pool would leave there (K-major, 128-byte swizzle), so the math warps cannot tell the
+// two apart.
 // The pool of k copies of every row is then never written: the gather writes T rows instead of
 // T * k, and FC1 reads rows from a copy k times smaller, which L2 keeps.
 //
@@ -22,7 +23,8 @@ namespace megamoe::kernels {
 // What the row copy reads: x quantized per token (the gather's rows_by_token mode).
 struct QuantizedTokenRows {
   const uint8_t* rows;       // e4m3 [T, hidden]
-  const float* scales;       // fp8_block: [hidden / 128, scale_stride], token t's scale of K block kb at kb * stride + t
+  const float* scales;       // fp8_block: [hidden / 128, scale_stride], token t's scale of K block kb at
+                             // kb * stride + t
   int scale_stride;
   const int32_t* pool_slot;  // [pool rows]: slot = token * top_k + j
   int top_k;
