@@ -9,6 +9,7 @@
 # MEGAMOE_AB_PREBUILT=.ab-prebuilt: each variant whose sources still hash the same takes its
 # binaries instead of building them there.
 #   MEGAMOE_AB_TARGETS="..." scripts/gpu/ab_prebuild.sh CHANGE.patch|flags:ARGS ...
+# (MEGAMOE_TORCH=OFF where this machine has no PyTorch: the targets above do not need it.)
 # shellcheck source-path=SCRIPTDIR
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: ab_prebuild.sh CHANGE.patch|flags:ARGS ..."; exit 2; }
