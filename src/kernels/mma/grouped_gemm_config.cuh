@@ -40,9 +40,10 @@ static_assert(128 * kProducerRegisters + 128 * layout::kGemmMathWarpgroups * kCo
 // kCopiesRows: the token role is a whole warp copying the tile's rows of x's quantized copy
 // (permute/stage_row_copy.cuh) instead of one lane's TMA loads of the gathered pool (FC1, fp8_block or
 // fp8_tensor).
-// kPairs: the CTAs run in clusters of two on the tiles 2u and 2u + 1 of the numbering
-// (scheduler/tile_numbering.hpp); where those share a weight block each CTA loads half of it into
-// both by TMA multicast (docs/decisions.md#weight-multicast-pairs).
+// kPairs: the CTAs run in clusters of two on the tiles 2u and 2u + 1 of the pairs' numbering
+// (scheduler/tile_numbering.hpp: an expert's short tiles after its full ones); where those share a
+// weight block each CTA loads half of it into both by TMA multicast
+// (docs/decisions.md#weight-multicast-pairs).
 // kPrecision: bf16 or E4M3 operands; fp8_block promotes each K block with the stage's weight and
 // token scales, fp8_tensor (like bf16) accumulates straight through K and applies its per-tensor
 // scales to the tile's accumulators before the epilogue (epilogue/tensor_scales.cuh).

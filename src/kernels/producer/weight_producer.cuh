@@ -83,14 +83,16 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   };
   TileQueueState<Config> queue;
   const int num_tiles = p.scheduler.num_tiles();
-  // Tile `linear` (< num_tiles) decoded and handed to the other producers. A pair's other tile is
-  // `linear ^ 1` (units are 2u, 2u + 1): past the last tile, this one's stages go back to this CTA
-  // alone (and, the last of its channel block, it shares nothing).
+  // Tile `linear` (< num_tiles) decoded and handed to the other producers. Pairs number an
+  // expert's short tiles after its full ones, so that a unit's two tiles are alike; a pair's other
+  // tile is `linear ^ 1` (units are 2u, 2u + 1): past the last tile, this one's stages go back to
+  // this CTA alone (and, the last of its channel block, it shares nothing).
   auto take = [&](int linear) {
-    GroupedTile tile = p.scheduler.tile(linear);
+    constexpr TileOrder kOrder = Config::kSharesWeights ? TileOrder::short_tiles_last : TileOrder::block_major;
+    GroupedTile tile = p.scheduler.template tile<kOrder>(linear);
     if constexpr (Config::kSharesWeights) {
       tile.alone_in_pair = (linear ^ 1) >= num_tiles;
-      shared_block = pair_shares_weights(tile, cta_rank);
+      shared_block = pair_shares_weights(tile, cta_rank, p.scheduler.full_tiles(tile.expert));
     }
     hand_over_tile<Config>(smem, queue, tile);
     return tile;

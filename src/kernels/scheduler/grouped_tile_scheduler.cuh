@@ -8,8 +8,9 @@
 // claims every tile (first_wave 0): there a tile that other tiles wait for must belong to a CTA
 // that is running, never to one that has not started (docs/design.md#single-kernel-forward).
 // CTA pairs (weight multicast) claim units of two tiles instead: pair c takes tiles 2c and 2c + 1
-// first, then its first CTA claims unit u for both, which hold tiles 2u and 2u + 1
-// (pipeline/pair_claims.cuh, docs/decisions.md#weight-multicast-pairs).
+// first, then its first CTA claims unit u for both, which hold tiles 2u and 2u + 1 of the order
+// that numbers an expert's short tiles last (pipeline/pair_claims.cuh,
+// docs/decisions.md#weight-multicast-pairs).
 #pragma once
 
 #include <cstdint>
@@ -81,9 +82,14 @@ struct GroupedTileScheduler {
     return first_wave + 2 * static_cast<int>(atomicAdd(tiles_claimed, 1u));
   }
 
+  template <TileOrder kOrder = TileOrder::block_major>
   __device__ __forceinline__ GroupedTile tile(int linear) const {
-    return number_tile(linear, token_tile_expert, token_tile_prefix, expert_offsets, expert_rows, channel_blocks,
-                       token_tile_rows);
+    return number_tile<kOrder>(linear, token_tile_expert, token_tile_prefix, expert_offsets, expert_rows,
+                               channel_blocks, token_tile_rows);
+  }
+  // The full-height token tiles of `expert` (its row count is in L1 after tile()).
+  __device__ __forceinline__ int full_tiles(int expert) const {
+    return expert_full_tiles(expert_rows[expert], token_tile_rows);
   }
 };
 

@@ -4,7 +4,9 @@
 //
 // Work is (expert, channel block, token tile). Tiles are numbered expert by expert; inside an
 // expert the channel block is the slow index and the token tile the fast one, so CTAs running at
-// the same time read the same weight tile and all but the first find it in L2.
+// the same time read the same weight tile and all but the first find it in L2. CTA pairs
+// (weight multicast) number an expert's short last tiles after its full ones (TileOrder), so that
+// the pairs' tiles 2u and 2u + 1 are alike.
 #pragma once
 
 #include <cstdint>
@@ -47,13 +49,33 @@ MEGAMOE_HOST_DEVICE constexpr int tile_subtiles(const GroupedTile& tile, int tok
   return subtile_rows < token_tile_rows && tile.valid_rows <= subtile_rows ? 1 : token_tile_rows / subtile_rows;
 }
 
-// Whether a CTA pair's two tiles (2u and 2u + 1 of the numbering below) multiply the same weight
-// block, which the pair then loads once for both by multicast; else each CTA loads its own
-// (docs/decisions.md#weight-multicast-pairs). From either CTA's own tile (`cta_rank` 0 holds 2u,
-// 1 holds 2u + 1): the token tile is the fast index of an (expert, channel block), so the other
-// tile shares it unless this one is the block's last (CTA 0) or first (CTA 1) token tile.
-MEGAMOE_HOST_DEVICE constexpr bool pair_shares_weights(const GroupedTile& tile, int cta_rank) {
-  return cta_rank == 0 ? tile.token_tile + 1 < tile.expert_token_tiles : tile.token_tile > 0;
+// An expert's token tiles of full height (all but a short last one of one subtile), from its
+// routed rows.
+MEGAMOE_HOST_DEVICE constexpr int expert_full_tiles(int routed_rows, int token_tile_rows) {
+  const int tiles = expert_segment(routed_rows, token_tile_rows).token_tiles;
+  const int subtile_rows = layout::gemm_token_subtile(token_tile_rows);
+  const bool short_last = tiles > 0 && subtile_rows < token_tile_rows &&
+                          routed_rows - (tiles - 1) * token_tile_rows <= subtile_rows;
+  return short_last ? tiles - 1 : tiles;
+}
+
+// The order of an expert's tiles in the numbering. block_major: channel block slow, token tile
+// fast. short_tiles_last, for CTA pairs: each channel block's full tiles in the same order, then
+// the expert's short last tiles (half a full tile's rows and MACs), one per channel block. A
+// pair moves at its slower tile's pace, and in block-major order global parity pairs a short
+// tile with a full one wherever an expert's tile count is odd or its last tile short
+// (docs/decisions.md#weight-multicast-pairs).
+enum class TileOrder { block_major, short_tiles_last };
+
+// Whether a CTA pair's two tiles (2u and 2u + 1 of the short_tiles_last numbering below) multiply
+// the same weight block, which the pair then loads once for both by multicast; else each CTA loads
+// its own (docs/decisions.md#weight-multicast-pairs). From either CTA's own tile (`cta_rank` 0
+// holds 2u, 1 holds 2u + 1) and its expert's full tiles: a channel block's full tiles are
+// consecutive, token tile fastest, so the other tile shares the block unless this one is the
+// block's last (CTA 0) or first (CTA 1) full tile; a short tile has no neighbour of its block.
+MEGAMOE_HOST_DEVICE constexpr bool pair_shares_weights(const GroupedTile& tile, int cta_rank, int full_tiles) {
+  if (tile.token_tile >= full_tiles) return false;  // the short last tile
+  return cta_rank == 0 ? tile.token_tile + 1 < full_tiles : tile.token_tile > 0;
 }
 
 // The expert of every token tile, in token_tile_prefix's numbering (token tiles of the experts
@@ -68,9 +90,10 @@ MEGAMOE_HOST_DEVICE inline void mark_expert_token_tiles(int expert, int first_to
 
 // The tile with linear index `linear` (0 <= linear < token_tile_prefix[E] * channel_blocks), from
 // the experts' token tiles, the exclusive prefix sums of their segments (token tiles and rows) and
-// their routed rows. Tiles are numbered expert by expert, so linear / channel_blocks is the
-// token tile whose expert owns the tile: expert e's tiles are [prefix[e] * channel_blocks,
-// prefix[e + 1] * channel_blocks).
+// their routed rows. Tiles are numbered expert by expert, in either order, so linear /
+// channel_blocks is the token tile whose expert owns the tile: expert e's tiles are
+// [prefix[e] * channel_blocks, prefix[e + 1] * channel_blocks).
+template <TileOrder kOrder = TileOrder::block_major>
 MEGAMOE_HOST_DEVICE MEGAMOE_FORCEINLINE GroupedTile number_tile(int linear, const int32_t* token_tile_expert,
                                                    const int32_t* token_tile_prefix, const int32_t* expert_offsets,
                                                    const int32_t* expert_rows, int channel_blocks, int token_tile_rows) {
@@ -80,8 +103,15 @@ MEGAMOE_HOST_DEVICE MEGAMOE_FORCEINLINE GroupedTile number_tile(int linear, cons
   const int local = linear - first;
   GroupedTile t;
   t.expert = expert;
-  t.channel_block = local / tiles_of_expert;
-  t.token_tile = local % tiles_of_expert;
+  if constexpr (kOrder == TileOrder::block_major) {
+    t.channel_block = local / tiles_of_expert;
+    t.token_tile = local % tiles_of_expert;
+  } else {
+    const int full_tiles = expert_full_tiles(expert_rows[expert], token_tile_rows);
+    const bool full = local < full_tiles * channel_blocks;  // then full_tiles > 0
+    t.channel_block = full ? local / full_tiles : local - full_tiles * channel_blocks;
+    t.token_tile = full ? local % full_tiles : tiles_of_expert - 1;
+  }
   t.pool_row = expert_offsets[expert] + t.token_tile * token_tile_rows;
   const int remaining = expert_rows[expert] - t.token_tile * token_tile_rows;
   t.valid_rows = remaining < token_tile_rows ? remaining : token_tile_rows;

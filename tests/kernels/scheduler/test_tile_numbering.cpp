@@ -44,19 +44,37 @@ Segments segments_for(const std::vector<int32_t>& rows, int token_tile_rows) {
   return s;
 }
 
+template <TileOrder kOrder>
+GroupedTile tile_of(const Segments& s, int linear, int channel_blocks, int token_tile_rows) {
+  return number_tile<kOrder>(linear, s.token_tile_expert.data(), s.token_tile_prefix.data(), s.offsets.data(),
+                             s.rows.data(), channel_blocks, token_tile_rows);
+}
+
+// Whether a tile is an expert's short last one (one subtile high).
+bool is_short(const GroupedTile& t, int token_tile_rows) {
+  return tile_subtiles(t, token_tile_rows) * layout::gemm_token_subtile(token_tile_rows) < token_tile_rows;
+}
+
 // Every linear index names a tile of a routed expert inside that expert's segment; together the
 // tiles of each (expert, channel block) cover the expert's rows once each, in token-tile order,
-// and the numbering runs expert by expert with the channel block as the slow index.
+// and the numbering runs expert by expert: with the channel block as the slow index
+// (block_major), or so for each block's full tiles and then the expert's short tiles by channel
+// block (short_tiles_last).
+template <TileOrder kOrder>
 void expect_numbering_covers_every_row(const std::vector<int32_t>& rows, int token_tile_rows, int channel_blocks) {
-  SCOPED_TRACE("token tile " + std::to_string(token_tile_rows) + ", channel blocks " + std::to_string(channel_blocks));
+  SCOPED_TRACE("token tile " + std::to_string(token_tile_rows) + ", channel blocks " + std::to_string(channel_blocks) +
+               (kOrder == TileOrder::block_major ? ", block major" : ", short tiles last"));
   const int E = static_cast<int>(rows.size());
   const Segments s = segments_for(rows, token_tile_rows);
   const int num_tiles = s.token_tile_prefix[E] * channel_blocks;
   std::map<std::pair<int, int>, std::vector<int>> covered;  // (expert, channel block) -> rows seen
+  auto order_key = [&](const GroupedTile& t) {
+    const int kind = kOrder == TileOrder::short_tiles_last && is_short(t, token_tile_rows) ? 1 : 0;
+    return std::make_tuple(t.expert, kind, t.channel_block, t.token_tile);
+  };
   GroupedTile previous{-1, 0, 0, 0, 0, 0, 0};
   for (int linear = 0; linear < num_tiles; ++linear) {
-    const GroupedTile t = number_tile(linear, s.token_tile_expert.data(), s.token_tile_prefix.data(), s.offsets.data(),
-                                      s.rows.data(), channel_blocks, token_tile_rows);
+    const GroupedTile t = tile_of<kOrder>(s, linear, channel_blocks, token_tile_rows);
     ASSERT_GE(t.expert, 0);
     ASSERT_LT(t.expert, E);
     ASSERT_GT(rows[t.expert], 0) << "a tile of an expert with no rows";
@@ -74,10 +92,10 @@ void expect_numbering_covers_every_row(const std::vector<int32_t>& rows, int tok
     if (loaded_rows < token_tile_rows) {
       ASSERT_EQ(t.token_tile, t.expert_token_tiles - 1);
     }
-    // Order: experts ascending; inside one, channel block slow, token tile fast.
-    const auto key = std::make_tuple(t.expert, t.channel_block, t.token_tile);
+    ASSERT_EQ(t.token_tile < expert_full_tiles(rows[t.expert], token_tile_rows), !is_short(t, token_tile_rows));
+    // Order: experts ascending; inside one, (the short tiles last,) channel block slow, token tile fast.
     if (previous.expert >= 0) {
-      ASSERT_LT(std::make_tuple(previous.expert, previous.channel_block, previous.token_tile), key);
+      ASSERT_LT(order_key(previous), order_key(t));
     }
     previous = t;
     auto& seen = covered[{t.expert, t.channel_block}];
@@ -108,26 +126,27 @@ TEST(TileNumbering, CoversEveryRoutedRowOnceInSchedulerOrder) {
         const int kind = static_cast<int>(rng() % 4);
         r = kind == 0 ? 0 : kind == 1 ? token_tile_rows * static_cast<int>(1 + rng() % 3) : static_cast<int>(rng() % 300);
       }
-      expect_numbering_covers_every_row(rows, token_tile_rows, channel_blocks);
-      // Each remainder around the subtile and tile sizes.
-      expect_numbering_covers_every_row({1, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 65, 95, 96, 97, 128, 0, 129},
-                                        token_tile_rows, channel_blocks);
-      // Every row on one expert; one row on each expert.
+      // Each remainder around the subtile and tile sizes; every row on one expert; one row on each.
+      const std::vector<int32_t> remainders{1, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 65, 95, 96, 97, 128, 0, 129};
       std::vector<int32_t> one_expert(16, 0);
       one_expert[11] = 1000;
-      expect_numbering_covers_every_row(one_expert, token_tile_rows, channel_blocks);
-      expect_numbering_covers_every_row(std::vector<int32_t>(256, 1), token_tile_rows, channel_blocks);
+      for (const auto& counts : {rows, remainders, one_expert, std::vector<int32_t>(256, 1)}) {
+        expect_numbering_covers_every_row<TileOrder::block_major>(counts, token_tile_rows, channel_blocks);
+        expect_numbering_covers_every_row<TileOrder::short_tiles_last>(counts, token_tile_rows, channel_blocks);
+      }
     }
   }
 }
 
-// CTA pairs (weight multicast) take the tiles 2u and 2u + 1 of this numbering. Both CTAs, each
-// from its own tile, decide alike whether the pair shares a weight block, and they decide it
-// exactly where the two tiles have the same (expert, channel block): then the second tile holds
-// the next token rows; every other pair straddles a boundary (an odd tile count leaves the last
-// tile alone, sharing nothing). The tiles' experts fit the workspace's T x k entries (each token
-// tile holds a routed row).
-TEST(TileNumbering, PairsShareWeightsExceptAcrossChannelBlocks) {
+// CTA pairs (weight multicast) take the tiles 2u and 2u + 1 of the short_tiles_last numbering. Both
+// CTAs, each from its own tile, decide alike whether the pair shares a weight block, and they
+// decide it exactly where the two tiles are full tiles of the same (expert, channel block): then the
+// second tile holds the next token rows. The two tiles are alike (both full or both short) but
+// where a pair straddles two experts or an expert's last full tile and its first short one; an
+// odd tile count leaves the last tile alone,
+// sharing nothing. Block-major order, which single CTAs take, mixes them far more often. The
+// tiles' experts fit the workspace's T x k entries (each token tile holds a routed row).
+TEST(TileNumbering, PairsShareWeightsAndJoinLikeTiles) {
   std::mt19937 rng(20261203);
   const int token_tile_rows = 128;
   for (int channel_blocks : {1, 4, 7, 28}) {
@@ -137,32 +156,47 @@ TEST(TileNumbering, PairsShareWeightsExceptAcrossChannelBlocks) {
     rows[3] = 128;  // exactly one tile
     rows[4] = 256;  // exactly two
     rows[5] = 257;  // two and a short one
+    rows[6] = 40;   // a short one alone
+    rows[7] = 300;  // two and a short one
+    rows[8] = 200;  // a full one and a full-height last one
     const int E = static_cast<int>(rows.size());
     const Segments s = segments_for(rows, token_tile_rows);
     const int num_tiles = s.token_tile_prefix[E] * channel_blocks;
-    auto tile = [&](int linear) {
-      return number_tile(linear, s.token_tile_expert.data(), s.token_tile_prefix.data(), s.offsets.data(),
-                         s.rows.data(), channel_blocks, token_tile_rows);
-    };
-    int shared = 0, routed = 0;
+    auto full_tiles = [&](const GroupedTile& t) { return expert_full_tiles(rows[t.expert], token_tile_rows); };
+    int shared = 0, routed = 0, mixed = 0, mixed_block_major = 0;
     for (int e = 0; e < E; ++e) routed += rows[e];
     for (int linear = 0; linear + 1 < num_tiles; linear += 2) {
-      const GroupedTile first = tile(linear), second = tile(linear + 1);
+      const GroupedTile first = tile_of<TileOrder::short_tiles_last>(s, linear, channel_blocks, token_tile_rows);
+      const GroupedTile second = tile_of<TileOrder::short_tiles_last>(s, linear + 1, channel_blocks, token_tile_rows);
       ASSERT_GT(first.valid_rows, 0) << linear;
       ASSERT_GT(second.valid_rows, 0) << linear;
-      const bool shares = pair_shares_weights(first, 0);
-      ASSERT_EQ(shares, pair_shares_weights(second, 1)) << linear << ": the pair's CTAs disagree";
-      ASSERT_EQ(shares, first.expert == second.expert && first.channel_block == second.channel_block) << linear;
+      const bool shares = pair_shares_weights(first, 0, full_tiles(first));
+      ASSERT_EQ(shares, pair_shares_weights(second, 1, full_tiles(second))) << linear << ": the pair's CTAs disagree";
+      const bool first_short = is_short(first, token_tile_rows), second_short = is_short(second, token_tile_rows);
+      const bool same_block = first.expert == second.expert && first.channel_block == second.channel_block;
+      ASSERT_EQ(shares, same_block && !first_short && !second_short) << linear;
       if (shares) {
         ASSERT_EQ(first.token_tile + 1, second.token_tile) << linear;
         ++shared;
-      } else {
-        ASSERT_EQ(first.token_tile, first.expert_token_tiles - 1) << linear << ": only a boundary splits a pair";
-        ASSERT_EQ(second.token_tile, 0) << linear;
       }
+      if (first_short != second_short) {
+        ++mixed;
+        const bool across_experts = first.expert != second.expert;
+        const bool last_full_then_short = !first_short && second_short && first.channel_block == channel_blocks - 1 &&
+                                          first.token_tile == full_tiles(first) - 1 && second.channel_block == 0;
+        ASSERT_TRUE(across_experts || last_full_then_short) << linear << ": a short tile paired with a full one";
+      }
+      const GroupedTile first_bm = tile_of<TileOrder::block_major>(s, linear, channel_blocks, token_tile_rows);
+      const GroupedTile second_bm = tile_of<TileOrder::block_major>(s, linear + 1, channel_blocks, token_tile_rows);
+      mixed_block_major += is_short(first_bm, token_tile_rows) != is_short(second_bm, token_tile_rows);
     }
-    if (num_tiles % 2 == 1) EXPECT_FALSE(pair_shares_weights(tile(num_tiles - 1), 0)) << "the lone last tile";
+    if (num_tiles % 2 == 1) {
+      const GroupedTile last = tile_of<TileOrder::short_tiles_last>(s, num_tiles - 1, channel_blocks, token_tile_rows);
+      EXPECT_FALSE(pair_shares_weights(last, 0, full_tiles(last))) << "the lone last tile";
+    }
     EXPECT_GT(shared, 0);
+    EXPECT_LE(mixed, 2 * E) << "at most one expert boundary and one switch to short tiles per expert";
+    if (channel_blocks > 1) EXPECT_LT(mixed, mixed_block_major);
     EXPECT_LE(s.token_tile_prefix[E], routed);
   }
 }
