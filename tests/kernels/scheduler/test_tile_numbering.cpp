@@ -196,7 +196,9 @@ TEST(TileNumbering, PairsShareWeightsAndJoinLikeTiles) {
     }
     EXPECT_GT(shared, 0);
     EXPECT_LE(mixed, 2 * E) << "at most one expert boundary and one switch to short tiles per expert";
-    if (channel_blocks > 1) EXPECT_LT(mixed, mixed_block_major);
+    if (channel_blocks > 1) {
+      EXPECT_LT(mixed, mixed_block_major);
+    }
     EXPECT_LE(s.token_tile_prefix[E], routed);
   }
 }
