@@ -52,6 +52,8 @@ struct MoeLayerOptions {
 
 // Throws megamoe::Error(invalid_argument) naming the field and what it takes.
 void validate(const MoeLayerOptions& options, const MoeSpec& spec);
+// The same for a combine mode alone (`field` names it: options.combine, or a forward's argument).
+void validate_combine(CombineMode combine, const char* field);
 
 // The most tokens one layer's call may carry: past it the kernels' 32-bit slot indices (tokens x
 // top_k) would overflow. validate_max_tokens throws megamoe::Error(invalid_argument) outside

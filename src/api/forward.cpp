@@ -61,7 +61,11 @@ void validate_forward_args(const MoeSpec& spec, int capacity_tokens, const MoeIn
   if (inputs.num_valid_tokens != nullptr) require_pointer(inputs.num_valid_tokens, "num_valid_tokens", alignof(int32_t));
   require_pointer(outputs.y, "y", kActivationAlignment);
 
-  Span inputs_read[3] = {{"x", reinterpret_cast<uintptr_t>(inputs.x), T * H * 2}, {}, {}};
+  // The device row count too: every combine block reads it while the others write y.
+  Span inputs_read[4] = {{"x", reinterpret_cast<uintptr_t>(inputs.x), T * H * 2}, {}, {}, {}};
+  if (inputs.num_valid_tokens != nullptr) {
+    inputs_read[3] = {"num_valid_tokens", reinterpret_cast<uintptr_t>(inputs.num_valid_tokens), sizeof(int32_t)};
+  }
   if (std::holds_alternative<Precomputed>(routing)) {
     require_pointer(inputs.topk_ids, "topk_ids (precomputed routing)", alignof(int32_t));
     require_pointer(inputs.topk_weights, "topk_weights (precomputed routing)", alignof(float));

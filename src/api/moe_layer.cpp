@@ -171,6 +171,9 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int ma
     : spec_(spec), max_tokens_(max_tokens), impl_(nullptr) {
   validate(spec);
   validate(options, spec);
+  // With the other arguments, so that it is named as theirs are before the device is looked for
+  // (plan_layer checks it again).
+  validate_max_tokens(max_tokens);
   validate_packed(spec, weights);
   if (spec.num_experts > kernels::kMaxRoutingExperts) {
     throw Error(ErrorCode::unsupported, "num_experts=" + std::to_string(spec.num_experts) + " exceeds the " +
@@ -251,6 +254,7 @@ int planned_tokens(const MoeInputs& inputs) {
 void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs,
                        std::optional<CombineMode> combine) {
   validate_forward_args(spec_, max_tokens_, inputs, outputs);
+  if (combine) validate_combine(*combine, "combine");
   if (inputs.num_tokens == 0) return;
   std::lock_guard<std::mutex> lock(impl_->mutex);
   const Routing& routing = inputs.routing != nullptr ? *inputs.routing : spec_.routing;
@@ -287,6 +291,7 @@ void MoeLayer::set_timeline(unsigned long long* stamps) {
 }
 
 std::string MoeLayer::describe_plan(int tokens, std::optional<CombineMode> combine) const {
+  if (combine) validate_combine(*combine, "combine");
   std::ostringstream os;
   os << spec_ << "\n" << impl_->plan << "\n"
      << plan::plan_forward(spec_, impl_->plan, tokens, combine.value_or(impl_->plan.options.combine), impl_->facts);

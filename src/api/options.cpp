@@ -8,7 +8,28 @@
 
 namespace megamoe {
 
+void validate_combine(CombineMode combine, const char* field) {
+  if (combine != CombineMode::deterministic && combine != CombineMode::fast) {
+    throw Error(ErrorCode::invalid_argument, std::string(field) + "=" + std::to_string(static_cast<int>(combine)) +
+                                                 " is neither CombineMode::deterministic nor CombineMode::fast");
+  }
+}
+
 void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
+  // An enum cast from another language's integer may name none of its values, and would take one
+  // branch of each choice unannounced: an unnamed combine runs the fast one yet prints as deterministic.
+  const Fc1TokenRows rows = options.fc1_token_rows;
+  if (rows != Fc1TokenRows::automatic && rows != Fc1TokenRows::pool && rows != Fc1TokenRows::row_copy) {
+    throw Error(ErrorCode::invalid_argument, "options.fc1_token_rows=" + std::to_string(static_cast<int>(rows)) +
+                                                 " is none of Fc1TokenRows::automatic, pool and row_copy");
+  }
+  validate_combine(options.combine, "options.combine");
+  const ForwardLaunch launch = options.launch;
+  if (launch != ForwardLaunch::automatic && launch != ForwardLaunch::per_stage &&
+      launch != ForwardLaunch::single_kernel) {
+    throw Error(ErrorCode::invalid_argument, "options.launch=" + std::to_string(static_cast<int>(launch)) +
+                                                 " is none of ForwardLaunch::automatic, per_stage and single_kernel");
+  }
   const int tile = options.token_tile;
   if (tile != 0 && tile != 16 && tile != 32 && tile != 64 && tile != 128) {
     throw Error(ErrorCode::invalid_argument, "options.token_tile=" + std::to_string(tile) +

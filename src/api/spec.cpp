@@ -114,6 +114,17 @@ std::string to_string(const Routing& routing) {
 int channel_granularity(Precision precision) { return precision == Precision::bf16 ? 64 : 128; }
 
 void validate(const MoeSpec& spec) {
+  // An enum cast from another language's integer may name none of its values: such a precision
+  // would pack one byte per element and write bf16's two (prepare_weights), so it is refused here.
+  if (spec.precision != Precision::bf16 && spec.precision != Precision::fp8_block &&
+      spec.precision != Precision::fp8_tensor) {
+    reject("precision=" + std::to_string(static_cast<int>(spec.precision)) +
+           " is none of Precision::bf16, fp8_block and fp8_tensor");
+  }
+  if (spec.scale_format != ScaleFormat::fp32 && spec.scale_format != ScaleFormat::ue8m0) {
+    reject("scale_format=" + std::to_string(static_cast<int>(spec.scale_format)) +
+           " is neither ScaleFormat::fp32 nor ScaleFormat::ue8m0");
+  }
   if (spec.num_experts < 1) reject("num_experts=" + std::to_string(spec.num_experts) + " must be >= 1");
   if (spec.top_k < 1 || spec.top_k > spec.num_experts) {
     reject("top_k=" + std::to_string(spec.top_k) + " must be in [1, num_experts=" + std::to_string(spec.num_experts) + "]");

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "kernels/layout/weight_layout.hpp"
 #include "megamoe/error.hpp"
@@ -282,6 +283,17 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
     if (weights.w13_scales == nullptr || weights.w2_scales == nullptr) {
       throw Error(ErrorCode::null_pointer, "fp8_e4m3 weights need their scales: weights.w13_scales and "
                                            "weights.w2_scales (fp32, per 128x128 block, per row or per expert matrix)");
+    }
+    // A layout cast from another language's integer may name none of them: none of its scales would
+    // be checked, and every value of every expert would be decoded with the first.
+    for (auto [name, layout] : {std::pair{"w13_scale_layout", weights.w13_scale_layout},
+                                std::pair{"w2_scale_layout", weights.w2_scale_layout}}) {
+      if (layout != ScaleLayout::block_128x128 && layout != ScaleLayout::per_row && !is_per_tensor(layout)) {
+        throw Error(ErrorCode::invalid_argument, std::string("weights.") + name + "=" +
+                                                     std::to_string(static_cast<int>(layout)) +
+                                                     " is none of ScaleLayout::block_128x128, per_row, per_tensor "
+                                                     "and per_gate_up");
+      }
     }
     if (weights.w2_scale_layout == ScaleLayout::per_gate_up) {
       throw Error(ErrorCode::invalid_argument,

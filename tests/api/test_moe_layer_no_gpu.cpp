@@ -11,15 +11,24 @@
 namespace megamoe {
 namespace {
 
-TEST(MoeLayerWithoutGpu, SaysNoDeviceIsVisible) {
+MoeSpec small_spec() {
   MoeSpec spec;
   spec.num_experts = 4;
   spec.top_k = 2;
   spec.hidden = 128;
   spec.intermediate = 128;
   spec.precision = Precision::fp8_block;
+  return spec;
+}
+
+PackedWeights small_packed(const MoeSpec& spec) {
   std::vector<float> w13(4ull * 2 * 128 * 128, 0.01f), w2(4ull * 128 * 128, -0.02f);
-  const PackedWeights packed = prepare_weights(spec, {w13.data(), w2.data(), DType::fp32});
+  return prepare_weights(spec, {w13.data(), w2.data(), DType::fp32});
+}
+
+TEST(MoeLayerWithoutGpu, SaysNoDeviceIsVisible) {
+  const MoeSpec spec = small_spec();
+  const PackedWeights packed = small_packed(spec);
   try {
     MoeLayer layer(spec, packed, 16);
     FAIL() << "a layer was built without a visible GPU";
@@ -29,6 +38,22 @@ TEST(MoeLayerWithoutGpu, SaysNoDeviceIsVisible) {
     EXPECT_NE(message.find("no CUDA device is visible"), std::string::npos) << message;
     EXPECT_NE(message.find("needs a Hopper GPU"), std::string::npos) << message;
     EXPECT_EQ(message.find(".cpp:"), std::string::npos) << "a source location is no user's message: " << message;
+  }
+}
+
+// A bad max_tokens is an argument error like a bad spec or option, named as such with or without a
+// GPU: it is checked with them, before the device is looked for.
+TEST(MoeLayerWithoutGpu, NamesABadMaxTokensFirst) {
+  const MoeSpec spec = small_spec();
+  const PackedWeights packed = small_packed(spec);
+  for (const int max_tokens : {0, -5}) {
+    try {
+      MoeLayer layer(spec, packed, max_tokens);
+      FAIL() << "a layer was built for max_tokens=" << max_tokens;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("max_tokens=" + std::to_string(max_tokens)), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -94,6 +94,30 @@ TEST(Options, TheSingleKernelTakesPoolRowsAndNarrowTiles) {
   EXPECT_NE(tensor.find("options.launch=single_kernel takes precision bf16 or fp8_block"), std::string::npos) << tensor;
 }
 
+// A value that names no enumerator (a cast from another language's integer) would take one branch
+// of each choice unannounced: an unnamed combine runs the fast one and prints as deterministic.
+TEST(Options, ChoicesMustNameAnEnumerator) {
+  const std::string rows = rejection({.fc1_token_rows = static_cast<Fc1TokenRows>(7)});
+  EXPECT_NE(rows.find("options.fc1_token_rows=7 is none of"), std::string::npos) << rows;
+  const std::string combine = rejection({.combine = static_cast<CombineMode>(7)});
+  EXPECT_NE(combine.find("options.combine=7 is neither"), std::string::npos) << combine;
+  const std::string launch = rejection({.launch = static_cast<ForwardLaunch>(7)});
+  EXPECT_NE(launch.find("options.launch=7 is none of"), std::string::npos) << launch;
+}
+
+// The combine a forward names for itself (MoeLayer::forward, describe_plan) is checked the same way.
+TEST(Options, ACombineArgumentMustNameAnEnumerator) {
+  EXPECT_NO_THROW(validate_combine(CombineMode::deterministic, "combine"));
+  EXPECT_NO_THROW(validate_combine(CombineMode::fast, "combine"));
+  try {
+    validate_combine(static_cast<CombineMode>(5), "combine");
+    FAIL() << "a combine of no CombineMode was taken";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("combine=5 is neither"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Options, PrintEveryField) {
   std::ostringstream os;
   os << MoeLayerOptions{.token_tile = 32, .fc1_token_rows = Fc1TokenRows::pool, .combine = CombineMode::fast,

@@ -62,6 +62,9 @@ TEST(ValidateSpec, EachErrorNamesTheField) {
       {"e_score_correction_bias", [](MoeSpec& s) {
          s.routing = DeepseekGrouped{.n_group = 4, .topk_group = 2, .e_score_correction_bias = {1.0f, 2.0f}};
        }},
+      // Values that name no enumerator (a cast from another language's integer).
+      {"precision=3", [](MoeSpec& s) { s.precision = static_cast<Precision>(3); }},
+      {"scale_format=2", [](MoeSpec& s) { s.scale_format = static_cast<ScaleFormat>(2); }},
   };
   for (const Case& c : cases) {
     MoeSpec spec = valid_spec();
@@ -160,6 +163,20 @@ TEST_F(ValidateForward, RejectsEachBadArgument) {
   check(ErrorCode::invalid_argument, spec, 8, in, MoeOutputs{y});
   in.expected_valid_tokens = -1;
   check(ErrorCode::invalid_argument, spec, 8, in, MoeOutputs{y});
+}
+
+// The device row count is an input like the others: every kernel that reads it may run while the
+// combine writes y's rows, so a count kept inside y is refused.
+TEST_F(ValidateForward, RefusesAnOutputOverlappingTheDeviceRowCount) {
+  MoeInputs in = inputs();
+  in.num_valid_tokens = reinterpret_cast<const int32_t*>(y) + 5;
+  std::string message;
+  EXPECT_EQ(error_of([&] { validate_forward_args(valid_spec(), 8, in, MoeOutputs{y}); }, &message),
+            ErrorCode::aliasing);
+  EXPECT_NE(message.find("y overlaps num_valid_tokens"), std::string::npos) << message;
+  alignas(16) int32_t count_apart = 2;
+  in.num_valid_tokens = &count_apart;
+  EXPECT_EQ(error_of([&] { validate_forward_args(valid_spec(), 8, in, MoeOutputs{y}); }), std::nullopt);
 }
 
 }  // namespace

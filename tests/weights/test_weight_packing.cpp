@@ -262,6 +262,25 @@ TEST(PrepareWeights, RejectsBadInput) {
             ErrorCode::invalid_argument);
 }
 
+// A scale layout that names no enumerator (a cast from another language's integer) would read every
+// value of every expert with the first scale and check none of the others: it is refused, for either
+// matrix.
+TEST(PrepareWeights, ScaleLayoutsMustNameAnEnumerator) {
+  const MoeSpec spec = small_spec(Precision::fp8_block);  // E = 3, H = 256, I = 128
+  const std::vector<uint8_t> codes(3ull * 2 * 128 * 256, 0x38);
+  const std::vector<float> w13_blocks(3 * 2 * 2, 1.0f), w2_blocks(3 * 2 * 1, 1.0f);
+  const WeightsView good{codes.data(), codes.data(), DType::fp8_e4m3, w13_blocks.data(), w2_blocks.data()};
+  ASSERT_EQ(code_of(good, spec), std::nullopt);
+  for (const bool w13 : {true, false}) {
+    WeightsView bad = good;
+    (w13 ? bad.w13_scale_layout : bad.w2_scale_layout) = static_cast<ScaleLayout>(9);
+    const std::string field = w13 ? "weights.w13_scale_layout=9" : "weights.w2_scale_layout=9";
+    std::string message;
+    EXPECT_EQ(code_of(bad, spec, &message), ErrorCode::invalid_argument) << field;
+    EXPECT_NE(message.find(field), std::string::npos) << "message '" << message << "' should name " << field;
+  }
+}
+
 // ---- fp8_tensor: one scale per expert matrix (gate and up rows apart) and static activation scales.
 
 // An fp8_tensor layer's activation scales, as a checkpoint carries them: `count` per matrix.
