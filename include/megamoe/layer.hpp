@@ -14,6 +14,12 @@
 
 namespace megamoe {
 
+// Throws megamoe::Error(unsupported) where a layer of `spec` with `experts_on_gpu` of its experts on
+// one GPU needs more than the kernels hold (experts, top_k slots, deepseek groups, hidden a multiple
+// of 8) beyond what validate(spec) checks. MoeLayer checks it before it looks for the device; a
+// caller that packs weights first (the PyTorch ops, expert parallelism per rank) checks it before.
+void validate_kernel_limits(const MoeSpec& spec, int experts_on_gpu);
+
 class MoeLayer {
  public:
   // Uploads the packed weights to the current device and allocates the workspace for up to

@@ -293,6 +293,11 @@ std::vector<at::Tensor> pack_weights(const at::Tensor& w13, const at::Tensor& w2
                       "megamoe: float8_e4m3fn weights need w13_scale and w2_scale: [E] (per expert; w13's also [E, 2], "
                       "gate then up), [E, 2I/128, H/128] and [E, H/128, I/128] (per block), or [E, 2I, 1] and "
                       "[E, H, 1] (per row)");
+    // Integer scales (a checkpoint's exponent bytes, say) would be converted as numbers.
+    for (const auto& [name, scale] : {std::pair{"w13_scale", &*w13_scale}, std::pair{"w2_scale", &*w2_scale}}) {
+      TORCH_CHECK_TYPE(at::isFloatingType(scale->scalar_type()), "megamoe: ", name,
+                       " must be a floating-point tensor (float32 scales), not ", scale->scalar_type());
+    }
     view.w13_scale_layout = scale_layout_of(*w13_scale, "w13_scale", E, two_i, H, true);
     view.w2_scale_layout = scale_layout_of(*w2_scale, "w2_scale", E, H, two_i / 2, false);
     w13_scale_host = host_contiguous(*w13_scale, at::kFloat);
@@ -365,13 +370,15 @@ struct CheckedLayer {
 };
 
 // Every check of a layer's description (the spec's shapes and routing, max_tokens and the
-// options), before weights are packed anywhere: the one place they are made for both kinds of
-// layer. The device has its own check (checked_device, the op check_device).
+// options, and the kernels' limits for a GPU holding experts_per_gpu of its experts), before
+// weights are packed anywhere: the one place they are made for both kinds of layer. The device
+// has its own check (checked_device, the op check_device).
 CheckedLayer checked_layer(int64_t num_experts, int64_t hidden, int64_t intermediate, int64_t top_k,
                            const std::string& precision, const std::string& scale_format, const std::string& routing,
                            bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                            const std::optional<at::Tensor>& bias, int64_t max_tokens, int64_t token_tile,
-                           const std::string& fc1_token_rows, int64_t num_sms, const std::string& launch) {
+                           const std::string& fc1_token_rows, int64_t num_sms, const std::string& launch,
+                           int64_t experts_per_gpu) {
   CheckedLayer layer{spec_from(num_experts, hidden, intermediate, top_k, precision, scale_format, routing,
                                renormalize, n_group, topk_group, routed_scaling_factor, bias),
                      options_from(token_tile, fc1_token_rows, num_sms, launch)};
@@ -380,6 +387,8 @@ CheckedLayer checked_layer(int64_t num_experts, int64_t hidden, int64_t intermed
     validate_max_tokens(max_tokens);
     validate(layer.options, layer.spec);
   });
+  // MoeLayer checks the kernels' limits too, but only after the weights were packed here.
+  translating_errors([&] { validate_kernel_limits(layer.spec, static_cast<int>(experts_per_gpu)); });
   return layer;
 }
 
@@ -389,7 +398,8 @@ void check_layer(int64_t num_experts, int64_t hidden, int64_t intermediate, int6
                  const std::optional<at::Tensor>& bias, int64_t max_tokens, int64_t token_tile,
                  const std::string& fc1_token_rows, int64_t num_sms, const std::string& launch) {
   checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, routing, renormalize, n_group,
-                topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms, launch);
+                topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms, launch,
+                num_experts);
 }
 
 int64_t check_device(int64_t device_index) { return checked_device(device_index); }
@@ -456,7 +466,8 @@ int64_t create_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const 
                      const std::string& launch, int64_t device_index) {
   const CheckedLayer layer =
       checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, routing, renormalize, n_group,
-                    topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms, launch);
+                    topk_group, routed_scaling_factor, bias, max_tokens, token_tile, fc1_token_rows, num_sms, launch,
+                    num_experts);
   const PackedWeightsView view =
       packed_view(layer.spec, layer.spec.num_experts, w13, w13_scales, w2, w2_scales, input_scales);
   const c10::DeviceIndex device = checked_device(device_index);
@@ -552,8 +563,9 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
                         int64_t top_k, const std::string& precision, const std::string& scale_format,
                         int64_t max_tokens, const std::string& rendezvous_dir, int64_t rank, int64_t world_size,
                         int64_t device_index) {
+  // The kernels' limits apply to the experts of one rank (num_experts / world_size, checked below).
   const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
-                                     false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0, "auto")
+                                     false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0, "auto", 0)
                            .spec;
   // The C++ EpLayer refuses it too, later: refused here before anything is checked against the ranks.
   TORCH_CHECK_NOT_IMPLEMENTED(spec.precision != Precision::fp8_tensor,
@@ -564,6 +576,7 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
                     ")");
   TORCH_CHECK_VALUE(num_experts % world_size == 0, "megamoe: num_experts=", num_experts,
                     " must be a multiple of the world size ", world_size, " (each rank holds E / world experts)");
+  translating_errors([&] { validate_kernel_limits(spec, static_cast<int>(num_experts / world_size)); });
   const PackedWeightsView view =
       packed_view(spec, static_cast<int>(num_experts / world_size), w13, w13_scales, w2, w2_scales, std::nullopt);
   const c10::DeviceIndex device = checked_device(device_index);

@@ -140,6 +140,11 @@ def prepare_ep_weights(
                                   "one GPU (prepare_weights)")
     checked = checked_weights(w13, w2, w13_scale, w2_scale, precision)
     rank, world_size = _rank_and_world(rank, world_size)
+    # The op checks them too, but only once the device was looked for and the weights packed.
+    if require_int(world_size, "world_size") < 1:
+        raise ValueError(f"megamoe: world_size={world_size} is out of range: it must be >= 1")
+    if not 0 <= require_int(rank, "rank") < world_size:
+        raise ValueError(f"megamoe: rank {rank} must be in [0, world_size={world_size})")
     if not isinstance(num_experts, int) or checked.num_experts * world_size != num_experts:
         raise ValueError(f"megamoe: this rank's w13 holds {checked.num_experts} experts, so num_experts must be "
                          f"{checked.num_experts} x {world_size} ranks = {checked.num_experts * world_size}, "
@@ -147,7 +152,10 @@ def prepare_ep_weights(
     if not isinstance(top_k, int) or not 1 <= top_k <= checked.num_experts:
         raise ValueError(f"megamoe: top_k must be an int in [1, {checked.num_experts}] (the experts per rank: a "
                          f"rank runs every local expert of a token it receives), not {top_k!r}")
-    ops.check_layer(num_experts, checked.hidden, checked.intermediate, top_k, require_str(precision, "precision"),
+    # The layer each rank runs on its GPU, of this rank's experts: what the kernels' limits apply to
+    # (the whole layer's checks are the same, or weaker).
+    ops.check_layer(checked.num_experts, checked.hidden, checked.intermediate, top_k,
+                    require_str(precision, "precision"),
                     require_str(scale_format, "scale_format"), *op_arguments(PrecomputedRouting()),
                     require_int(max_tokens, "max_tokens"), 0, "auto", 0, "auto")
     folder = _rendezvous_root(rendezvous_dir)

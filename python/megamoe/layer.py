@@ -8,6 +8,7 @@ get the same errors, from the same code); this module checks what it needs befor
 """
 
 import dataclasses
+import math
 from typing import Optional, Union
 
 import torch
@@ -22,6 +23,7 @@ from megamoe.routing import (
     SoftmaxRouting,
     as_routing,
     op_arguments,
+    require_bool,
 )
 
 PRECISIONS = ("bf16", "fp8_block", "fp8_tensor")
@@ -204,6 +206,12 @@ def require_int(value, name: str) -> int:
     return value
 
 
+def require_values(t: torch.Tensor, name: str) -> None:
+    """A tensor to be read: not one on the meta device, which has a shape but no values."""
+    if t.is_meta:
+        raise ValueError(f"megamoe: {name} is on the meta device and holds no values (load the weights first)")
+
+
 def require_str(value, name: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"megamoe: {name} must be a str, not {type(value).__name__} {value!r}")
@@ -247,6 +255,7 @@ def checked_input_scale(scale, name: str, num_experts: int) -> torch.Tensor:
         raise TypeError(f"megamoe: {name} must be a torch.Tensor, not {type(scale).__name__}")
     if not scale.is_floating_point():
         raise TypeError(f"megamoe: {name} must be a floating-point tensor, not {scale.dtype}")
+    require_values(scale, name)
     shape = tuple(scale.shape)
     if shape not in ((), (1,), (num_experts,), (num_experts, 1)):
         raise ValueError(f"megamoe: {name} must hold one activation scale per layer ([] or [1]) or one per expert "
@@ -291,6 +300,8 @@ def checked_weights(w13, w2, w13_scale, w2_scale, precision: str = "fp8_block", 
             f"megamoe: w2 must be [E, H, I] = {[num_experts, hidden, intermediate]} to match w13 "
             f"{list(w13.shape)}, got {list(w2.shape)}"
         )
+    require_values(w13, "w13")
+    require_values(w2, "w2")
     if w13.dtype == torch.float8_e4m3fn:
         scales = {}
         for name, scale, rows, columns in (("w13_scale", w13_scale, two_i, hidden),
@@ -301,6 +312,9 @@ def checked_weights(w13, w2, w13_scale, w2_scale, precision: str = "fp8_block", 
                                  f"output channel")
             if not isinstance(scale, torch.Tensor):
                 raise TypeError(f"megamoe: {name} must be a torch.Tensor, not {type(scale).__name__}")
+            if not scale.is_floating_point():  # integer codes would be taken as scales
+                raise TypeError(f"megamoe: {name} must be a floating-point tensor (float32 scales), not {scale.dtype}")
+            require_values(scale, name)
             scales[name] = packing.checkpoint_scales(scale, name, num_experts, rows, columns,
                                                      gate_up=name == "w13_scale", precision=precision).to(w13.device)
         w13_scale, w2_scale = scales["w13_scale"], scales["w2_scale"]
@@ -404,6 +418,7 @@ def fused_moe(
     """
     if not isinstance(weights, MoeWeights):
         raise TypeError(f"megamoe: weights must come from megamoe.prepare_weights, not {type(weights).__name__}")
+    require_bool(deterministic, "deterministic")  # the op takes None as False: the fast combine
     tokens = checked_tokens(x, weights.hidden, weights.device)
     precomputed = topk_ids is not None or topk_weights is not None
     if precomputed:
@@ -462,7 +477,8 @@ class MegaMoE(nn.Module):
 
     Built from vLLM-layout weights (see prepare_weights); forward(hidden_states [..., H] bfloat16,
     router_logits [..., E]) returns the block's output in hidden_states' shape, as does forward
-    with topk_ids and topk_weights [..., k] (and expert_map, as fused_moe takes them). The router
+    with topk_ids and topk_weights [..., k] (and expert_map, as fused_moe takes them); the routing
+    tensors have hidden_states' leading shape, or are flat ([T, E], [T, k]). The router
     itself (the gate's Linear) and any shared experts stay in the caller's model.
     """
 
@@ -488,6 +504,7 @@ class MegaMoE(nn.Module):
         launch: str = "auto",
     ):
         super().__init__()
+        require_bool(deterministic, "deterministic")
         self.weights = prepare_weights(w13, w2, top_k=top_k, precision=precision, w13_scale=w13_scale,
                                        w2_scale=w2_scale, w13_input_scale=w13_input_scale,
                                        w2_input_scale=w2_input_scale, scale_format=scale_format, routing=routing,
@@ -498,6 +515,7 @@ class MegaMoE(nn.Module):
     @classmethod
     def from_weights(cls, weights: MoeWeights, *, deterministic: bool = True) -> "MegaMoE":
         """A module over weights already prepared (shared with other modules or fused_moe calls)."""
+        require_bool(deterministic, "deterministic")
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.weights = weights
@@ -512,8 +530,21 @@ class MegaMoE(nn.Module):
         topk_weights: Optional[torch.Tensor] = None,
         expert_map: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"megamoe: hidden_states must be a torch.Tensor, not {type(hidden_states).__name__}")
         shape = hidden_states.shape
-        flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
+        if hidden_states.dim() == 0:
+            raise ValueError(f"megamoe: hidden_states must be [..., {self.weights.hidden}], got []")
+        tokens = math.prod(shape[:-1])
+        for name, t in (("router_logits", router_logits), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            # The same leading shape as hidden_states, or flat [T, n]: else each row would meet the
+            # routing of another token, as long as the counts agree.
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[:-1] != shape[:-1] and \
+                    tuple(t.shape[:-1]) != (tokens,):
+                columns = t.shape[-1]
+                raise ValueError(f"megamoe: {name} must be {[*shape[:-1], columns]} or {[tokens, columns]} for "
+                                 f"hidden_states {list(shape)}, got {list(t.shape)}")
+        flat = lambda t: t.reshape(-1, t.shape[-1]) if isinstance(t, torch.Tensor) and t.dim() >= 1 else t  # noqa: E731
         y = fused_moe(flat(hidden_states), self.weights, flat(router_logits), topk_ids=flat(topk_ids),
                       topk_weights=flat(topk_weights), deterministic=self.deterministic, expert_map=expert_map)
         return y.reshape(shape)

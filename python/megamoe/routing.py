@@ -2,6 +2,8 @@
 Each routing object computes its op arguments once, when it is made: every call passes them (the
 layer keeps no routing of its own between calls)."""
 
+import numbers
+import reprlib
 from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
@@ -16,7 +18,8 @@ class SoftmaxRouting:
     renormalize: bool = False
 
     def __post_init__(self):
-        _set_op_arguments(self, ("softmax", bool(self.renormalize), 1, 1, 1.0, None))
+        require_bool(self.renormalize, "renormalize")
+        _set_op_arguments(self, ("softmax", self.renormalize, 1, 1, 1.0, None))
 
 
 @dataclass(frozen=True)
@@ -32,15 +35,27 @@ class DeepseekRouting:
     e_score_correction_bias: Optional[Tuple[float, ...]] = field(default=None)
 
     def __post_init__(self):
+        for name in ("n_group", "topk_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"megamoe: {name} must be an int, not {type(value).__name__} {value!r}")
+        if isinstance(self.routed_scaling_factor, bool) or not isinstance(self.routed_scaling_factor, numbers.Real):
+            raise TypeError(f"megamoe: routed_scaling_factor must be a float, not "
+                            f"{type(self.routed_scaling_factor).__name__} {self.routed_scaling_factor!r}")
+        require_bool(self.renormalize, "renormalize")
         bias = self.e_score_correction_bias
         if isinstance(bias, torch.Tensor):
             if bias.dim() != 1:
                 raise ValueError(f"megamoe: e_score_correction_bias must be 1-D [num_experts], got {tuple(bias.shape)}")
             bias = bias.detach().to("cpu", torch.float32).tolist()
         if bias is not None:
-            bias = tuple(float(b) for b in bias)
+            try:
+                bias = tuple(float(b) for b in bias)
+            except (TypeError, ValueError):
+                raise TypeError(f"megamoe: e_score_correction_bias must be 1-D [num_experts] floats (a tensor or a "
+                                f"sequence of numbers), not {reprlib.repr(bias)}") from None
             object.__setattr__(self, "e_score_correction_bias", bias)
-        _set_op_arguments(self, ("deepseek_grouped", bool(self.renormalize), self.n_group, self.topk_group,
+        _set_op_arguments(self, ("deepseek_grouped", self.renormalize, int(self.n_group), int(self.topk_group),
                                  float(self.routed_scaling_factor),
                                  None if bias is None else torch.tensor(bias, dtype=torch.float32)))
 
@@ -71,6 +86,13 @@ def as_routing(routing: Union[Routing, str]) -> Routing:
 def op_arguments(routing: Routing) -> tuple:
     """(mode, renormalize, n_group, topk_group, routed_scaling_factor, bias) as the ops take them."""
     return routing._op_arguments
+
+
+def require_bool(value, name: str) -> bool:
+    """`value`, which must be a bool: bool(value) would take any truthy object ("false", "no") as True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"megamoe: {name} must be a bool, not {type(value).__name__} {value!r}")
+    return value
 
 
 def _set_op_arguments(routing, arguments: tuple) -> None:

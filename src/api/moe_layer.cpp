@@ -61,6 +61,24 @@ void require_routing_supported(const Routing& routing) {
   }
 }
 
+}  // namespace
+
+void validate_kernel_limits(const MoeSpec& spec, int experts_on_gpu) {
+  if (experts_on_gpu > kernels::kMaxRoutingExperts) {
+    throw Error(ErrorCode::unsupported, "num_experts=" + std::to_string(experts_on_gpu) + " exceeds the " +
+                                            std::to_string(kernels::kMaxRoutingExperts) +
+                                            " the routing kernel holds (the experts on one GPU)");
+  }
+  if (spec.top_k > kernels::kMaxTopK) {
+    throw Error(ErrorCode::unsupported, "top_k=" + std::to_string(spec.top_k) + " exceeds the " +
+                                            std::to_string(kernels::kMaxTopK) + " slots per token the kernels hold");
+  }
+  require_routing_supported(spec.routing);
+  if (spec.hidden % 8 != 0) throw Error(ErrorCode::unsupported, "hidden must be a multiple of 8");
+}
+
+namespace {
+
 // The current device, checked to be one the kernels run on; the errors say what is missing.
 cudaDeviceProp hopper_device(int* device) {
   int count = 0;
@@ -175,16 +193,7 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int ma
   // (plan_layer checks it again).
   validate_max_tokens(max_tokens);
   validate_packed(spec, weights);
-  if (spec.num_experts > kernels::kMaxRoutingExperts) {
-    throw Error(ErrorCode::unsupported, "num_experts=" + std::to_string(spec.num_experts) + " exceeds the " +
-                                            std::to_string(kernels::kMaxRoutingExperts) + " the routing kernel holds");
-  }
-  if (spec.top_k > kernels::kMaxTopK) {
-    throw Error(ErrorCode::unsupported, "top_k=" + std::to_string(spec.top_k) + " exceeds the " +
-                                            std::to_string(kernels::kMaxTopK) + " slots per token the kernels hold");
-  }
-  require_routing_supported(spec.routing);
-  if (spec.hidden % 8 != 0) throw Error(ErrorCode::unsupported, "hidden must be a multiple of 8");
+  validate_kernel_limits(spec, spec.num_experts);
 
   int device = 0;
   const cudaDeviceProp prop = hopper_device(&device);

@@ -29,6 +29,24 @@ def test_prepare_ep_weights_checks_before_joining_the_other_ranks(monkeypatch, t
         megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, precision="fp4", **ranks)
     with pytest.raises(ValueError, match="shared folder"):
         megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, **ranks)
+    # The rank and world size, and the kernels' limits, are checked before the device is looked for
+    # (the op refused them only after it, on a GPU once the weights were packed).
+    folder = dict(rendezvous_dir=str(tmp_path))
+    for rank in (2, -1):
+        with pytest.raises(ValueError, match=rf"rank {rank} must be in \[0, world_size=2\)"):
+            megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, rank=rank, world_size=2, **folder)
+    with pytest.raises(ValueError, match=r"world_size=0 is out of range: it must be >= 1"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=0, top_k=2, rank=0, world_size=0, **folder)
+    with pytest.raises(TypeError, match="world_size must be an int, not str '2'"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, rank=0, world_size="2", **folder)
+    with pytest.raises(TypeError, match="rank must be an int, not float 1.0"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, rank=1.0, world_size=2, **folder)
+    per_rank = dict(w13=W13[:1].expand(520, 256, 128), w2=W2[:1].expand(520, 128, 128))
+    with pytest.raises(NotImplementedError, match="num_experts=520 exceeds the 512 the routing kernel holds"):
+        megamoe.prepare_ep_weights(**per_rank, num_experts=1040, top_k=2, **ranks, **folder)
+    with pytest.raises(NotImplementedError, match="top_k=33 exceeds the 32 slots per token"):
+        megamoe.prepare_ep_weights(per_rank["w13"][:64], per_rank["w2"][:64], num_experts=128, top_k=33, **ranks,
+                                   **folder)
     # The launcher's variables, as megamoe-run and torchrun set them, are enough to get past these.
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -99,5 +117,24 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
                                           0, 2, 0)
     with pytest.raises(ValueError, match="no expert-parallel layer with handle"):
         torch.ops.megamoe.ep_invalid_routing_ids(10**9)
+    with pytest.raises(NotImplementedError, match="top_k=33 exceeds the 32 slots per token"):
+        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 128, 128, 128, 33, "bf16", "fp32", 16,
+                                          "/nowhere", 0, 2, 0)
     with pytest.raises(ValueError, match="no expert-parallel layer with handle"):
         torch.ops.megamoe.ep_check_peers(10**9)
+
+
+def test_the_layer_limit_is_per_rank(monkeypatch, tmp_path):
+    """1024 experts over 2 ranks: 512 on each GPU, which the kernels hold; the checks pass and the
+    device is looked for (here a stand-in that stops there)."""
+    class Stop(Exception):
+        pass
+
+    def check_device(index):
+        raise Stop
+
+    monkeypatch.setattr(expert_parallel, "ops", type("Ops", (), dict(
+        check_layer=staticmethod(torch.ops.megamoe.check_layer), check_device=staticmethod(check_device))))
+    with pytest.raises(Stop):
+        megamoe.prepare_ep_weights(W13[:1].expand(512, 256, 128), W2[:1].expand(512, 128, 128), num_experts=1024,
+                                   top_k=2, rank=0, world_size=2, rendezvous_dir=str(tmp_path))

@@ -483,6 +483,35 @@ def test_prepare_weights_checks_its_arguments():
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4, 2), w2_scale=-torch.ones(4, 128))
     with pytest.raises(ValueError, match="non-positive scales"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.zeros(4, 2, 1), w2_scale=torch.ones(4, 1, 1))
+    # Integer scales were taken as numbers: uint8 exponent bytes 127 became scales of 127.
+    with pytest.raises(TypeError, match=r"w13_scale must be a floating-point tensor \(float32 scales\), not "
+                                        r"torch.uint8"):
+        megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.full((4, 2, 1), 127, dtype=torch.uint8),
+                                w2_scale=torch.ones(4, 1, 1))
+    with pytest.raises(TypeError, match=r"w2_scale must be a floating-point tensor .*, not torch.int32"):
+        megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4),
+                                w2_scale=torch.ones(4, dtype=torch.int32))
+    # Weights made on the meta device (never loaded) hold no values.
+    with pytest.raises(ValueError, match="w13 is on the meta device"):
+        megamoe.prepare_weights(w13.to("meta"), w2.to("meta"), top_k=2)
+    with pytest.raises(ValueError, match="w2_scale is on the meta device"):
+        megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4),
+                                w2_scale=torch.ones(4, device="meta"))
+    with pytest.raises(ValueError, match="w13_input_scale is on the meta device"):
+        megamoe.prepare_weights(w13, w2, top_k=2, precision="fp8_tensor", w13_input_scale=torch.ones(1, device="meta"),
+                                w2_input_scale=torch.ones(1))
+    # The kernels' own limits (README: E <= 512, top_k <= 32, n_group <= 32) come before the device too.
+    many = dict(w13=torch.zeros(1, 256, 128, dtype=torch.bfloat16).expand(520, 256, 128),
+                w2=torch.zeros(1, 128, 128, dtype=torch.bfloat16).expand(520, 128, 128))
+    with pytest.raises(NotImplementedError, match="num_experts=520 exceeds the 512 the routing kernel holds"):
+        megamoe.prepare_weights(**many, top_k=2)
+    sixty_four = dict(w13=many["w13"][:64], w2=many["w2"][:64])
+    with pytest.raises(NotImplementedError, match="top_k=33 exceeds the 32 slots per token the kernels hold"):
+        megamoe.prepare_weights(**sixty_four, top_k=33)
+    with pytest.raises(NotImplementedError, match="n_group=64 exceeds the 32 the routing kernel holds"):
+        megamoe.prepare_weights(**sixty_four, top_k=2, routing=megamoe.DeepseekRouting(n_group=64, topk_group=2))
+    with pytest.raises(TypeError, match="deterministic must be a bool, not str 'fast'"):
+        megamoe.MegaMoE(w13, w2, top_k=2, deterministic="fast")
 
 
 @pytest.mark.parametrize("arguments, error, message", [
@@ -525,6 +554,9 @@ def test_create_layer_refuses_sizes_that_would_wrap():
     with pytest.raises(ValueError, match=r"n_group=-1 is out of range"):
         torch.ops.megamoe.check_layer(4, 128, 128, 2, "bf16", "fp32", "deepseek_grouped", True, -1, 1, 1.0, None, 16,
                                       0, "auto", 0, "auto")
+    with pytest.raises(NotImplementedError, match="top_k=40 exceeds the 32 slots"):
+        torch.ops.megamoe.create_layer(empty, scales, empty, scales, scales, 64, 128, 128, 40, *spec[4:], 16, 0, "auto",
+                                       0, "auto", 0)
 
 
 def test_int64_ids_beyond_int32_stay_invalid():
@@ -621,6 +653,34 @@ def test_megamoe_module_passes_ids_and_expert_map_through(monkeypatch):
     y = module(x, topk_ids=global_ids, topk_weights=topk_weights, expert_map=expert_map)
     assert y.shape == x.shape
     assert torch.equal(y, x + (global_ids[..., :1] - 4).to(torch.bfloat16))
+
+
+def test_fused_moe_and_the_module_check_their_own_arguments(monkeypatch):
+    """Runs without a GPU, through a stand-in op: what fused_moe passes on is what was meant."""
+    weights = stand_in_layer(monkeypatch, [])
+    x = torch.randn(6, 128).to(torch.bfloat16)
+    logits = torch.randn(6, 4)
+    # None, or a string, reached the op as its bool: None ran the fast (atomic) combine.
+    for bad in (None, "fast"):
+        with pytest.raises(TypeError, match=f"deterministic must be a bool, not {type(bad).__name__}"):
+            megamoe.fused_moe(x, weights, logits, deterministic=bad)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        megamoe.MegaMoE.from_weights(weights, deterministic="no")
+    # The module's tokens: routing of another leading shape was taken row by row, another token's.
+    module = megamoe.MegaMoE.from_weights(weights)
+    hidden = x.view(2, 3, 128)
+    with pytest.raises(ValueError, match=r"router_logits must be \[2, 3, 4\] or \[6, 4\] for hidden_states "
+                                         r"\[2, 3, 128\], got \[3, 2, 4\]"):
+        module(hidden, logits.view(3, 2, 4))
+    with pytest.raises(ValueError, match=r"topk_ids must be \[2, 3, 2\] or \[6, 2\]"):
+        module(hidden, topk_ids=torch.zeros(3, 2, 2, dtype=torch.int32), topk_weights=torch.zeros(2, 3, 2))
+    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor, not list"):
+        module(x.tolist(), logits)
+    with pytest.raises(ValueError, match=r"hidden_states must be \[..., 128\], got \[\]"):
+        module(torch.tensor(1.0, dtype=torch.bfloat16), logits)
+    # Both forms a model passes stay accepted: the same leading shape, and flat [T, E].
+    assert module(hidden, logits.view(2, 3, 4)).shape == hidden.shape
+    assert torch.equal(module(hidden, logits), module(hidden, logits.view(2, 3, 4)))
 
 
 def test_forward_has_a_fake_implementation():

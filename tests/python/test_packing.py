@@ -119,3 +119,15 @@ def test_checkpoint_scales_take_every_layout_of_the_same_scales():
         packing.checkpoint_scales(pair, "w2_scale", E, H, I)  # a pair is w13's only
     with pytest.raises(ValueError, match=r"w13_scale must hold .* got \[3, 5\]"):
         packing.checkpoint_scales(torch.ones(E, 5), "w13_scale", E, 2 * I, H, gate_up=True)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.uint8, "Byte"), (torch.int32, "Int"), (torch.bool, "Bool")])
+def test_the_host_packer_refuses_scales_that_are_not_floating_point(dtype, name):
+    """Integer scales were converted as numbers: a checkpoint's uint8 exponents 127 packed as
+    scales 127 times too large, without a word."""
+    w13, w2, w13_scale, w2_scale = checkpoint(torch.Generator().manual_seed(3))
+    bad = torch.ones(E, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"w13_scale must be a floating-point tensor \(float32 scales\), not {name}"):
+        torch.ops.megamoe.pack_weights(w13, w2, bad, w2_scale, None, None, "fp8_block", "fp32")
+    with pytest.raises(TypeError, match="w2_scale must be a floating-point tensor"):
+        torch.ops.megamoe.pack_weights(w13, w2, w13_scale, bad, None, None, "fp8_tensor", "fp32")

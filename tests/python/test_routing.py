@@ -32,3 +32,23 @@ def test_deepseek_bias_is_held_by_value():
 def test_op_arguments_of_the_other_modes():
     assert op_arguments(SoftmaxRouting(renormalize=True)) == ("softmax", True, 1, 1, 1.0, None)
     assert op_arguments(PrecomputedRouting()) == ("precomputed", False, 1, 1, 1.0, None)
+
+
+@pytest.mark.parametrize("make, message", [
+    # A truthy string was renormalize=True: "false" from a config file renormalized.
+    (lambda: SoftmaxRouting(renormalize="false"), "renormalize must be a bool, not str 'false'"),
+    (lambda: SoftmaxRouting(renormalize=None), "renormalize must be a bool, not NoneType None"),
+    (lambda: DeepseekRouting(renormalize="no"), "renormalize must be a bool, not str 'no'"),
+    (lambda: DeepseekRouting(n_group=8.0, topk_group=4), "n_group must be an int, not float 8.0"),
+    (lambda: DeepseekRouting(n_group=8, topk_group="4"), "topk_group must be an int, not str '4'"),
+    (lambda: DeepseekRouting(n_group=True), "n_group must be an int, not bool True"),
+    (lambda: DeepseekRouting(routed_scaling_factor="2.5"), "routed_scaling_factor must be a float, not str '2.5'"),
+    (lambda: DeepseekRouting(e_score_correction_bias=[[0.0, 1.0]]),
+     r"e_score_correction_bias must be 1-D \[num_experts\] floats"),
+])
+def test_routing_fields_are_checked_when_made(make, message):
+    with pytest.raises(TypeError, match=message):
+        make()
+    # What is right passes, as the ops take it.
+    assert op_arguments(DeepseekRouting(n_group=8, topk_group=4, routed_scaling_factor=2, renormalize=False))[1:5] == \
+        (False, 8, 4, 2.0)
