@@ -52,6 +52,7 @@ Json Json::array() {
 }
 Json::Json(double number) : kind_(Kind::number), number_(number) {}
 Json::Json(long long number) : kind_(Kind::integer), integer_(number) {}
+Json::Json(uint64_t number) : kind_(Kind::unsigned_integer), unsigned_integer_(number) {}
 Json::Json(bool flag) : kind_(Kind::boolean), boolean_(flag) {}
 Json::Json(std::string text) : kind_(Kind::string), text_(std::move(text)) {}
 
@@ -85,6 +86,7 @@ void Json::write(std::string& out, int indent, int depth) const {
       return;
     }
     case Kind::integer: out += std::to_string(integer_); return;
+    case Kind::unsigned_integer: out += std::to_string(unsigned_integer_); return;
     case Kind::boolean: out += boolean_ ? "true" : "false"; return;
     case Kind::string: escape(out, text_); return;
     case Kind::object:

@@ -2,6 +2,7 @@
 // values, written with stable key order so committed results diff cleanly.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -16,6 +17,7 @@ class Json {
   Json(double number);
   Json(long long number);
   Json(int number) : Json(static_cast<long long>(number)) {}
+  Json(uint64_t number);  // a seed: all 64 bits, as given (a long long would turn the top half negative)
   Json(bool flag);
   Json(std::string text);
   Json(const char* text) : Json(std::string(text)) {}
@@ -25,13 +27,14 @@ class Json {
   std::string dump(int indent = 2) const;
 
  private:
-  enum class Kind { object, array, number, integer, boolean, string };
+  enum class Kind { object, array, number, integer, unsigned_integer, boolean, string };
   Json() = default;
   void write(std::string& out, int indent, int depth) const;
 
   Kind kind_ = Kind::object;
   double number_ = 0;
   long long integer_ = 0;
+  uint64_t unsigned_integer_ = 0;
   bool boolean_ = false;
   std::string text_;
   std::vector<std::pair<std::string, Json>> members_;  // object members or array items (empty keys)

@@ -7,7 +7,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -119,6 +122,27 @@ inline std::vector<int> parse_count_list(const std::string& flag, const std::str
     if (comma == std::string::npos) return counts;
     start = comma + 1;
   }
+}
+
+// A file the program writes when it is done (--json PATH), checked now: a benchmark of minutes must
+// not end in "cannot write". Makes its parent folders, as the writer would, and leaves no file of
+// its own behind (an existing one is opened to append, so not truncated).
+inline std::string writable_file(const std::string& flag, const std::string& path) {
+  const auto bad = [&](const std::string& why) {
+    return UsageError(flag + " needs a file it can write, got '" + path + "': " + why);
+  };
+  if (path.empty()) throw bad("an empty path");
+  const std::filesystem::path target(path);
+  std::error_code error;
+  if (target.has_parent_path()) {
+    std::filesystem::create_directories(target.parent_path(), error);
+    if (error) throw bad(error.message());
+  }
+  const bool existed = std::filesystem::exists(target, error);
+  errno = 0;
+  if (!std::ofstream(target, std::ios::app)) throw bad(errno != 0 ? std::strerror(errno) : "cannot open it");
+  if (!existed) std::filesystem::remove(target, error);
+  return path;
 }
 
 // One of `choices` by name: parse_choice("--precision", text, {{"bf16", bf16}, {"fp8_block", fp8}}).

@@ -136,9 +136,9 @@ struct Probe {
 }  // namespace
 }  // namespace megamoe::bench
 
-int main(int argc, char**) {
+int main(int argc, char** argv) {
   using namespace megamoe::bench;
-  return run_probe("megamoe-code-probe", argc, [](const cudaDeviceProp& prop, cudaStream_t stream) {
+  return run_probe("megamoe-code-probe", argc, argv, [](const cudaDeviceProp& prop, cudaStream_t stream) {
     BufferReader scrub(stream, 2 * static_cast<size_t>(prop.l2CacheSize), prop.multiProcessorCount);
     int clock_khz = 0;
     MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));

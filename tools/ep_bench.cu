@@ -132,6 +132,10 @@ struct Options {
   bench::Provenance provenance;
 };
 
+// The precisions EpLayer takes (fp8_tensor runs on one GPU): refused here, not after the ranks met.
+const std::vector<std::pair<std::string, Precision>> kEpPrecisions = {{"bf16", Precision::bf16},
+                                                                      {"fp8_block", Precision::fp8_block}};
+
 Options parse(int argc, char** argv) {
   namespace cli = bench::cli;
   using Value = const std::string&;
@@ -146,8 +150,9 @@ Options parse(int argc, char** argv) {
       cli::value_option("--workload", [&](Value v) { o.workload = v; }),
       cli::value_option("--tokens",
                         [&](Value v) { o.token_counts = cli::parse_count_list("--tokens", v, kMaxLayerTokens); }),
-      cli::value_option("--precision", [&](Value v) { o.precision = cli::parse_choice("--precision", v, cli::kPrecisions); }),
-      cli::value_option("--json", [&](Value v) { o.json_path = v; }),
+      cli::value_option("--precision",
+                        [&](Value v) { o.precision = cli::parse_choice("--precision", v, kEpPrecisions); }),
+      cli::value_option("--json", [&](Value v) { o.json_path = cli::writable_file("--json", v); }),
   });
   cli::check_usage([&] { plan::find_workload(o.workload); });
   return o;

@@ -128,7 +128,7 @@ Options parse(int argc, char** argv) {
       value_option("--scales", [&](Value v) { o.scale_format = parse_choice("--scales", v, kScaleFormats); }),
       value_option("--routing", [&](Value v) { o.routing = parse_choice("--routing", v, kRoutings); }),
       value_option("--seed", [&](Value v) { o.seed = cli::parse_unsigned("--seed", v); }),
-      value_option("--json", [&](Value v) { o.json_path = v; }),
+      value_option("--json", [&](Value v) { o.json_path = cli::writable_file("--json", v); }),
       value_option("--token-tile",
                    [&](Value v) {
                      o.layer.token_tile = v == "auto" ? 0 : parse_option_int("--token-tile", v, "auto, 16, 32, 64 or 128");
@@ -146,15 +146,38 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
+// The CPU reference's reduced problem of the workload `full`: o.experts (default min(E, 16)) of
+// its experts, with the routing the bench runs.
+MoeSpec reduced_spec(const Options& o, const MoeSpec& full) {
+  MoeSpec spec = full;
+  spec.num_experts = o.experts.value_or(std::min(full.num_experts, kCpuDefaultExperts));
+  spec.routing = routing_for(o, full, spec.num_experts, o.seed);
+  return spec;
+}
+
 // The workload and the layer options checked before any work, by the library's own checks: an
 // unknown workload or options the spec cannot take are usage errors, with the library's message.
 void check_usage(const Options& o) {
+  MoeSpec spec;
   cli::check_usage([&] {
-    MoeSpec spec = plan::find_workload(o.workload).spec;
+    spec = plan::find_workload(o.workload).spec;
     spec.precision = o.precision;
     spec.scale_format = o.scale_format;
     validate(o.layer, spec);
   });
+  // --experts sizes the reduced problem: a count that is not some of the workload's experts, or
+  // that its routing cannot split, is refused here, naming the option, not after the weights.
+  if (!o.experts) return;
+  const std::string experts = std::to_string(*o.experts);
+  if (*o.experts > spec.num_experts) {
+    throw cli::UsageError("--experts takes at most the " + std::to_string(spec.num_experts) + " experts of " +
+                          o.workload + ", got '" + experts + "'");
+  }
+  try {
+    validate(reduced_spec(o, spec));
+  } catch (const Error& e) {
+    throw cli::UsageError("--experts " + experts + " cannot make a reduced " + o.workload + ": " + e.what());
+  }
 }
 
 }  // namespace
@@ -251,11 +274,9 @@ int run_cpu(const Options& o) {
   full.scale_format = o.scale_format;
 
   // The reduced problem the CPU reference can afford.
-  MoeSpec spec = full;
-  spec.num_experts = o.experts.value_or(std::min(full.num_experts, kCpuDefaultExperts));
+  const MoeSpec spec = reduced_spec(o, full);
   const std::vector<int> counts = o.tokens.empty() ? std::vector<int>{kCpuDefaultTokens} : o.tokens;
   const int n_runs = static_cast<int>(counts.size());
-  spec.routing = routing_for(o, full, spec.num_experts, o.seed);
   full.routing = spec.routing;
   if (auto* grouped = std::get_if<DeepseekGrouped>(&full.routing)) grouped->e_score_correction_bias.clear();
   validate(spec);
@@ -338,7 +359,7 @@ int run_cpu(const Options& o) {
         .set("hidden", H)
         .set("intermediate", I)
         .set("top_k", k)
-        .set("seed", static_cast<long long>(o.seed))
+        .set("seed", o.seed)
         .set("options", options_json(o.layer));
     set_plan_decisions(record, forward_plans[r])
         .set("plan_device", h200.name)

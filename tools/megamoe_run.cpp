@@ -11,12 +11,14 @@
 // own process and CUDA context, time-sliced: how the multi-rank code is tested on one GPU).
 // Output lines are prefixed with "[rank r]". The first rank to exit non-zero (or by a signal)
 // stops the others and sets the exit code; a run past --timeout is reported as a hang (exit 124).
+// SIGINT, SIGTERM or SIGHUP to the launcher stops every rank first, then the launcher by that signal.
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -40,15 +42,18 @@ struct Options {
   std::vector<std::string> command;
 };
 
-[[noreturn]] void usage(const std::string& message) {
-  std::fprintf(stderr,
-               "megamoe-run: %s\n"
+void print_usage(std::FILE* to) {
+  std::fprintf(to,
                "usage: megamoe-run -n RANKS [--timeout SECONDS] [--isolate-gpus | --one-gpu] -- program [args...]\n"
                "  -n RANKS        processes to start, one per GPU (LOCAL_RANK selects the GPU)\n"
                "  --timeout S     stop every rank and exit 124 when the run lasts longer than S seconds\n"
                "  --isolate-gpus  also set CUDA_VISIBLE_DEVICES=LOCAL_RANK in each rank\n"
-               "  --one-gpu       every rank sees only the first visible GPU (ranks sharing one device)\n",
-               message.c_str());
+               "  --one-gpu       every rank sees only the first visible GPU (ranks sharing one device)\n");
+}
+
+[[noreturn]] void usage(const std::string& message) {
+  std::fprintf(stderr, "megamoe-run: %s\n", message.c_str());
+  print_usage(stderr);
   std::exit(kUsageExitCode);
 }
 
@@ -60,6 +65,10 @@ Options parse(int argc, char** argv) {
     if (arg == "--") {
       ++i;
       break;
+    }
+    if (arg == "--help" || arg == "-h") {
+      print_usage(stdout);
+      std::exit(0);
     }
     if ((arg == "-n" || arg == "--timeout") && i + 1 >= argc) usage(arg + " needs a value");
     if (arg == "-n") {
@@ -89,6 +98,25 @@ Options parse(int argc, char** argv) {
   if (o.isolate_gpus && o.one_gpu) usage("--isolate-gpus and --one-gpu exclude each other");
   if (o.command.empty()) usage("no program given after --");
   return o;
+}
+
+// The signal that asked the launcher to stop (Ctrl-C, a CI job's timeout, a closed terminal); 0 while
+// none has. The ranks run in process groups of their own, out of the terminal's reach: unless the
+// launcher stops them, they outlive it, holding their GPUs.
+volatile std::sig_atomic_t stop_signal = 0;
+
+void on_stop_signal(int signal) { stop_signal = signal; }
+
+void catch_stop_signals() {
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction action {};
+    sigaction(signal, nullptr, &action);
+    if (action.sa_handler == SIG_IGN) continue;  // nohup's SIGHUP, a background job's SIGINT: left ignored
+    action = {};
+    action.sa_handler = on_stop_signal;  // no SA_RESTART: the poll below returns at once
+    sigemptyset(&action.sa_mask);
+    sigaction(signal, &action, nullptr);
+  }
 }
 
 struct Rank {
@@ -196,6 +224,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int port = free_port();
+  catch_stop_signals();
   std::vector<Rank> ranks(o.ranks);
   for (int r = 0; r < o.ranks; ++r) {
     int fds[2];
@@ -248,13 +277,20 @@ int main(int argc, char** argv) {
       stop_all(ranks);
       any_running = false;
     }
+    if (any_running && stop_signal != 0) {
+      failure = std::string("stopped by signal ") + strsignal(stop_signal);
+      std::fprintf(stderr, "megamoe-run: %s; stopping every rank\n", failure.c_str());
+      stop_all(ranks);
+      any_running = false;
+    }
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (any_running && o.timeout_s > 0 && elapsed > o.timeout_s) {
       std::string hung;
       for (const Rank& r : ranks)
         if (r.running) hung += (hung.empty() ? "" : ", ") + std::to_string(r.index);
-      failure = "rank(s) " + hung + " still running after " + std::to_string(static_cast<int>(o.timeout_s)) +
-                " s: treated as a hang";
+      char timeout[32];  // as given: --timeout 0.5 is not "0 s"
+      std::snprintf(timeout, sizeof timeout, "%g", o.timeout_s);
+      failure = "rank(s) " + hung + " still running after " + timeout + " s: treated as a hang";
       exit_code = kHangExitCode;
       std::fprintf(stderr, "megamoe-run: %s; stopping every rank\n", failure.c_str());
       stop_all(ranks);
@@ -277,9 +313,15 @@ int main(int argc, char** argv) {
     }
   }
   std::filesystem::remove_all(rendezvous);
-  if (!failure.empty()) {
-    std::fprintf(stderr, "megamoe-run: FAILED: %s\n", failure.c_str());
-    return exit_code == 0 ? 1 : exit_code;
+  if (!failure.empty()) std::fprintf(stderr, "megamoe-run: FAILED: %s\n", failure.c_str());
+  if (stop_signal != 0) {
+    // End by the same signal, now that the ranks are gone, so that a calling shell sees it (a loop
+    // of runs stops on Ctrl-C).
+    std::fflush(stdout);
+    std::signal(stop_signal, SIG_DFL);
+    std::raise(stop_signal);
+    return 128 + stop_signal;
   }
+  if (!failure.empty()) return exit_code == 0 ? 1 : exit_code;
   return 0;
 }

@@ -5,18 +5,22 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <cstring>
 #include <exception>
 
 #include "kernels/cuda_check.hpp"
 
 namespace megamoe::bench {
 
-// Runs probe(prop, stream) on device 0; returns main's exit status.
+// Runs probe(prop, stream) on device 0; returns main's exit status. --help alone prints the usage
+// and exits 0; any other argument is refused (exit 2).
 template <class Probe>
-int run_probe(const char* name, int argc, Probe&& probe) {
+int run_probe(const char* name, int argc, char** argv, Probe&& probe) {
   if (argc > 1) {
-    std::fprintf(stderr, "usage: %s (no arguments; the cases are fixed, see the source header)\n", name);
-    return 2;
+    const bool help = argc == 2 && std::strcmp(argv[1], "--help") == 0;
+    std::fprintf(help ? stdout : stderr, "usage: %s (no arguments; the cases are fixed, see the source header)\n",
+                 name);
+    return help ? 0 : 2;
   }
   try {
     cudaDeviceProp prop{};

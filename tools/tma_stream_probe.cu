@@ -218,7 +218,7 @@ void run_decode(const Shape3& shape, const std::vector<int>& slice_counts, const
 
 int main(int argc, char** argv) {
   using namespace megamoe::bench;
-  return run_probe("megamoe-tma-probe", argc, [](const cudaDeviceProp& prop, cudaStream_t stream) {
+  return run_probe("megamoe-tma-probe", argc, argv, [](const cudaDeviceProp& prop, cudaStream_t stream) {
     BufferReader scrub(stream, 2 * static_cast<size_t>(prop.l2CacheSize), prop.multiProcessorCount);
     const int sms = prop.multiProcessorCount;
     std::printf("%s, %d SMs; L2 scrubbed before each call; median of %d calls\n", prop.name, sms, kCalls.timed);

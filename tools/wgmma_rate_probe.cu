@@ -264,7 +264,7 @@ void run_shape(const uint8_t* source, const uint8_t* weights, float* sink, int s
 
 int main(int argc, char** argv) {
   using namespace megamoe::bench;
-  return run_probe("megamoe-wgmma-probe", argc, [](const cudaDeviceProp& prop, cudaStream_t stream) {
+  return run_probe("megamoe-wgmma-probe", argc, argv, [](const cudaDeviceProp& prop, cudaStream_t stream) {
     DeviceBuffer source(kSourceBytes);
     DeviceBuffer hbm_weights(kHbmBytes);
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(hbm_weights.as<void>(), 0x3C, kHbmBytes, stream));

@@ -1,6 +1,8 @@
 #include "comm/rendezvous.hpp"
 
 #include <cctype>
+#include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -14,13 +16,32 @@ namespace {
 
 constexpr auto kPollInterval = std::chrono::milliseconds(2);
 
+// RANK or WORLD_SIZE, all of it a decimal number: atoi would take "abc" for rank 0 (a second rank 0,
+// found out only when a barrier stalls) and "1x" for 1.
 int environment_int(const char* name) {
   const char* value = std::getenv(name);
   if (value == nullptr) {
     throw Error(ErrorCode::invalid_argument,
                 std::string(name) + " is not set; start the ranks with megamoe-run (or torchrun-style variables)");
   }
-  return std::atoi(value);
+  const std::string text = value;
+  const bool digits_only = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  errno = 0;
+  const long long number = digits_only ? std::strtoll(text.c_str(), nullptr, 10) : -1;
+  if (!digits_only || errno == ERANGE || number > INT_MAX) {
+    throw Error(ErrorCode::invalid_argument,
+                std::string(name) + "='" + text + "' must be a non-negative integer up to " + std::to_string(INT_MAX));
+  }
+  return static_cast<int>(number);
+}
+
+// When a wait that began at `start` gives up: `timeout` after it, or never where that is past
+// what the clock can hold (milliseconds::max() as "no timeout" would overflow into the past).
+std::chrono::steady_clock::time_point deadline_after(std::chrono::steady_clock::time_point start,
+                                                     std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - start);
+  return timeout >= room ? Clock::time_point::max() : start + timeout;
 }
 
 bool valid_key(const std::string& key) {
@@ -71,7 +92,7 @@ void FileRendezvous::publish(const std::string& key, const std::vector<uint8_t>&
 
 std::vector<uint8_t> FileRendezvous::wait(const std::string& key, std::chrono::milliseconds timeout) const {
   const std::string path = path_of(key);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = deadline_after(std::chrono::steady_clock::now(), timeout);
   while (!std::filesystem::exists(path)) {
     if (std::chrono::steady_clock::now() > deadline) {
       throw Error(ErrorCode::timeout, "rank " + std::to_string(rank_) + " waited " +
@@ -88,7 +109,7 @@ void FileRendezvous::arrive(const std::string& name) const { publish(name + ".ra
 
 void FileRendezvous::barrier(const std::string& name, std::chrono::milliseconds timeout) const {
   arrive(name);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = deadline_after(std::chrono::steady_clock::now(), timeout);
   for (int r = 0; r < world_size_; ++r) {
     while (!std::filesystem::exists(path_of(name + ".rank" + std::to_string(r)))) {
       if (std::chrono::steady_clock::now() > deadline) {

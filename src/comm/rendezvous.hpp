@@ -15,7 +15,8 @@ class FileRendezvous {
  public:
   FileRendezvous(std::string directory, int rank, int world_size);
 
-  // From MEGAMOE_RENDEZVOUS_DIR, RANK and WORLD_SIZE; throws megamoe::Error naming what is unset.
+  // From MEGAMOE_RENDEZVOUS_DIR, RANK and WORLD_SIZE; throws megamoe::Error naming what is unset or
+  // not a number.
   static FileRendezvous from_environment();
 
   int rank() const { return rank_; }
@@ -24,7 +25,8 @@ class FileRendezvous {
   // Makes `value` visible under `key` at once and whole (written aside, then renamed).
   void publish(const std::string& key, const std::vector<uint8_t>& value) const;
 
-  // Waits until `key` exists and returns its value; throws megamoe::Error after `timeout`.
+  // Waits until `key` exists and returns its value; throws megamoe::Error after `timeout`
+  // (milliseconds::max(): no limit).
   std::vector<uint8_t> wait(const std::string& key, std::chrono::milliseconds timeout) const;
 
   // Returns once every rank has entered the barrier `name`; throws megamoe::Error after

@@ -2,8 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <iterator>
+#include <optional>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "common/test_random.hpp"
 #include "megamoe/error.hpp"
@@ -87,6 +93,72 @@ TEST_F(Rendezvous, RejectsBadArguments) {
   const FileRendezvous rendezvous(directory_, 0, 1);
   EXPECT_THROW(rendezvous.publish("../escape", {}), Error);
   EXPECT_THROW(rendezvous.publish("", {}), Error);
+}
+
+// The error a throwing `call` gives, or "" when it returns.
+template <class Call>
+std::string error_of(Call&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST_F(Rendezvous, ATimeoutTooLongToAddToTheClockMeansWaitingForever) {
+  // milliseconds::max() as "no timeout": the deadline must not overflow into the past.
+  const FileRendezvous rank0(directory_, 0, 2), rank1(directory_, 1, 2);
+  std::thread publisher([&] {
+    std::this_thread::sleep_for(50ms);
+    rank1.publish("late", {7});
+    rank1.arrive("met");
+  });
+  std::vector<uint8_t> value;
+  EXPECT_EQ(error_of([&] { value = rank0.wait("late", std::chrono::milliseconds::max()); }), "");
+  EXPECT_EQ(value, (std::vector<uint8_t>{7}));
+  EXPECT_EQ(error_of([&] { rank0.barrier("met", std::chrono::milliseconds::max()); }), "");
+  publisher.join();
+}
+
+// Sets the variables from_environment reads for one test, and restores them.
+class RendezvousEnvironment : public Rendezvous {
+ protected:
+  void SetUp() override {
+    Rendezvous::SetUp();
+    for (const char* name : {"MEGAMOE_RENDEZVOUS_DIR", "RANK", "WORLD_SIZE"}) {
+      const char* value = std::getenv(name);
+      saved_.emplace_back(name, value ? std::optional<std::string>(value) : std::nullopt);
+    }
+    setenv("MEGAMOE_RENDEZVOUS_DIR", directory_.c_str(), 1);
+  }
+  void TearDown() override {
+    for (const auto& [name, value] : saved_) {
+      if (value) setenv(name.c_str(), value->c_str(), 1);
+      else unsetenv(name.c_str());
+    }
+    Rendezvous::TearDown();
+  }
+  // The error from_environment gives for RANK=rank and WORLD_SIZE=world, or "" when it accepts them.
+  std::string error_for(const char* rank, const char* world) {
+    setenv("RANK", rank, 1);
+    setenv("WORLD_SIZE", world, 1);
+    return error_of([] { FileRendezvous::from_environment(); });
+  }
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+TEST_F(RendezvousEnvironment, RefusesVariablesThatAreNotNumbersNamingThem) {
+  // atoi would read "abc" as rank 0 (a second rank 0) and "1x" as 1.
+  for (const char* bad : {"abc", "1x", "", " 1", "-", "99999999999"}) {
+    const std::string error = error_for(bad, "2");
+    EXPECT_NE(error.find("RANK='" + std::string(bad) + "' must be a non-negative integer"), std::string::npos)
+        << "RANK='" << bad << "': " << error;
+  }
+  const std::string error = error_for("0", "two");
+  EXPECT_NE(error.find("WORLD_SIZE='two' must be a non-negative integer"), std::string::npos) << error;
+  EXPECT_NE(error_for("2", "2").find("rank 2 is outside a world of 2"), std::string::npos);
+  EXPECT_EQ(error_for("1", "2"), "");
 }
 
 }  // namespace
