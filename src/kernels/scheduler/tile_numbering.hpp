@@ -43,19 +43,25 @@ MEGAMOE_HOST_DEVICE constexpr ExpertSegment expert_segment(int routed_rows, int 
                        (routed_rows + subtile_rows - 1) / subtile_rows * subtile_rows};
 }
 
+// Whether a tile holding `valid_rows` routed rows is one subtile high: an expert's short last
+// tile, where a token tile travels in more than one subtile.
+MEGAMOE_HOST_DEVICE constexpr bool one_subtile_high(int valid_rows, int token_tile_rows) {
+  const int subtile_rows = layout::gemm_token_subtile(token_tile_rows);
+  return subtile_rows < token_tile_rows && valid_rows <= subtile_rows;
+}
+
 // Token subtiles a tile loads and multiplies: one for an expert's short last tile, else all.
 MEGAMOE_HOST_DEVICE constexpr int tile_subtiles(const GroupedTile& tile, int token_tile_rows) {
-  const int subtile_rows = layout::gemm_token_subtile(token_tile_rows);
-  return subtile_rows < token_tile_rows && tile.valid_rows <= subtile_rows ? 1 : token_tile_rows / subtile_rows;
+  return one_subtile_high(tile.valid_rows, token_tile_rows)
+             ? 1
+             : token_tile_rows / layout::gemm_token_subtile(token_tile_rows);
 }
 
 // An expert's token tiles of full height (all but a short last one of one subtile), from its
 // routed rows.
 MEGAMOE_HOST_DEVICE constexpr int expert_full_tiles(int routed_rows, int token_tile_rows) {
   const int tiles = expert_segment(routed_rows, token_tile_rows).token_tiles;
-  const int subtile_rows = layout::gemm_token_subtile(token_tile_rows);
-  const bool short_last = tiles > 0 && subtile_rows < token_tile_rows &&
-                          routed_rows - (tiles - 1) * token_tile_rows <= subtile_rows;
+  const bool short_last = tiles > 0 && one_subtile_high(routed_rows - (tiles - 1) * token_tile_rows, token_tile_rows);
   return short_last ? tiles - 1 : tiles;
 }
 
