@@ -4,22 +4,54 @@
 # test suite with the GPU suites required (the expert-parallel ones with their ranks sharing this
 # GPU), checks the SASS of the kernels, runs compute-sanitizer over the GPU suites, and prints a
 # short summary last. Logs go to $OUT (or ./gpu-logs).
+#
+# The whole check takes longer than one device call may (the sanitizers are most of it), so it
+# runs within a time budget, MEGAMOE_CHECK_BUDGET_S seconds from its start (default 540: the call's
+# 600 less what returning the logs takes). Each step runs under `timeout` with the seconds left; a
+# step the budget cuts or never reaches is named in the summary, which always comes. The steps run
+# in this order, uninstrumented ones first: tests (the CPU suites, the kernel suites and the layer
+# suite), python, ep, example, sass, sanitizers; MEGAMOE_CHECK_STEPS (default all of them) picks
+# some, e.g. "sanitizers" in a second call after a first one ran the rest.
 # shellcheck source-path=SCRIPTDIR
 set -uo pipefail
 # shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 export MEGAMOE_REQUIRE_GPU=1
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/build.log"
-nvcc --version | tail -2 | tee -a "$out/build.log"
-cmake --version | head -1 | tee -a "$out/build.log"
-
-build_or_stop "$out/build.log"
-note "build: ok ($(grep -c 'warning' "$out/build.log") warnings, spills: $(grep -ci 'spill' "$out/build.log"))"
-
-ctest --test-dir "$build" -L cpu --output-on-failure --parallel 8 >>"$out/build.log" 2>&1
-status=$?
-note "ctest (cpu suites): $(grep -E 'tests passed' "$out/build.log") (exit $status)"
+deadline=$(( $(date +%s) + ${MEGAMOE_CHECK_BUDGET_S:-540} ))
+steps=" ${MEGAMOE_CHECK_STEPS:-tests python ep example sass sanitizers} "
+for step in $steps; do
+  case $step in
+    tests | python | ep | example | sass | sanitizers) ;;
+    *) echo "gpu_check.sh: unknown step '$step' in MEGAMOE_CHECK_STEPS (tests python ep example sass sanitizers)"; exit 2 ;;
+  esac
+done
+wanted() { [[ $steps == *" $1 "* ]]; }
+status=0
+unfinished=()
+# bounded WHAT COMMAND...: runs COMMAND with the budget's seconds left; its status, 124 or 137 where
+# the budget cut it, 125 where too little was left to start it (WHAT then goes into the summary).
+bounded() {
+  local what=$1 left=$(( deadline - $(date +%s) )) rc
+  shift
+  if [ "$left" -lt 20 ]; then
+    unfinished+=("$what (not started)")
+    return 125
+  fi
+  timeout --kill-after=5 "$left" "$@"
+  rc=$?
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then unfinished+=("$what (cut)"); fi
+  return $rc
+}
+finish() {
+  if [ ${#unfinished[@]} -gt 0 ]; then
+    status=1
+    note "time budget (${MEGAMOE_CHECK_BUDGET_S:-540} s) left unfinished: $(printf '%s; ' "${unfinished[@]}")"
+  fi
+  echo
+  print_summary
+  exit $status
+}
 
 # GPU suites run as one process each (their fixtures cache large weights across cases).
 # MEGAMOE_GPU_FILTER narrows the layer suite; MEGAMOE_SANITIZE_FILTER picks the cases the
@@ -29,90 +61,125 @@ note "ctest (cpu suites): $(grep -E 'tests passed' "$out/build.log") (exit $stat
 # shapes on the one-block router path; and fp8_tensor's dynamic scales in both GEMM layouts (the
 # amax atomics, the x-amax kernel's last block, the encoding pass).
 layer_filter=${MEGAMOE_GPU_FILTER:-*}
+# MEGAMOE_LAYER_SHARD=I/N runs the I-th of N shares of the layer suite (GoogleTest's sharding), for
+# a suite that with the build does not fit in one call.
+layer_shard=()
+if [ -n "${MEGAMOE_LAYER_SHARD:-}" ]; then
+  if [[ ! $MEGAMOE_LAYER_SHARD =~ ^([0-9]+)/([1-9][0-9]*)$ ]] || [ "${BASH_REMATCH[1]}" -ge "${BASH_REMATCH[2]}" ]; then
+    echo "gpu_check.sh: MEGAMOE_LAYER_SHARD='$MEGAMOE_LAYER_SHARD' is not I/N with 0 <= I < N"
+    exit 2
+  fi
+  layer_shard=(env GTEST_SHARD_INDEX="${BASH_REMATCH[1]}" GTEST_TOTAL_SHARDS="${BASH_REMATCH[2]}")
+fi
 sanitize_filter=${MEGAMOE_SANITIZE_FILTER:-*small_fp8_block_T7_softmax*:*small_bf16_T128_grouped_fast*:MoeLayer.BadRouting*:Sm90*:*DeviceTokenCount*:*qwen35_a3b_fp8_block_T1:*small_fp8_tensor_T7_softmax_dynamic:MoeLayerTokensOnMVsReference*small_fp8_tensor_T65_softmax_dynamic}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/build.log"
+nvcc --version | tail -2 | tee -a "$out/build.log"
+cmake --version | head -1 | tee -a "$out/build.log"
+
+build_or_stop "$out/build.log"
+note "build: ok ($(grep -c 'warning' "$out/build.log") warnings, spills: $(grep -ci 'spill' "$out/build.log"))"
+
+suites=()
 for exe in "$build"/tests/test_kernels_* "$build"/tests/test_api_moe_layer; do
-  [ -x "$exe" ] || continue
-  name=$(basename "$exe")
-  filter='*'
-  [ "$name" = test_api_moe_layer ] && filter=$layer_filter
+  [ -x "$exe" ] && suites+=("$exe")
+done
+
+if wanted tests; then
+  bounded "ctest (cpu suites)" ctest --test-dir "$build" -L cpu --output-on-failure --parallel 8 >>"$out/build.log" 2>&1 ||
+    status=1
+  note "ctest (cpu suites): $(grep -E 'tests passed' "$out/build.log") (exit $status)"
+  for exe in "${suites[@]}"; do
+    name=$(basename "$exe")
+    filter='*' shard=()
+    [ "$name" = test_api_moe_layer ] && filter=$layer_filter shard=("${layer_shard[@]}")
+    start=$(date +%s)
+    bounded "$name" "${shard[@]}" "$exe" --gtest_filter="$filter" >"$out/$name.log" 2>&1 || status=1
+    note "$name: $(grep -c '^\[       OK \]' "$out/$name.log") tests passed, $(grep -c '^\[  FAILED  \]' "$out/$name.log") failed lines ($(( $(date +%s) - start )) s)"
+    # Where the suite's time goes (most of it is the CPU reference and weight generation).
+    while read -r ms test; do
+      [ "$ms" -ge 1000 ] && note "    slowest: $test $(( ms / 1000 )) s"
+    done < <(grep -E '^\[       OK \]' "$out/$name.log" | sed -E 's/.*OK \] (.*) \(([0-9]+) ms\)/\2 \1/' | sort -rn | head -3)
+    grep -E "Failure|error|Expected|Which is|evaluates to|actual|MEGAMOE_TEST_SEED" "$out/$name.log" | head -30
+    cat "$out/$name.log" >>"$out/tests.log" && rm "$out/$name.log"
+  done
+fi
+
+# The Python package's GPU suite (pytest, through CTest for its environment; --verbose keeps
+# pytest's own summary line for the note).
+if wanted python; then
   start=$(date +%s)
-  "$exe" --gtest_filter="$filter" >"$out/$name.log" 2>&1 || status=1
-  note "$name: $(grep -c '^\[       OK \]' "$out/$name.log") tests passed, $(grep -c '^\[  FAILED  \]' "$out/$name.log") failed lines ($(( $(date +%s) - start )) s)"
-  # Where the suite's time goes (most of it is the CPU reference and weight generation).
-  while read -r ms test; do
-    [ "$ms" -ge 1000 ] && note "    slowest: $test $(( ms / 1000 )) s"
-  done < <(grep -E '^\[       OK \]' "$out/$name.log" | sed -E 's/.*OK \] (.*) \(([0-9]+) ms\)/\2 \1/' | sort -rn | head -3)
-  grep -E "Failure|error|Expected|Which is|evaluates to|actual|MEGAMOE_TEST_SEED" "$out/$name.log" | head -30
-  cat "$out/$name.log" >>"$out/tests.log" && rm "$out/$name.log"
-  [ "${MEGAMOE_SKIP_SANITIZERS:-0}" = 1 ] && continue
+  bounded "python.gpu" ctest --test-dir "$build" -R '^python\.gpu$' --verbose >"$out/python.log" 2>&1 || status=1
+  note "python (pytest, gpu): $(grep -E ' in [0-9.]+s' "$out/python.log" | tail -1 | tr -d '=') ($(( $(date +%s) - start )) s)"
+  cat "$out/python.log" >>"$out/tests.log" && rm "$out/python.log"
+fi
+
+# Expert parallelism with the ranks sharing this GPU (megamoe-run --one-gpu), and a stalled rank.
+if wanted ep; then
+  start=$(date +%s)
+  bounded "expert parallelism on one GPU" ctest --test-dir "$build" -R '^(comm\.ep_layer\..*one_gpu|python\.ep_one_gpu)$' \
+    --output-on-failure >"$out/ep.log" 2>&1 || status=1
+  note "expert parallelism on one GPU: $(grep -E 'tests passed' "$out/ep.log") ($(( $(date +%s) - start )) s)"
+  cat "$out/ep.log" >>"$out/tests.log" && rm "$out/ep.log"
+fi
+
+# The README's usage as a program: it must run as written.
+if wanted example; then
+  if bounded "megamoe-example-forward" "$build/megamoe-example-forward" >>"$out/tests.log" 2>&1; then
+    note "megamoe-example-forward: ok ($(grep -E 'us per graph replay' "$out/tests.log" | tail -1))"
+  else
+    status=1
+    note "megamoe-example-forward: FAILED (see tests.log)"
+  fi
+fi
+
+if wanted sass; then
+  sass="$out/sass.txt"
+  cuobjdump --dump-sass "$build/libmegamoe_kernels.a" >"$sass" 2>&1
+  note "SASS: $(grep -cE 'HGMMA|QGMMA' "$sass") wgmma (HGMMA bf16, QGMMA fp8), $(grep -c 'UTMALDG' "$sass") UTMALDG, $(grep -cE 'LDL|STL' "$sass") local-memory ops"
+  # Code size by source file: with the L2 scrubbed a one-shot path's instructions come from HBM
+  # (docs/decisions.md#h200-facts).
+  by_source=$out/sass_by_source.txt
+  python3 "$root/scripts/sass_by_source.py" "$build/libmegamoe_kernels.a" --kernel route_and_count_kernel \
+    --kernel sm90_moe_single_kernel --top 12 >"$by_source" 2>&1
+  note "SASS by source file in sass_by_source.txt: router $(grep -m1 route_and_count "$by_source" | grep -oE '[0-9]+ instructions'), single kernel $(grep -m1 sm90_moe_single_kernel "$by_source" | grep -oE '[0-9]+ instructions') (first instantiation)"
+fi
+
+wanted sanitizers || finish
+for exe in "${suites[@]}"; do
+  name=$(basename "$exe")
   for tool in memcheck racecheck synccheck; do
     log="$out/sanitize.log"
-    echo "==== $tool" >>"$log"
-    compute-sanitizer --tool "$tool" --error-exitcode 3 "$exe" --gtest_brief=1 --gtest_filter="$sanitize_filter" \
-      >"$log.part" 2>&1
+    echo "==== $tool $name" >>"$log"
+    bounded "compute-sanitizer $tool $name" compute-sanitizer --tool "$tool" --error-exitcode 3 "$exe" --gtest_brief=1 \
+      --gtest_filter="$sanitize_filter" >"$log.part" 2>&1
     rc=$?
     cat "$log.part" >>"$log"
     # Host-only suites (layout structs) make no CUDA call; the sanitizer then exits 255.
     if [ $rc -ne 0 ] && grep -q "terminated before first instrumented API call" "$log.part"; then
       rm -f "$log.part"
-      note "  compute-sanitizer $tool: not applicable (no CUDA calls)"
+      note "  compute-sanitizer $tool, $name: not applicable (no CUDA calls)"
       continue
     fi
     rm -f "$log.part"
     [ $rc -eq 0 ] || status=1
-    note "  compute-sanitizer $tool: exit $rc ($(grep -E 'SUMMARY' "$log" | tail -1))"
+    note "  compute-sanitizer $tool, $name: exit $rc ($(grep -E 'SUMMARY' "$log" | tail -1))"
   done
 done
 
-# The Python package's GPU suite (pytest, through CTest for its environment; --verbose keeps
-# pytest's own summary line for the note).
-start=$(date +%s)
-ctest --test-dir "$build" -R '^python\.gpu$' --verbose >"$out/python.log" 2>&1 || status=1
-note "python (pytest, gpu): $(grep -E ' in [0-9.]+s' "$out/python.log" | tail -1 | tr -d '=') ($(( $(date +%s) - start )) s)"
-cat "$out/python.log" >>"$out/tests.log" && rm "$out/python.log"
-
-# Expert parallelism with the ranks sharing this GPU (megamoe-run --one-gpu), and a stalled rank.
-start=$(date +%s)
-ctest --test-dir "$build" -R '^(comm\.ep_layer\..*one_gpu|python\.ep_one_gpu)$' --output-on-failure >"$out/ep.log" 2>&1 ||
-  status=1
-note "expert parallelism on one GPU: $(grep -E 'tests passed' "$out/ep.log") ($(( $(date +%s) - start )) s)"
-cat "$out/ep.log" >>"$out/tests.log" && rm "$out/ep.log"
-
 # The fault suite under memcheck (the soak aside: 10,000 calls are too many under the tool), and a
 # stalled expert-parallel rank with every process instrumented.
-if [ "${MEGAMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
-  # The suite provokes failed allocations on purpose (the test checks their errors), so API errors
-  # are not the tool's to report; and the tool serializes kernels, so the forward beside a kernel
-  # holding the SMs waits for that kernel and is left to the uninstrumented run above.
-  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 "$build/tests/test_api_moe_layer" \
-    --gtest_brief=1 --gtest_filter='MoeLayerFaults.*:-MoeLayerFaults.SoakOfTenThousandCalls:MoeLayerFaults.ForwardBesideKernelsHoldingMostSms' \
-    >"$out/sanitize-faults.log" 2>&1 || status=1
-  note "compute-sanitizer memcheck, fault suite: $(grep -E 'ERROR SUMMARY' "$out/sanitize-faults.log" | tail -1)"
-  compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 "$build/megamoe-run" -n 2 --one-gpu \
-    --timeout 600 -- "$build/tests/comm_ep_layer_rank" --iterations 1 --hang --barrier-timeout-ms 3000 \
-    >"$out/sanitize-ep.log" 2>&1 || status=1
-  note "compute-sanitizer memcheck, stalled rank: $(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitize-ep.log") processes clean, $(grep -c 'ok after the stalled peer' "$out/sanitize-ep.log") reported"
-  cat "$out/sanitize-faults.log" "$out/sanitize-ep.log" >>"$out/sanitize.log" && rm "$out/sanitize-faults.log" "$out/sanitize-ep.log"
-fi
-
-# The README's usage as a program: it must run as written.
-if "$build/megamoe-example-forward" >>"$out/tests.log" 2>&1; then
-  note "megamoe-example-forward: ok ($(grep -E 'us per graph replay' "$out/tests.log" | tail -1))"
-else
-  status=1
-  note "megamoe-example-forward: FAILED (see tests.log)"
-fi
-
-sass="$out/sass.txt"
-cuobjdump --dump-sass "$build/libmegamoe_kernels.a" >"$sass" 2>&1
-note "SASS: $(grep -cE 'HGMMA|QGMMA' "$sass") wgmma (HGMMA bf16, QGMMA fp8), $(grep -c 'UTMALDG' "$sass") UTMALDG, $(grep -cE 'LDL|STL' "$sass") local-memory ops"
-# Code size by source file: with the L2 scrubbed a one-shot path's instructions come from HBM
-# (docs/decisions.md#h200-facts).
-by_source=$out/sass_by_source.txt
-python3 "$root/scripts/sass_by_source.py" "$build/libmegamoe_kernels.a" --kernel route_and_count_kernel \
-  --kernel sm90_moe_single_kernel --top 12 >"$by_source" 2>&1
-note "SASS by source file in sass_by_source.txt: router $(grep -m1 route_and_count "$by_source" | grep -oE '[0-9]+ instructions'), single kernel $(grep -m1 sm90_moe_single_kernel "$by_source" | grep -oE '[0-9]+ instructions') (first instantiation)"
-
-echo
-print_summary
-exit $status
+# The suite provokes failed allocations on purpose (the test checks their errors), so API errors
+# are not the tool's to report; and the tool serializes kernels, so the forward beside a kernel
+# holding the SMs waits for that kernel and is left to the uninstrumented run above.
+bounded "compute-sanitizer memcheck, fault suite" compute-sanitizer --tool memcheck --report-api-errors no \
+  --error-exitcode 3 "$build/tests/test_api_moe_layer" --gtest_brief=1 \
+  --gtest_filter='MoeLayerFaults.*:-MoeLayerFaults.SoakOfTenThousandCalls:MoeLayerFaults.ForwardBesideKernelsHoldingMostSms' \
+  >"$out/sanitize-faults.log" 2>&1 || status=1
+note "compute-sanitizer memcheck, fault suite: $(grep -E 'ERROR SUMMARY' "$out/sanitize-faults.log" | tail -1)"
+bounded "compute-sanitizer memcheck, stalled rank" compute-sanitizer --tool memcheck --target-processes all \
+  --error-exitcode 3 "$build/megamoe-run" -n 2 --one-gpu --timeout 600 -- "$build/tests/comm_ep_layer_rank" \
+  --iterations 1 --hang --barrier-timeout-ms 3000 >"$out/sanitize-ep.log" 2>&1 || status=1
+note "compute-sanitizer memcheck, stalled rank: $(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitize-ep.log") processes clean, $(grep -c 'ok after the stalled peer' "$out/sanitize-ep.log") reported"
+cat "$out/sanitize-faults.log" "$out/sanitize-ep.log" >>"$out/sanitize.log" && rm "$out/sanitize-faults.log" "$out/sanitize-ep.log"
+finish
