@@ -2,8 +2,8 @@
 # scripts/gpu/gpu_check.sh's time budget and steps, with stand-ins for the GPU machine's tools and
 # suites: a suite that outlasts the budget is cut there and named in the summary, the steps after
 # it are named as not started, and the script still ends with its summary, failed; within the
-# budget the same steps pass; a shard of the layer suite reaches that suite alone; an unknown step
-# or a shard that is not I/N is refused before anything runs.
+# budget the same steps pass; a shard of the layer suite reaches that suite alone; an unknown step,
+# a shard that is not I/N or a budget that is not seconds is refused before anything runs.
 set -euo pipefail
 scripts=$1
 dir=$(mktemp -d)
@@ -57,6 +57,12 @@ for shard in 2/2 1 a/3; do
   check 60 tests 0 "$shard"
   [ "$rc" -eq 2 ] || fail "MEGAMOE_LAYER_SHARD=$shard: exit $rc"
   ! grep -q "build: ok" "$dir/out.txt" || fail "a bad shard is refused before the build"
+done
+
+for budget in abc 0 -5; do
+  check "$budget" tests 0
+  [ "$rc" -eq 2 ] || fail "MEGAMOE_CHECK_BUDGET_S=$budget: exit $rc"
+  ! grep -q "build: ok" "$dir/out.txt" || fail "a bad budget is refused before the build"
 done
 
 check 60 "tests sanitise" 0
