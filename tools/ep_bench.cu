@@ -1,8 +1,10 @@
 // megamoe-ep-bench: expert parallelism across the GPUs of one node, one process per GPU:
 //   megamoe-run -n 2 -- megamoe-ep-bench [--workload dsv3] [--tokens 128,4096]
-//                                        [--precision fp8_block|bf16] [--json PATH] [--timeline]
+//                                        [--precision fp8_block|bf16] [--token-rows automatic|bf16|fp8]
+//                                        [--json PATH] [--timeline]
 // Measures, per token count per rank: dispatch and combine time and their NVLink GB/s (rows that
-// cross to another rank, H x 2 bytes each), the whole staged EP forward, and the staged NCCL
+// cross to another rank: token rows of H x 2 bytes, or H + H / 32 as FP8 with their scales, and
+// partial sums of H x 2 bytes back), the whole staged EP forward, and the staged NCCL
 // baseline (all-gather tokens -> local experts over all tokens -> reduce-scatter), each the
 // slowest rank's median; and, in the same run, the one-way peer copy bandwidth and the cost of one
 // cross-rank barrier. Each timed phase starts after a device barrier, so that no rank's timing
@@ -114,11 +116,13 @@ void print_usage() {
   std::printf(
       "usage: megamoe-run -n RANKS -- megamoe-ep-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3]\n"
       "                                                [--tokens N[,N...]] [--precision bf16|fp8_block]\n"
-      "                                                [--json PATH] [--timeline]\n"
+      "                                                [--token-rows automatic|bf16|fp8] [--json PATH] [--timeline]\n"
       "Options take their value as --flag value or --flag=value.\n"
       "  --workload   named workload (default dsv3)\n"
       "  --tokens     tokens per rank, comma-separated (default 128,4096)\n"
       "  --precision  bf16 or fp8_block (default fp8_block)\n"
+      "  --token-rows how token rows travel: automatic (fp8 for fp8_block), bf16, or fp8 (quantized once at\n"
+      "               their source, the layer's own rule: the same y, half the bytes)\n"
       "  --json PATH  rank 0 also writes the measured figures as JSON (one record per token count)\n"
       "  --timeline   also print when each rank's blocks reached each point of a call\n");
 }
@@ -127,6 +131,7 @@ struct Options {
   std::string workload = "dsv3";
   std::vector<int> token_counts = {128, 4096};
   Precision precision = Precision::fp8_block;
+  comm::EpTokenRows token_rows = comm::EpTokenRows::automatic;
   std::string json_path;
   bool timeline = false;
   bench::Provenance provenance;
@@ -135,6 +140,8 @@ struct Options {
 // The precisions EpLayer takes (fp8_tensor runs on one GPU): refused here, not after the ranks met.
 const std::vector<std::pair<std::string, Precision>> kEpPrecisions = {{"bf16", Precision::bf16},
                                                                       {"fp8_block", Precision::fp8_block}};
+const std::vector<std::pair<std::string, comm::EpTokenRows>> kTokenRows = {
+    {"automatic", comm::EpTokenRows::automatic}, {"bf16", comm::EpTokenRows::bf16}, {"fp8", comm::EpTokenRows::fp8}};
 
 Options parse(int argc, char** argv) {
   namespace cli = bench::cli;
@@ -152,8 +159,12 @@ Options parse(int argc, char** argv) {
                         [&](Value v) { o.token_counts = cli::parse_count_list("--tokens", v, kMaxLayerTokens); }),
       cli::value_option("--precision",
                         [&](Value v) { o.precision = cli::parse_choice("--precision", v, kEpPrecisions); }),
+      cli::value_option("--token-rows", [&](Value v) { o.token_rows = cli::parse_choice("--token-rows", v, kTokenRows); }),
       cli::value_option("--json", [&](Value v) { o.json_path = cli::writable_file("--json", v); }),
   });
+  if (o.token_rows == comm::EpTokenRows::fp8 && o.precision != Precision::fp8_block) {
+    throw cli::UsageError("--token-rows fp8 needs --precision fp8_block");
+  }
   cli::check_usage([&] { plan::find_workload(o.workload); });
   return o;
 }
@@ -183,7 +194,10 @@ int run(const Options& o) {
   MoeSpec local = spec;
   local.num_experts = spec.num_experts / world;
   const PackedWeights weights = prepare_weights(local, ref::make_random_weights(local, 100 + rank).view());
-  comm::EpLayer ep(spec, weights, max_tokens, rendezvous);
+  comm::EpLayerOptions ep_options;
+  ep_options.token_rows = o.token_rows;
+  comm::EpLayer ep(spec, weights, max_tokens, rendezvous, ep_options);
+  const bool fp8_rows = ep.token_rows() == comm::EpTokenRows::fp8;
   MoeLayer baseline_experts(local, weights, world * max_tokens);
 
   ncclUniqueId id;
@@ -304,11 +318,13 @@ int run(const Options& o) {
     const double total_ms = bench::median_ms(
         stream, bench::Replays{kWarmup, kTimed}, [&] { ep.forward(stream, inputs, MoeOutputs{y_ep}); },
         [&] { ep.synchronize_ranks(stream); });
-    // Bytes that crossed NVLink: token rows other ranks pushed here; as many partial sums go back.
+    // Bytes that crossed NVLink: token rows other ranks pushed here (codes and a scale per 128
+    // channels, or bf16); as many bf16 partial sums go back.
     const comm::EpLayer::Delivered delivered = ep.last_delivered(stream);
     long remote_rows = 0;
     for (int src = 0; src < world; ++src) remote_rows += src != rank ? delivered.counts[src] : 0;
     const double remote_bytes = static_cast<double>(remote_rows) * H * 2;
+    const double remote_row_bytes = static_cast<double>(remote_rows) * (fp8_rows ? H + H / 128 * 4 : H * 2);
 
     // Baseline: all-gather -> local experts over every rank's tokens -> reduce-scatter.
     bf16_t* x_all = cuda_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
@@ -345,14 +361,16 @@ int run(const Options& o) {
     const double b_us = 1e3 * max_over_ranks(rendezvous, key + "-baseline", median(baseline_ms));
     const double rt_us = 1e3 * max_over_ranks(rendezvous, key + "-round-trip", round_trips_ms / kRoundTrips);
     const double bytes = max_over_ranks(rendezvous, key + "-bytes", remote_bytes);
-    const double d_gbps = bytes / (d_us * 1e-6) / 1e9, c_gbps = bytes / (c_us * 1e-6) / 1e9;
+    const double row_bytes = max_over_ranks(rendezvous, key + "-row-bytes", remote_row_bytes);
+    const double d_gbps = row_bytes / (d_us * 1e-6) / 1e9, c_gbps = bytes / (c_us * 1e-6) / 1e9;
     if (rank == 0) {
       std::printf("  %6d | %11.1f | %10.1f | %11.1f | %10.1f | %8.0f%% | %13.1f | %11.1f | %11.1f | %10.2f | %9.2e\n",
-                  tokens, d_us, d_gbps, c_us, c_gbps, 100.0 * 2 * bytes / ((d_us + c_us) * 1e-6) / 1e9 / peer_gbps,
+                  tokens, d_us, d_gbps, c_us, c_gbps, 100.0 * (row_bytes + bytes) / ((d_us + c_us) * 1e-6) / 1e9 / peer_gbps,
                   rt_us, t_us, b_us, t_us / b_us, agreement);
       bench::Json record = bench::Json::object();
       record.set("workload", workload_name)
           .set("precision", to_string(precision))
+          .set("token_rows", comm::to_string(ep.token_rows()))
           .set("ranks", world)
           .set("tokens_per_rank", tokens)
           .set("dispatch_us", d_us)
@@ -362,6 +380,7 @@ int run(const Options& o) {
                                        " replays back to back between two events, per replay")
           .set("ep_forward_us", t_us)
           .set("nvlink_bytes_each_way", bytes)
+          .set("dispatch_bytes", row_bytes)
           .set("dispatch_gbps", d_gbps)
           .set("combine_gbps", c_gbps)
           .set("peer_copy_gbps", peer_gbps)

@@ -229,7 +229,9 @@ def torch_block(results, image_prefix="bench/results/", results_dir=None, paths=
 
 def ep_section(name, records, path):
     def share_of_peer(r):
-        return 2 * r["nvlink_bytes_each_way"] / ((r["dispatch_us"] + r["combine_us"]) * 1e-6) / (r["peer_copy_gbps"] * 1e9)
+        # Token rows out (FP8 rows are smaller; older records sent bf16 rows), partial sums back.
+        moved = r.get("dispatch_bytes", r["nvlink_bytes_each_way"]) + r["nvlink_bytes_each_way"]
+        return moved / ((r["dispatch_us"] + r["combine_us"]) * 1e-6) / (r["peer_copy_gbps"] * 1e9)
     first = records[0]
     lines = [f"### {first['workload']}, {first['precision']}, {first['ranks']} ranks", "",
              provenance(records, "megamoe-run -n RANKS -- megamoe-ep-bench --json", path) +

@@ -31,6 +31,16 @@ struct MoeInputs {
   // reads router_logits or topk_ids/topk_weights. Nothing of it outlives the call: a CUDA graph
   // replays the routing it captured.
   const Routing* routing = nullptr;
+  // Optional, precision fp8_block: x already quantized, as E4M3 codes [T, H] (one byte each, the
+  // same 16-byte alignment) with one fp32 scale per token and 128 channels: token t's scale of
+  // channels [128 b, 128 b + 128) at x_scales[b * x_scale_stride + t] (0: a stride of T), decoded
+  // value = e4m3(code) * scale. The layer then uses these codes and scales as they are instead of
+  // quantizing x itself (a bf16 x quantized by the layer's own rule, ScaleFormat included, gives
+  // the same bits as passing the bf16 x). For callers whose activations arrive quantized (an
+  // expert-parallel dispatch carrying FP8 rows, a fused quantizing norm). Not with
+  // MoeLayerOptions::launch = single_kernel.
+  const float* x_scales = nullptr;
+  int x_scale_stride = 0;
 };
 
 struct MoeOutputs {

@@ -562,7 +562,7 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
                         const at::Tensor& w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
                         int64_t top_k, const std::string& precision, const std::string& scale_format,
                         int64_t max_tokens, const std::string& rendezvous_dir, int64_t rank, int64_t world_size,
-                        int64_t device_index) {
+                        int64_t device_index, const std::string& token_rows) {
   // The kernels' limits apply to the experts of one rank (num_experts / world_size, checked below).
   const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
                                      false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0, "auto", 0)
@@ -571,6 +571,18 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
   TORCH_CHECK_NOT_IMPLEMENTED(spec.precision != Precision::fp8_tensor,
                               "megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on one "
                               "GPU (prepare_weights)");
+  comm::EpLayerOptions options;
+  if (token_rows == "automatic") {
+    options.token_rows = comm::EpTokenRows::automatic;
+  } else if (token_rows == "bf16") {
+    options.token_rows = comm::EpTokenRows::bf16;
+  } else if (token_rows == "fp8") {
+    TORCH_CHECK_VALUE(spec.precision == Precision::fp8_block, "megamoe: token_rows='fp8' needs precision fp8_block "
+                      "(the layer's own quantization of x), not ", to_string(spec.precision));
+    options.token_rows = comm::EpTokenRows::fp8;
+  } else {
+    TORCH_CHECK_VALUE(false, "megamoe: token_rows='", token_rows, "' must be 'automatic', 'bf16' or 'fp8'");
+  }
   checked_int(world_size, "world_size", 1);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
                     ")");
@@ -586,7 +598,8 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
     RegisteredEpLayer entry;
     entry.rendezvous =
         std::make_unique<comm::FileRendezvous>(rendezvous_dir, static_cast<int>(rank), static_cast<int>(world_size));
-    entry.layer = std::make_unique<comm::EpLayer>(spec, view, static_cast<int>(max_tokens), *entry.rendezvous);
+    entry.layer =
+        std::make_unique<comm::EpLayer>(spec, view, static_cast<int>(max_tokens), *entry.rendezvous, options);
     entry.device = device;
     return ep_registry().add(std::move(entry));
   });
@@ -660,7 +673,7 @@ TORCH_LIBRARY(megamoe, m) {
   m.def("workspace_bytes(int layer) -> int", &workspace_bytes);
   m.def("create_ep_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "
         "int intermediate, int top_k, str precision, str scale_format, int max_tokens, str rendezvous_dir, int rank, "
-        "int world_size, int device_index) -> int",
+        "int world_size, int device_index, str token_rows) -> int",
         &create_ep_layer);
   m.def("destroy_ep_layer(int layer) -> ()", &destroy_ep_layer);
   m.def("ep_forward(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights) -> Tensor");

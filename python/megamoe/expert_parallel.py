@@ -125,6 +125,7 @@ def prepare_ep_weights(
     world_size: Optional[int] = None,
     rendezvous_dir: Optional[str] = None,
     device: Optional[Union[torch.device, str, int]] = None,
+    token_rows: str = "automatic",
 ) -> EpMoeWeights:
     """Collective: packs this rank's experts (w13 [E / world, 2I, H], w2 [E / world, H, I], in
     prepare_weights' layouts, dtypes and scales) and joins the other ranks' shares into a layer
@@ -133,11 +134,19 @@ def prepare_ep_weights(
     torch.distributed, or RANK / WORLD_SIZE. The ranks meet in a folder they share: rendezvous_dir,
     else MEGAMOE_RENDEZVOUS_DIR (megamoe-run sets it), else one rank 0 makes and torch.distributed
     broadcasts. top_k may not exceed the experts per rank. Precisions bf16 and fp8_block:
-    fp8_tensor runs on one GPU (prepare_weights).
+    fp8_tensor runs on one GPU (prepare_weights). token_rows: how token rows travel to their
+    experts' owners, "automatic" (fp8 for fp8_block, bf16 for bf16), "bf16", or "fp8" (fp8_block:
+    quantized once at their source by the layer's own rule, half the bytes, the same output bit
+    for bit).
     """
     if precision == "fp8_tensor":
         raise NotImplementedError("megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on "
                                   "one GPU (prepare_weights)")
+    if require_str(token_rows, "token_rows") not in ("automatic", "bf16", "fp8"):
+        raise ValueError(f"megamoe: token_rows={token_rows!r} must be 'automatic', 'bf16' or 'fp8'")
+    if token_rows == "fp8" and precision != "fp8_block":
+        raise ValueError(f"megamoe: token_rows='fp8' needs precision 'fp8_block' (the layer's own quantization "
+                         f"of x), not {precision!r}")
     checked = checked_weights(w13, w2, w13_scale, w2_scale, precision)
     rank, world_size = _rank_and_world(rank, world_size)
     # The op checks them too, but only once the device was looked for and the weights packed.
@@ -166,7 +175,7 @@ def prepare_ep_weights(
     _layers_made += 1
     os.makedirs(layer_folder, exist_ok=True)
     handle = ops.create_ep_layer(*packed[:4], num_experts, checked.hidden, checked.intermediate, top_k, precision,
-                                 scale_format, max_tokens, layer_folder, rank, world_size, device.index)
+                                 scale_format, max_tokens, layer_folder, rank, world_size, device.index, token_rows)
     return EpMoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=checked.hidden,
                         intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
                         max_tokens=max_tokens, rank=rank, world_size=world_size, device=device)

@@ -52,17 +52,39 @@ void validate_forward_args(const MoeSpec& spec, int capacity_tokens, const MoeIn
                                                    " must lie in [0, num_tokens=" + std::to_string(T) + "]");
     }
   }
+  const bool quantized_x = inputs.x_scales != nullptr;
+  if (quantized_x && spec.precision != Precision::fp8_block) {
+    throw Error(ErrorCode::invalid_argument,
+                std::string("x_scales (x already quantized per 128 channels) needs precision fp8_block, not ") +
+                    to_string(spec.precision) + ": pass a bf16 x");
+  }
+  if (!quantized_x && inputs.x_scale_stride != 0) {
+    throw Error(ErrorCode::invalid_argument, "x_scale_stride=" + std::to_string(inputs.x_scale_stride) +
+                                                 " is set without x_scales: set both, or neither");
+  }
+  if (quantized_x && inputs.x_scale_stride != 0 && inputs.x_scale_stride < T) {
+    throw Error(ErrorCode::invalid_argument, "x_scale_stride=" + std::to_string(inputs.x_scale_stride) +
+                                                 " must be 0 (num_tokens) or at least num_tokens=" + std::to_string(T) +
+                                                 " (x_scales holds [hidden / 128][x_scale_stride] floats)");
+  }
   if (T == 0) return;  // nothing is read or written
 
   const size_t H = static_cast<size_t>(spec.hidden);
   const size_t E = static_cast<size_t>(spec.num_experts);
   const size_t k = static_cast<size_t>(spec.top_k);
   require_pointer(inputs.x, "x", kActivationAlignment);
+  if (quantized_x) require_pointer(inputs.x_scales, "x_scales", alignof(float));
   if (inputs.num_valid_tokens != nullptr) require_pointer(inputs.num_valid_tokens, "num_valid_tokens", alignof(int32_t));
   require_pointer(outputs.y, "y", kActivationAlignment);
 
   // The device row count too: every combine block reads it while the others write y.
-  Span inputs_read[4] = {{"x", reinterpret_cast<uintptr_t>(inputs.x), T * H * 2}, {}, {}, {}};
+  const size_t x_element_bytes = quantized_x ? 1 : 2;
+  Span inputs_read[5] = {{"x", reinterpret_cast<uintptr_t>(inputs.x), T * H * x_element_bytes}, {}, {}, {}, {}};
+  if (quantized_x) {
+    const size_t stride = inputs.x_scale_stride != 0 ? static_cast<size_t>(inputs.x_scale_stride) : T;
+    inputs_read[4] = {"x_scales", reinterpret_cast<uintptr_t>(inputs.x_scales),
+                      ((H / 128 - 1) * stride + T) * sizeof(float)};
+  }
   if (inputs.num_valid_tokens != nullptr) {
     inputs_read[3] = {"num_valid_tokens", reinterpret_cast<uintptr_t>(inputs.num_valid_tokens), sizeof(int32_t)};
   }

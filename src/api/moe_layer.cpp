@@ -289,8 +289,22 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
     std::cerr << "megamoe: " << spec_ << "\n  " << impl_->plan << "\n  "
               << plan::plan_forward(spec_, impl_->plan, plan.tokens, mode, impl_->facts) << "\n";
   }
-  const kernels::MoeCall call{inputs.num_tokens, inputs.num_valid_tokens, inputs.x,        inputs.router_logits,
-                              inputs.topk_ids,   inputs.topk_weights,     outputs.y,       impl_->timeline_stamps};
+  if (inputs.x_scales != nullptr && plan.single_kernel) {
+    throw Error(ErrorCode::unsupported,
+                "x_scales (x already quantized) with launch=single_kernel: the single kernel quantizes a bf16 x "
+                "itself; pass a bf16 x or launch=per_stage");
+  }
+  kernels::MoeCall call{};
+  call.num_tokens = inputs.num_tokens;
+  call.num_valid_tokens = inputs.num_valid_tokens;
+  call.x = inputs.x;
+  call.router_logits = inputs.router_logits;
+  call.topk_ids = inputs.topk_ids;
+  call.topk_weights = inputs.topk_weights;
+  call.y = outputs.y;
+  call.x_scales = inputs.x_scales;
+  call.x_scale_stride = inputs.x_scale_stride != 0 ? inputs.x_scale_stride : inputs.num_tokens;
+  call.timeline_stamps = impl_->timeline_stamps;
   kernels::launch_moe_forward(params, choices, call, stream);
 }
 

@@ -18,13 +18,23 @@ constexpr auto kBootstrapTimeout = std::chrono::seconds(60);
 
 }  // namespace
 
+const char* to_string(EpTokenRows rows) {
+  switch (rows) {
+    case EpTokenRows::automatic: return "automatic";
+    case EpTokenRows::bf16: return "bf16";
+    case EpTokenRows::fp8: return "fp8";
+  }
+  return "(not an EpTokenRows value)";
+}
+
 EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int max_tokens_per_rank,
-                 const FileRendezvous& rendezvous, std::chrono::milliseconds barrier_timeout)
-    : EpLayer(spec, local_weights.view(), max_tokens_per_rank, rendezvous, barrier_timeout) {}
+                 const FileRendezvous& rendezvous, const EpLayerOptions& options)
+    : EpLayer(spec, local_weights.view(), max_tokens_per_rank, rendezvous, options) {}
 
 EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, int max_tokens_per_rank,
-                 const FileRendezvous& rendezvous, std::chrono::milliseconds barrier_timeout)
+                 const FileRendezvous& rendezvous, const EpLayerOptions& options)
     : spec_(spec), rendezvous_(rendezvous) {
+  const std::chrono::milliseconds barrier_timeout = options.barrier_timeout;
   validate(spec);
   if (spec.precision == Precision::fp8_tensor) {
     throw Error(ErrorCode::unsupported,
@@ -49,7 +59,23 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
     throw Error(ErrorCode::unsupported, "top_k=" + std::to_string(spec.top_k) + " exceeds the " +
                                             std::to_string(spec.num_experts / world) + " experts per rank");
   }
-  layout_ = layout::EpBufferLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank);
+  bool fp8_rows = spec.precision == Precision::fp8_block;
+  switch (options.token_rows) {
+    case EpTokenRows::automatic: break;
+    case EpTokenRows::bf16: fp8_rows = false; break;
+    case EpTokenRows::fp8:
+      if (!fp8_rows) {
+        throw Error(ErrorCode::unsupported, std::string("token_rows=fp8 needs precision fp8_block (the layer's own "
+                                                        "quantization of x), not ") + to_string(spec.precision));
+      }
+      break;
+    default:
+      throw Error(ErrorCode::invalid_argument, "token_rows=" + std::to_string(static_cast<int>(options.token_rows)) +
+                                                   " names no EpTokenRows value (automatic, bf16, fp8)");
+  }
+  if (options.buffer_name.empty()) throw Error(ErrorCode::invalid_argument, "buffer_name must not be empty");
+  layout_ = layout::EpBufferLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank,
+                                         fp8_rows);
 
   // The local pass: every local expert of each received token, summed with the routing weights.
   MoeSpec local = spec;
@@ -61,7 +87,7 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_sms_ = prop.multiProcessorCount;
-  buffer_ = std::make_unique<SymmetricMemory>(rendezvous, "ep", layout_.total_bytes, kBootstrapTimeout);
+  buffer_ = std::make_unique<SymmetricMemory>(rendezvous, options.buffer_name, layout_.total_bytes, kBootstrapTimeout);
   token_dest_ = cuda_alloc<int32_t>(static_cast<size_t>(max_tokens_per_rank) * world);
   tile_counts_ = cuda_alloc<int32_t>(static_cast<size_t>(kernels::ep_dispatch_tiles(max_tokens_per_rank)) * world);
   dest_base_ = cuda_alloc<int32_t>(world);
@@ -132,6 +158,7 @@ void EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
   d.topk_ids = inputs.topk_ids;
   d.topk_weights = inputs.topk_weights;
   d.x = static_cast<const uint4*>(inputs.x);
+  d.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
   d.token_dest = token_dest_;
   d.tile_counts = tile_counts_;
   d.dest_base = dest_base_;
@@ -153,6 +180,10 @@ void EpLayer::compute(cudaStream_t stream) {
                   reinterpret_cast<const int32_t*>(buffer + layout_.recv_ids),
                   reinterpret_cast<const float*>(buffer + layout_.recv_weights)};
   local.num_valid_tokens = recv_total_;
+  if (layout_.fp8_rows) {
+    local.x_scales = reinterpret_cast<const float*>(buffer + layout_.recv_scales);
+    local.x_scale_stride = static_cast<int>(layout_.max_recv_rows);
+  }
   // The launch is sized for every rank's worst case; its tiles for what arrives when the ranks carry
   // batches like this one's (the count stays on the device).
   local.expected_valid_tokens =

@@ -31,16 +31,35 @@ namespace megamoe::comm {
 // How long a cross-rank barrier waits for a peer before it gives up (EpLayer::check_peers).
 inline constexpr std::chrono::milliseconds kDefaultBarrierTimeout{10000};
 
+// How token rows travel from their source to their experts' owners.
+enum class EpTokenRows {
+  automatic,  // fp8 for fp8_block layers, bf16 for bf16 ones
+  bf16,       // the bf16 rows as given; the owner's layer quantizes them
+  fp8,        // fp8_block only: quantized once by the source (E4M3 + one fp32 scale per 128
+              // channels, the layer's own rule), half the bytes; the owner's layer takes them as they
+              // are (MoeInputs::x_scales), so y is the same, bit for bit, as with bf16 rows
+};
+const char* to_string(EpTokenRows rows);
+
+struct EpLayerOptions {
+  // How long a device-side barrier waits for a peer.
+  std::chrono::milliseconds barrier_timeout = kDefaultBarrierTimeout;
+  EpTokenRows token_rows = EpTokenRows::automatic;
+  // The symmetric buffer's name in the rendezvous: layers that live at the same time on one
+  // rendezvous need names of their own (every rank builds them in the same order).
+  std::string buffer_name = "ep";
+};
+
 class EpLayer {
  public:
   // `spec` describes the whole layer (all E experts, precomputed routing); `local_weights` holds
   // this rank's E / world experts [rank * E / world, (rank + 1) * E / world), packed for a spec
-  // with that many experts. `barrier_timeout`: how long a device-side barrier waits for a peer.
+  // with that many experts.
   EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int max_tokens_per_rank,
-          const FileRendezvous& rendezvous, std::chrono::milliseconds barrier_timeout = kDefaultBarrierTimeout);
+          const FileRendezvous& rendezvous, const EpLayerOptions& options = {});
   // The same from packed weights the caller holds elsewhere (host or device memory): copied.
   EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, int max_tokens_per_rank,
-          const FileRendezvous& rendezvous, std::chrono::milliseconds barrier_timeout = kDefaultBarrierTimeout);
+          const FileRendezvous& rendezvous, const EpLayerOptions& options = {});
   ~EpLayer();
   EpLayer(const EpLayer&) = delete;
   EpLayer& operator=(const EpLayer&) = delete;
@@ -85,6 +104,8 @@ class EpLayer {
 
   const MoeSpec& spec() const { return spec_; }
   const layout::EpBufferLayout& buffer_layout() const { return layout_; }
+  // How this layer's token rows travel (automatic resolved).
+  EpTokenRows token_rows() const { return layout_.fp8_rows ? EpTokenRows::fp8 : EpTokenRows::bf16; }
 
   // Diagnosis (megamoe-ep-bench --timeline): later calls fold the global timer at the points of
   // layout/ep_timeline.hpp into `stamps` (device, [kEpTimelineEvents][2]: earliest, latest ns;

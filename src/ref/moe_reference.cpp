@@ -81,6 +81,15 @@ std::vector<double> round_per_tensor(const std::vector<float>& values, float sca
 // x as the device encodes it; a dynamic fp8_tensor scale computed from it is left in `rounding`.
 std::vector<double> load_activations(const MoeSpec& spec, Rounding& rounding, const MoeInputs& inputs) {
   const int T = inputs.num_tokens, H = spec.hidden;
+  if (inputs.x_scales != nullptr) {
+    // x already quantized (fp8_block, checked by validate_forward_args): its codes and scales as given.
+    const size_t stride = inputs.x_scale_stride != 0 ? static_cast<size_t>(inputs.x_scale_stride) : T;
+    const int blocks = H / quant::kQuantBlock;
+    std::vector<float> scales(static_cast<size_t>(T) * blocks);
+    for (int t = 0; t < T; ++t)
+      for (int b = 0; b < blocks; ++b) scales[static_cast<size_t>(t) * blocks + b] = inputs.x_scales[b * stride + t];
+    return quant::dequantize_rows_per_128(static_cast<const uint8_t*>(inputs.x), scales.data(), T, H);
+  }
   const bf16_t* x = static_cast<const bf16_t*>(inputs.x);
   std::vector<float> xf(static_cast<size_t>(T) * H);
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = x[i].to_float();

@@ -448,6 +448,137 @@ TEST(MoeLayer, TokenRowCopyMatchesThePoolBitForBit) {
   expect_same_output_under(variants, {7, 1000}, kMaxTokens, Precision::fp8_tensor, InputScales::dynamic);
 }
 
+// x quantized on the host by the layer's own rule (quant::quantize_rows_per_128, which the gather
+// reproduces bit for bit), as MoeInputs::x_scales takes it: codes [T, H], scales [H / 128][stride].
+struct QuantizedX {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  int stride;
+};
+
+QuantizedX quantize_like_the_layer(const MoeSpec& spec, const std::vector<bf16_t>& x, int tokens, int stride) {
+  const int H = spec.hidden, blocks = H / quant::kQuantBlock;
+  std::vector<float> xf(static_cast<size_t>(tokens) * H);
+  for (size_t i = 0; i < xf.size(); ++i) xf[i] = x[i].to_float();
+  quant::QuantizedRows q = quant::quantize_rows_per_128(xf.data(), tokens, H, spec.scale_format);
+  QuantizedX out{std::move(q.codes), std::vector<float>(static_cast<size_t>(blocks) * stride, -1.0f), stride};
+  for (int t = 0; t < tokens; ++t)
+    for (int b = 0; b < blocks; ++b) out.scales[static_cast<size_t>(b) * stride + t] = q.scales[static_cast<size_t>(t) * blocks + b];
+  return out;
+}
+
+// y of one forward of `tokens` rows on `layer` from the quantized x `q` (the routing of `in`).
+std::vector<bf16_t> run_device_quantized(MoeLayer& layer, const MoeSpec& spec, const Inputs& in, const QuantizedX& q,
+                                         int tokens) {
+  test::DeviceBuffer<uint8_t> codes(q.codes.size());
+  test::DeviceBuffer<float> scales(q.scales.size()), logits(in.logits.size()), weights(in.weights.size());
+  test::DeviceBuffer<int32_t> ids(in.ids.size());
+  test::DeviceBuffer<bf16_t> y(static_cast<size_t>(tokens) * spec.hidden);
+  codes.upload(q.codes);
+  scales.upload(q.scales);
+  logits.upload(in.logits);
+  ids.upload(in.ids);
+  weights.upload(in.weights);
+  y.poison();
+  MoeInputs inputs{tokens, codes.get(), logits.get(), ids.get(), weights.get()};
+  inputs.x_scales = scales.get();
+  inputs.x_scale_stride = q.stride;
+  layer.forward(nullptr, inputs, MoeOutputs{y.get()}, CombineMode::deterministic);
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  return y.download();
+}
+
+// A caller's x quantized by the layer's own rule (MoeInputs::x_scales) gives the bf16 x's output bit
+// for bit, whichever way FC1 reads its rows (the pool, filled from the caller's codes, or copied
+// from the caller's x itself), with a scale stride of T or wider.
+void expect_quantized_input_matches_bf16(test::SeededRng& rng, const MoeSpec& spec, const PackedWeights& packed,
+                                         std::initializer_list<int> token_counts) {
+  std::vector<std::unique_ptr<MoeLayer>> layers;
+  for (const MoeLayerOptions& options : {MoeLayerOptions{}, MoeLayerOptions{.fc1_token_rows = Fc1TokenRows::pool},
+                                         MoeLayerOptions{.fc1_token_rows = Fc1TokenRows::row_copy}}) {
+    layers.push_back(std::make_unique<MoeLayer>(spec, packed, kMaxTokens, options));
+  }
+  for (int tokens : token_counts) {
+    const Inputs in = make_inputs(rng, spec, tokens, Skew::uniform);
+    const std::vector<bf16_t> want = run_device(*layers[0], spec, in, tokens, CombineMode::deterministic);
+    for (int stride : {tokens, tokens + 3}) {
+      const QuantizedX q = quantize_like_the_layer(spec, in.x, tokens, stride);
+      for (const auto& layer : layers) {
+        std::ostringstream trace;
+        trace << spec << ", " << tokens << " tokens, scale stride " << stride << ", " << layer->options();
+        SCOPED_TRACE(trace.str());
+        const std::vector<bf16_t> got = run_device_quantized(*layer, spec, in, q, tokens);
+        EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(bf16_t)), 0);
+      }
+    }
+  }
+}
+
+// On a named workload, both GEMM layouts (4096 tokens: tokens on M).
+TEST(MoeLayer, QuantizedInputMatchesTheBf16InputBitForBit) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case workload{"qwen35-a3b", Precision::fp8_block, 1, RoutingKind::workload, Skew::uniform,
+                      CombineMode::deterministic};
+  LayerFixture& f = fixture_for(workload, rng.seed());
+  expect_quantized_input_matches_bf16(rng, f.spec, f.packed, {1, 7, 128, 1000, 4096});
+}
+
+// Power-of-two scales (ScaleFormat::ue8m0), on the small shape (which the sanitizers run).
+TEST(MoeLayer, QuantizedInputWithPowerOfTwoScalesMatchesTheBf16Input) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  MoeSpec small = spec_for({"small", Precision::fp8_block, 1, RoutingKind::softmax, Skew::uniform,
+                            CombineMode::deterministic}, rng.seed());
+  small.scale_format = ScaleFormat::ue8m0;
+  const ref::RandomWeights weights = ref::make_random_weights(small, rng.seed());
+  expect_quantized_input_matches_bf16(rng, small, prepare_weights(small, weights.view()), {7, 200});
+}
+
+// Scales the layer's rule would never choose (codes anywhere in E4M3's range, scales of any
+// magnitude) are applied as given: the device against the fp64 reference on the same codes and
+// scales. The single kernel, which quantizes x itself, refuses them.
+TEST(MoeLayer, QuantizedInputTakesTheCallersScales) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  const Case c{"small", Precision::fp8_block, 96, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
+  LayerFixture& f = fixture_for(c, rng.seed());
+  const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
+  const int blocks = f.spec.hidden / quant::kQuantBlock, stride = c.tokens + 1;
+  QuantizedX q{std::vector<uint8_t>(static_cast<size_t>(c.tokens) * f.spec.hidden),
+               std::vector<float>(static_cast<size_t>(blocks) * stride, -1.0f), stride};
+  for (uint8_t& code : q.codes) {
+    code = static_cast<uint8_t>(rng.integer(0, 255));
+    if ((code & 0x7F) == 0x7F) code ^= 0x01;  // E4M3's NaN codes
+  }
+  for (int t = 0; t < c.tokens; ++t)
+    for (int b = 0; b < blocks; ++b) {
+      q.scales[static_cast<size_t>(b) * stride + t] = std::ldexp(rng.uniform(1.0f, 2.0f), rng.integer(-14, -6));
+    }
+  const std::vector<bf16_t> got = run_device_quantized(*f.layer, f.spec, in, q, c.tokens);
+  std::vector<bf16_t> y_ref(got.size());
+  MoeInputs ref_inputs = in.view(c.tokens);
+  ref_inputs.x = q.codes.data();
+  ref_inputs.x_scales = q.scales.data();
+  ref_inputs.x_scale_stride = stride;
+  const ref::ReferenceReport report = ref::reference_forward(f.spec, f.packed, ref_inputs, MoeOutputs{y_ref.data()});
+  const Comparison cmp = compare(got, report.y);
+  EXPECT_EQ(cmp.non_finite, 0);
+  expect_tight(c.precision, cmp);
+
+  EXPECT_THROW(
+      {
+        try {
+          run_device_quantized(*f.single_kernel_layer, f.spec, in, q, c.tokens);
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::unsupported);
+          EXPECT_NE(std::string(e.what()).find("single_kernel"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+}
+
 // A token's output element is the same sums in the same order whatever the token tile: the tile
 // only decides which tokens share a wgmma, and (128) whether they sit on its M or its N. 1000 tokens puts 16-token tiles on experts of ~32 rows,
 // several tiles each, and 64-token tiles on their short last subtiles. A layer for at most 128

@@ -165,6 +165,49 @@ TEST_F(ValidateForward, RejectsEachBadArgument) {
   check(ErrorCode::invalid_argument, spec, 8, in, MoeOutputs{y});
 }
 
+// x already quantized (MoeInputs::x_scales): fp8_block only, a stride of at least T, aligned
+// scales, and neither codes nor scales inside y; x then holds T x H bytes, not 2 T x H.
+TEST_F(ValidateForward, QuantizedInputsAreChecked) {
+  const MoeSpec spec = valid_spec();
+  alignas(16) float scales[2 * 8] = {};
+  auto error = [&](const MoeSpec& s, const MoeInputs& in, const void* out, std::string* message = nullptr) {
+    return error_of([&] { validate_forward_args(s, 8, in, MoeOutputs{const_cast<void*>(out)}); }, message);
+  };
+  MoeInputs in = inputs();
+  in.x_scales = scales;
+  EXPECT_EQ(error(spec, in, y), std::nullopt);
+  in.x_scale_stride = 8;
+  EXPECT_EQ(error(spec, in, y), std::nullopt);
+  std::string message;
+  in.x_scale_stride = kTokens - 1;
+  EXPECT_EQ(error(spec, in, y, &message), ErrorCode::invalid_argument);
+  EXPECT_NE(message.find("x_scale_stride"), std::string::npos) << message;
+  in.x_scale_stride = 0;
+  in.x_scales = reinterpret_cast<const float*>(reinterpret_cast<const char*>(scales) + 2);
+  EXPECT_EQ(error(spec, in, y), ErrorCode::misaligned_pointer);
+  for (Precision other : {Precision::bf16, Precision::fp8_tensor}) {
+    MoeSpec s = spec;
+    s.precision = other;
+    in = inputs();
+    in.x_scales = scales;
+    EXPECT_EQ(error(s, in, y, &message), ErrorCode::invalid_argument) << to_string(other);
+    EXPECT_NE(message.find("fp8_block"), std::string::npos) << message;
+  }
+  in = inputs();
+  in.x_scale_stride = kTokens;
+  EXPECT_EQ(error(spec, in, y, &message), ErrorCode::invalid_argument);
+  EXPECT_NE(message.find("without x_scales"), std::string::npos) << message;
+  // Codes take one byte per value: y right after T x H bytes of codes does not overlap them; y
+  // over the scales does.
+  in = inputs();
+  in.x_scales = scales;
+  EXPECT_EQ(error(spec, in, reinterpret_cast<const char*>(x) + kTokens * 256), std::nullopt);
+  EXPECT_EQ(error(spec, in, reinterpret_cast<const char*>(x) + kTokens * 256 - 16), ErrorCode::aliasing);
+  in.x_scales = reinterpret_cast<const float*>(y);
+  EXPECT_EQ(error(spec, in, y, &message), ErrorCode::aliasing);
+  EXPECT_NE(message.find("x_scales"), std::string::npos) << message;
+}
+
 // The device row count is an input like the others: every kernel that reads it may run while the
 // combine writes y's rows, so a count kept inside y is refused.
 TEST_F(ValidateForward, RefusesAnOutputOverlappingTheDeviceRowCount) {

@@ -1,10 +1,11 @@
 // One rank of the expert-parallel test, started by megamoe-run, one GPU per rank or (megamoe-run
 // --one-gpu) every rank on one GPU (rank r takes visible device r mod count):
-//   ep_layer_rank [--iterations N] [--tokens T] [--hang | --die] [--barrier-timeout-ms MS]
+//   ep_layer_rank [--iterations N] [--tokens T] [--ue8m0] [--hang | --die] [--barrier-timeout-ms MS]
 // Every iteration draws fresh routing on every rank (uniform, skewed onto few experts, with -1
 // holes and some ranks empty), runs EpLayer::forward, checks that dispatch delivered exactly the
-// token rows ref::plan_dispatch predicts (row by row, with each slot's local expert) and that y
-// matches the fp64 reference for this rank's tokens. --hang: rank 1 stalls (never calls forward),
+// token rows ref::plan_dispatch predicts (row by row, with each slot's local expert), that y
+// matches the fp64 reference for this rank's tokens, and that the layer's FP8 token rows (the
+// default for fp8_block) give the same y, bit for bit, as a second layer sending bf16 rows. --hang: rank 1 stalls (never calls forward),
 // so rank 0's barrier must give up after its timeout with a diagnostic instead of hanging, and
 // rank 0 then checks what a caller sees: check_peers throws a timeout error naming rank 1, y is
 // NaN, the next forward throws at once, and the process still runs a single-GPU layer correctly.
@@ -156,13 +157,14 @@ int lost_peer_case(const MoeSpec& spec, const MoeSpec& local, const PackedWeight
 
 int run(int argc, char** argv) {
   int iterations = 20, max_tokens = 64;
-  bool hang = false, die = false;
+  bool hang = false, die = false, ue8m0 = false;
   std::chrono::milliseconds barrier_timeout = comm::kDefaultBarrierTimeout;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--iterations" && i + 1 < argc) iterations = std::atoi(argv[++i]);
     else if (arg == "--tokens" && i + 1 < argc) max_tokens = std::atoi(argv[++i]);
     else if (arg == "--hang") hang = true;
+    else if (arg == "--ue8m0") ue8m0 = true;  // power-of-two activation scales, on the wire too
     else if (arg == "--die") hang = die = true;
     else if (arg == "--barrier-timeout-ms" && i + 1 < argc) barrier_timeout = std::chrono::milliseconds(std::atoi(argv[++i]));
     else throw Error(ErrorCode::invalid_argument, "unknown argument " + arg);
@@ -180,6 +182,7 @@ int run(int argc, char** argv) {
   spec.hidden = 256;
   spec.intermediate = 256;
   spec.precision = Precision::fp8_block;
+  spec.scale_format = ue8m0 ? ScaleFormat::ue8m0 : ScaleFormat::fp32;
   spec.routing = Precomputed{};
   const ref::RandomWeights weights = ref::make_random_weights(spec, 7);  // identical on every rank
   const PackedWeights all = prepare_weights(spec, weights.view());
@@ -190,7 +193,14 @@ int run(int argc, char** argv) {
   const PackedWeights mine = prepare_weights(
       local, WeightsView{weights.w13.data() + first * w13_per_expert, weights.w2.data() + first * w2_per_expert,
                          DType::bf16});
-  comm::EpLayer layer(spec, mine, max_tokens, rendezvous, barrier_timeout);
+  comm::EpLayerOptions options;
+  options.barrier_timeout = barrier_timeout;
+  comm::EpLayer layer(spec, mine, max_tokens, rendezvous, options);
+  if (layer.token_rows() != comm::EpTokenRows::fp8) {
+    std::fprintf(stderr, "rank %d: an fp8_block layer sends %s token rows; automatic must mean fp8\n", rank,
+                 comm::to_string(layer.token_rows()));
+    return 1;
+  }
   cudaStream_t stream;
   MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
   if (hang && rank == 1) {
@@ -201,6 +211,11 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (hang) return lost_peer_case(spec, local, mine, layer, rendezvous, stream, die);
+  // The same layer sending bf16 rows (built after the lost-peer cases, whose dead peer would never
+  // close a second buffer).
+  options.token_rows = comm::EpTokenRows::bf16;
+  options.buffer_name = "ep-bf16-rows";
+  comm::EpLayer bf16_rows(spec, mine, max_tokens, rendezvous, options);
 
   double worst = 0.0;
   for (int it = 0; it < iterations; ++it) {
@@ -213,6 +228,8 @@ int run(int argc, char** argv) {
     const RankInputs& in = everyone[rank];
     const int T = routing[rank].num_tokens;
     const DeviceCall call(spec, in);
+    const DeviceCall call_bf16_rows(spec, in);
+    bf16_rows.forward(stream, call_bf16_rows.inputs(), MoeOutputs{call_bf16_rows.y});
     layer.forward(stream, call.inputs(), MoeOutputs{call.y});
 
     // Dispatch: exactly the rows the CPU model predicts, in canonical order, with each slot's
@@ -242,7 +259,13 @@ int run(int argc, char** argv) {
         return 1;
       }
     }
-    // Combine: this rank's outputs against the single-GPU fp64 reference with all experts.
+    // Combine: this rank's outputs against the single-GPU fp64 reference with all experts, and the
+    // bf16 rows' bit for bit.
+    const std::vector<bf16_t> y_fp8_rows = call.output(spec), y_bf16_rows = call_bf16_rows.output(spec);
+    if (std::memcmp(y_fp8_rows.data(), y_bf16_rows.data(), y_fp8_rows.size() * sizeof(bf16_t)) != 0) {
+      std::fprintf(stderr, "iteration %d: rank %d y with FP8 token rows differs from y with bf16 rows\n", it, rank);
+      return 1;
+    }
     if (T > 0) {
       const double err = error_against_reference(spec, all, in, call.output(spec));
       worst = std::max(worst, err);

@@ -3,7 +3,8 @@ GPUs (CTest python.gpu2, label gpu2) or with both on one GPU (`megamoe-run -n 2 
 python.ep_one_gpu, label gpu). Every rank draws the same weights and holds half the experts; per
 iteration each rank brings its own tokens (0 to max_tokens, the counts differing between ranks,
 some slots -1), and its output must match the fp32 quantizing reference of the whole layer and
-the single-GPU layer holding every expert. Then a CUDA graph of the call replays the eager bits,
+the single-GPU layer holding every expert; fp8_block's FP8 token rows (the default) must give the
+bits of a second layer sending bf16 rows (token_rows="bf16"). Then a CUDA graph of the call replays the eager bits,
 an invalid id is counted on the rank that sent it, and bad calls raise before anything collective.
 Prints "rank R ok" last; exits 1 on the first failure."""
 
@@ -54,6 +55,12 @@ def main() -> None:
                                            precision=precision, max_tokens=MAX_TOKENS)
         if layer.experts != range(mine.start, mine.stop):
             fail(rank, f"holds experts {layer.experts}, expected {mine}")
+        # fp8_block: the same layer sending its token rows as bf16, for the bits (built in the same
+        # order on every rank, as every collective is).
+        bf16_rows = None
+        if precision == "fp8_block":
+            bf16_rows = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
+                                                   precision=precision, max_tokens=MAX_TOKENS, token_rows="bf16")
         whole = megamoe.prepare_weights(w13, w2, top_k=TOP_K, precision=precision,
                                         routing=megamoe.PrecomputedRouting(), max_tokens=MAX_TOKENS)
         worst = 0.0
@@ -63,6 +70,8 @@ def main() -> None:
             y = megamoe.ep_fused_moe(x, layer, ids, weights)
             if y.shape != x.shape or y.dtype != torch.bfloat16 or not torch.isfinite(y).all():
                 fail(rank, f"{precision} iteration {iteration}: y {tuple(y.shape)} {y.dtype}, or not finite")
+            if bf16_rows is not None and not torch.equal(y, megamoe.ep_fused_moe(x, bf16_rows, ids, weights)):
+                fail(rank, f"{precision} iteration {iteration}, {tokens} tokens: FP8 token rows differ from bf16 rows")
             if tokens == 0:
                 continue
             error = relative_l2(y, moe_reference(x, w13, w2, ids, weights, precision))
@@ -112,6 +121,8 @@ def main() -> None:
             except expected:
                 pass
         layer.close()
+        if bf16_rows is not None:
+            bf16_rows.close()
         del whole
     print(f"rank {rank} ok", flush=True)
 

@@ -320,6 +320,44 @@ TEST(ReferenceLayerRouting, InvalidIdsContributeNothingAndAreCounted) {
   for (size_t i = 0; i < y_bad.size(); ++i) ASSERT_EQ(with_bad.y[i], with_zero.y[i]) << i;
 }
 
+// x passed already quantized (MoeInputs::x_scales, scales [H / 128][stride]) by the layer's own
+// rule gives the bf16 x's output bit for bit, in both scale formats; other scales are applied as
+// given (doubling every scale of a token doubles its FC1 input).
+TEST(ReferenceLayerQuantizedInput, CodesAndScalesAreTakenAsGiven) {
+  test::SeededRng rng;
+  for (ScaleFormat format : {ScaleFormat::fp32, ScaleFormat::ue8m0}) {
+    Problem p = make_problem(rng, Precision::fp8_block, SoftmaxTopK{}, 5);
+    p.spec.scale_format = format;
+    const PackedWeights packed = prepare_weights(p.spec, p.view());
+    const int T = p.tokens, H = p.spec.hidden, blocks = H / quant::kQuantBlock, stride = T + 2;
+    std::vector<float> xf(p.x.size());
+    for (size_t i = 0; i < xf.size(); ++i) xf[i] = p.x[i].to_float();
+    const quant::QuantizedRows q = quant::quantize_rows_per_128(xf.data(), T, H, format);
+    std::vector<float> scales(static_cast<size_t>(blocks) * stride, -1.0f);
+    for (int t = 0; t < T; ++t)
+      for (int b = 0; b < blocks; ++b) scales[static_cast<size_t>(b) * stride + t] = q.scales[static_cast<size_t>(t) * blocks + b];
+    std::vector<bf16_t> y_bf16(static_cast<size_t>(T) * H), y_codes(y_bf16.size());
+    const ReferenceReport from_bf16 = reference_forward(p.spec, packed, p.inputs(), MoeOutputs{y_bf16.data()});
+    MoeInputs in = p.inputs();
+    in.x = q.codes.data();
+    in.x_scales = scales.data();
+    in.x_scale_stride = stride;
+    const ReferenceReport from_codes = reference_forward(p.spec, packed, in, MoeOutputs{y_codes.data()});
+    for (size_t i = 0; i < y_bf16.size(); ++i) ASSERT_EQ(from_bf16.y[i], from_codes.y[i]) << to_string(format) << " " << i;
+
+    // Token 0's scales doubled, token 1's untouched: token 0's x doubles (its SwiGLU makes y move,
+    // not double), token 1's y stays.
+    for (int b = 0; b < blocks; ++b) scales[static_cast<size_t>(b) * stride] *= 2.0f;
+    const ReferenceReport doubled = reference_forward(p.spec, packed, in, MoeOutputs{y_codes.data()});
+    double moved = 0.0;
+    for (int n = 0; n < H; ++n) {
+      moved += std::fabs(doubled.y[n] - from_codes.y[n]);
+      ASSERT_EQ(doubled.y[static_cast<size_t>(H) + n], from_codes.y[static_cast<size_t>(H) + n]) << n;
+    }
+    EXPECT_GT(moved, 0.0);
+  }
+}
+
 TEST(ReferenceLayerValidation, RejectedCallsLeaveOutputsUntouched) {
   test::SeededRng rng;
   Problem p = make_problem(rng, Precision::bf16, SoftmaxTopK{}, 2);

@@ -11,8 +11,10 @@
 //   2. push (source): one block per token at a time, one thread per (destination, slot). The
 //      token's position in each destination (base + tile prefix + rank in tile), its origin, its
 //      slots as the owner's local expert ids and its routing weights go into the owner's buffer,
-//      then the row itself: loaded once, written to every destination (NVLink writes). The last
-//      block runs the barrier: after it, every row sent to this rank has arrived.
+//      then the row itself: loaded once, written to every destination (NVLink writes); with FP8
+//      rows (layout.fp8_rows) quantized once on the way, the gather's rule, codes and scales to
+//      every destination. The last block runs the barrier: after it, every row sent to this rank
+//      has arrived.
 // Canonical order inside an owner: source rank, then token (the order of ref::plan_dispatch).
 #pragma once
 
@@ -42,6 +44,7 @@ struct EpDispatchParams {
   const int32_t* topk_ids;        // [T, k], this rank's routing
   const float* topk_weights;      // [T, k]
   const uint4* x;                 // [T, H] bf16 as 16-byte vectors
+  bool ue8m0;                     // FP8 rows: power-of-two scales (the layer's ScaleFormat)
   int32_t* token_dest;            // [T, world]: count: rank among its tile's rows to that rank, or -1;
                                   // push: position in that owner (-1 stays: no row sent)
   int32_t* tile_counts;           // [tiles, world]: rows per destination, then prefixes over tiles
@@ -159,10 +162,12 @@ __global__ void __launch_bounds__(kDispatchTileTokens) ep_count_kernel(EpDispatc
 // b + gridDim.x, ...
 __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams p) {
   __shared__ uint4* rows_to[layout::EpBufferLayout::kSignalSlots];
+  __shared__ float* scales_to[layout::EpBufferLayout::kSignalSlots];  // FP8 rows: each row's block-0 scale
   __shared__ int destinations;
   __shared__ int32_t row_positions[layout::EpBufferLayout::kSignalSlots];  // per owner, -1: no row
   const int world = p.layout.world_size, k = p.layout.top_k, epr = p.layout.experts_per_rank;
   const int vectors = p.layout.hidden / 8;
+  const int row_vectors = p.layout.fp8_rows ? p.layout.hidden / 16 : vectors;  // of the row on the wire
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_launch();
   if (rank_fault_seen(p.barrier.fault)) return;  // the count exchange gave up: no positions, no rows
@@ -190,7 +195,9 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams
       if (j == 0) {
         row_positions[owner] = static_cast<int32_t>(position);
         ep_detail::region<int2>(base, p.layout.recv_origin)[position] = make_int2(p.rank, static_cast<int>(token));
-        rows_to[atomicAdd(&destinations, 1)] = ep_detail::region<uint4>(base, p.layout.recv_tokens) + position * vectors;
+        const int d = atomicAdd(&destinations, 1);
+        rows_to[d] = ep_detail::region<uint4>(base, p.layout.recv_tokens) + position * row_vectors;
+        if (p.layout.fp8_rows) scales_to[d] = ep_detail::region<float>(base, p.layout.recv_scales) + position;
       }
     }
     __syncthreads();
@@ -198,7 +205,12 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_push_kernel(EpDispatchParams
     for (int owner = threadIdx.x; owner < world; owner += blockDim.x) {
       if (row_positions[owner] >= 0) p.token_dest[token * world + owner] = row_positions[owner];
     }
-    ep_detail::block_copy_row(p.x + token * vectors, rows_to, destinations, vectors);
+    if (p.layout.fp8_rows) {
+      ep_detail::block_quantize_row(p.x + token * vectors, rows_to, scales_to, destinations, p.layout.hidden,
+                                    p.layout.max_recv_rows, p.ue8m0);
+    } else {
+      ep_detail::block_copy_row(p.x + token * vectors, rows_to, destinations, vectors);
+    }
     __syncthreads();
   }
   // Loaded here rather than at the start, where the row loop's division calls would spill it; the

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "kernels/quant/fp8_block_scale.cuh"
+
 namespace megamoe::kernels {
 
 constexpr int kEpRowThreads = 256;  // threads of the blocks that move rows
@@ -35,6 +37,34 @@ __device__ __forceinline__ void block_copy_row(const uint4* from, uint4* const* 
         const int v = first + i * blockDim.x;
         if (v < vectors) to[d][v] = staged[i];
       }
+    }
+  }
+}
+
+// The block quantizes one bf16 row of `hidden` channels per 128 channels (the gather's rule,
+// quant/fp8_block_scale.cuh) and writes its codes to each of to[0..count) and its scales to each
+// of scales_to[0..count), block b's at scales_to[d][b * scale_stride]. A thread takes 16 channels
+// (two loads, one 16-byte store of codes), so that a 128-channel block is 8 aligned lanes. Every
+// thread calls it (shuffles; a block-uniform trip count).
+__device__ __forceinline__ void block_quantize_row(const uint4* from, uint4* const* to, float* const* scales_to,
+                                                   int count, int hidden, size_t scale_stride, bool ue8m0) {
+  constexpr int kValues = 16;
+  const int vectors = hidden / kValues;  // a multiple of 8: whole blocks of lanes
+  for (int first = 0; first < vectors; first += blockDim.x) {
+    const int v = first + threadIdx.x;
+    const bool in_range = v < vectors;
+    float values[kValues] = {};
+    if (in_range) {
+      bf16x8_to_floats(from[2 * v], values);
+      bf16x8_to_floats(from[2 * v + 1], values + 8);
+    }
+    uint4 codes;
+    const BlockScale s = encode_lane_block_values(values, ue8m0, reinterpret_cast<uint16_t*>(&codes));
+    if (!in_range) continue;
+    for (int d = 0; d < count; ++d) to[d][v] = codes;
+    if (v % (128 / kValues) == 0) {
+      const size_t block = static_cast<size_t>(v / (128 / kValues));
+      for (int d = 0; d < count; ++d) scales_to[d][block * scale_stride] = s.scale;
     }
   }
 }

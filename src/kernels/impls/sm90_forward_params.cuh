@@ -27,6 +27,9 @@ struct GemmArguments {
   int k;
   const void* pool;
   const float* token_scales;
+  // FC1 copying its rows (GroupedGemmConfig::kCopiesRows): x quantized per token, [T, k] codes, and
+  // token t's scale of K block b at b * stride + t (the gather's rows, or the caller's x_scales).
+  QuantizedTokenRows token_rows;
   int out_channels;
   void* out;
   float* out_scales;
@@ -112,10 +115,7 @@ auto make_gemm_params(const MoeLayerParams& f, const GemmArguments& g, int first
   p.top_k = f.top_k;
   p.fc1_tiles_done = w.at<uint32_t>(f.workspace, w.fc1_tiles_done);
   p.fc1_channel_blocks = channel_blocks(2 * f.intermediate);
-  if constexpr (Config::kCopiesTokenRows) {
-    p.token_rows = QuantizedTokenRows{static_cast<const uint8_t*>(g.pool), g.token_scales, pool_rows, p.pool_slot,
-                                      f.top_k, g.k};
-  }
+  if constexpr (Config::kCopiesTokenRows) p.token_rows = g.token_rows;
   return p;
 }
 
@@ -177,6 +177,8 @@ inline GatherParams make_gather_params(const MoeLayerParams& f, const MoeLaunchC
   gather.pool_rows = static_cast<int>(w.pool_rows);
   gather.ue8m0 = f.ue8m0;
   gather.x = static_cast<const __nv_bfloat16*>(call.x);
+  gather.x_scales = call.x_scales;
+  gather.x_scale_stride = call.x_scale_stride;
   gather.routed_ids = routing.routed_ids;
   gather.slot_rank = routing.slot_rank;
   gather.expert_offsets = routing.expert_offsets;
@@ -218,6 +220,15 @@ inline GemmArguments fc1_arguments(const MoeLayerParams& f, const GatherParams& 
   fc1.k = f.hidden;
   fc1.pool = gather.activations;
   fc1.token_scales = gather.activation_scales;
+  // A caller's quantized x is read where it is; the gather's rows per token at row = token.
+  const bool caller_rows = gather.x_scales != nullptr;
+  fc1.token_rows = QuantizedTokenRows{caller_rows ? reinterpret_cast<const uint8_t*>(gather.x)
+                                                  : static_cast<const uint8_t*>(gather.activations),
+                                      caller_rows ? gather.x_scales : gather.activation_scales,
+                                      caller_rows ? gather.x_scale_stride : gather.pool_rows,
+                                      gather.pool_slot,
+                                      f.top_k,
+                                      f.hidden};
   fc1.out_channels = f.intermediate;
   fc1.out = w.at<void>(ws, w.dynamic_scales ? w.fc1_output_bf16 : w.fc1_output);
   fc1.out_scales = w.at<float>(ws, w.fc1_scales);

@@ -63,6 +63,8 @@ struct MoeCall {
   const int32_t* topk_ids;
   const float* topk_weights;
   void* y;
+  const float* x_scales;  // fp8_block: x is E4M3 codes, scale of (token t, block b) at b * x_scale_stride + t
+  int x_scale_stride;     // >= num_tokens
   // Diagnostic (megamoe-bench --breakdown): the single kernel folds the global timer at the
   // points of layout/forward_timeline.hpp into these stamps, [event][2] earliest and latest ns.
   unsigned long long* timeline_stamps = nullptr;

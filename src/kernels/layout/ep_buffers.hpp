@@ -15,7 +15,11 @@
 //                                                   slots whose expert lives elsewhere
 //   recv_weights  fp32 [max_recv_rows][k]           the token's routing weights
 //   recv_tokens   bf16 [max_recv_rows][H]           the token rows, pushed by their sources, in
-//                                                   canonical order (source rank, then token)
+//                 or e4m3 [max_recv_rows][H]        canonical order (source rank, then token); FP8
+//                                                   rows (fp8_block layers) are quantized once by
+//                                                   their source, half the bytes on the wire
+//   recv_scales   fp32 [H/128][max_recv_rows]       FP8 rows only: row r's scale of channel block b
+//                                                   at [b][r] (the layout FC1's row copy reads)
 //   partial_sums  bf16 [max_recv_rows][H]           the local pass's output: each received row's
 //                                                   weighted sum over this rank's experts, read by
 //                                                   the row's source rank in the combine
@@ -38,6 +42,7 @@ struct EpBufferLayout {
   int top_k = 0;
   int hidden = 0;
   int max_tokens_per_rank = 0;
+  bool fp8_rows = false;  // token rows travel as E4M3 codes with per-128 scales, else bf16
   size_t max_recv_rows = 0;
 
   size_t counts = 0;
@@ -45,6 +50,7 @@ struct EpBufferLayout {
   size_t recv_ids = 0;
   size_t recv_weights = 0;
   size_t recv_tokens = 0;
+  size_t recv_scales = 0;  // FP8 rows only (0 bytes otherwise)
   size_t partial_sums = 0;
   size_t signals = 0;
   size_t total_bytes = 0;
@@ -55,13 +61,14 @@ struct EpBufferLayout {
   }
 
   MEGAMOE_HOST_DEVICE static constexpr EpBufferLayout make(int world_size, int num_experts, int top_k, int hidden,
-                                                           int max_tokens_per_rank) {
+                                                           int max_tokens_per_rank, bool fp8_rows) {
     EpBufferLayout l;
     l.world_size = world_size;
     l.experts_per_rank = num_experts / world_size;
     l.top_k = top_k;
     l.hidden = hidden;
     l.max_tokens_per_rank = max_tokens_per_rank;
+    l.fp8_rows = fp8_rows;
     l.max_recv_rows = worst_case_recv_rows(world_size, max_tokens_per_rank);
     size_t cursor = 0;
     auto take = [&cursor](size_t bytes) {
@@ -73,7 +80,8 @@ struct EpBufferLayout {
     l.recv_origin = take(sizeof(int32_t) * kOriginFields * l.max_recv_rows);
     l.recv_ids = take(sizeof(int32_t) * top_k * l.max_recv_rows);
     l.recv_weights = take(sizeof(float) * top_k * l.max_recv_rows);
-    l.recv_tokens = take(l.max_recv_rows * hidden * 2);
+    l.recv_tokens = take(l.max_recv_rows * hidden * (fp8_rows ? 1 : 2));
+    l.recv_scales = take(fp8_rows ? sizeof(float) * (hidden / 128) * l.max_recv_rows : 0);
     l.partial_sums = take(l.max_recv_rows * hidden * 2);
     l.signals = take(sizeof(uint64_t) * kSignalSlots);
     l.total_bytes = cursor;

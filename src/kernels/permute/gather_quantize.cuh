@@ -3,7 +3,9 @@
 // fp8_block mode, with the layer input's one scale in fp8_tensor mode. The token is read and
 // quantized once, whatever k is. With rows_by_token (fp8_block),
 // the quantized row is written once, at row `token`, and only the pool slot table is per slot:
-// FC1 copies its tiles' rows from there (permute/stage_row_copy.cuh).
+// FC1 copies its tiles' rows from there (permute/stage_row_copy.cuh). A caller's x already quantized
+// (GatherParams::x_scales, fp8_block) is copied into the pool rows as it is, or, with rows_by_token,
+// left where it is for FC1 to copy from: then the gather only fills the pool slot table.
 //
 // A block per token, so that a small batch's rows are read by 256 threads at once (one warp per
 // token took 12 us for one token on an H200, this takes 1.5-2); one rolled loop of one 8-channel
@@ -32,7 +34,10 @@ struct GatherParams {
   int hidden;
   int pool_rows;
   bool ue8m0;
-  const __nv_bfloat16* x;        // [T, H]
+  const __nv_bfloat16* x;        // [T, H]; E4M3 codes [T, H] where x_scales is set
+  const float* x_scales;         // fp8_block, x already quantized: token t's scale of block b at
+                                 // b * x_scale_stride + t; null: x is bf16 and quantized here
+  int x_scale_stride;
   const int32_t* routed_ids;     // [T, k]
   const int32_t* slot_rank;      // [T, k]
   const int32_t* expert_offsets; // [E+1]
@@ -52,28 +57,16 @@ __device__ __forceinline__ void write_chunk(const GatherParams& p, uint4 raw, in
                                             const int32_t* slot_rows, int num_rows, float tensor_factor) {
   constexpr int kLanesPerBlock = 128 / kGatherChunkElements;
   if constexpr (kPrecision != Precision::bf16) {
-    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
     float f[kGatherChunkElements];
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kGatherChunkElements; ++i) {
-      f[i] = __bfloat162float(v[i]);
-      amax = fmaxf(amax, fabsf(f[i]));
-    }
-    float factor = tensor_factor;
+    bf16x8_to_floats(raw, f);
+    uint2 packed;
     BlockScale s{};
     if constexpr (kPrecision == Precision::fp8_block) {
       // The 16 lanes of one 128-channel block are a contiguous half-warp.
-#pragma unroll
-      for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      s = block_scale(amax, p.ue8m0);
-      factor = s.factor;
+      s = encode_lane_block_values(f, p.ue8m0, reinterpret_cast<uint16_t*>(&packed));
+    } else {
+      encode_with_factor(f, tensor_factor, reinterpret_cast<uint16_t*>(&packed));
     }
-    uint2 packed;
-    uint16_t* pairs = reinterpret_cast<uint16_t*>(&packed);
-#pragma unroll
-    for (int i = 0; i < kGatherChunkElements / 2; ++i) pairs[i] = encode_e4m3x2(f[2 * i] * factor, f[2 * i + 1] * factor);
     const int block = chunk / kLanesPerBlock;
     for (int j = 0; j < num_rows; ++j) {
       const int row = slot_rows[j];
@@ -134,18 +127,49 @@ __device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int
   __syncthreads();  // the next token rewrites slot_rows
 }
 
+// One token of a caller's quantized x (GatherParams::x_scales) by a whole block: its pool slots,
+// then, unless FC1 copies its rows from x itself (rows_by_token), its codes and scales into the
+// pool row of each slot unchanged.
+template <int kThreads, class Wait>
+__device__ __forceinline__ void gather_quantized_token_by_block(const GatherParams& p, int token, int32_t* slot_rows,
+                                                                Wait wait) {
+  if (!wait()) return;
+  if (threadIdx.x < p.top_k) slot_rows[threadIdx.x] = place_slot(p, token, threadIdx.x);
+  if (p.rows_by_token) return;
+  __syncthreads();
+  const int vectors = p.hidden / 16;  // 16 codes each
+  const uint4* source = reinterpret_cast<const uint4*>(p.x) + static_cast<size_t>(token) * vectors;
+  uint4* pool = static_cast<uint4*>(p.activations);
+  for (int v = threadIdx.x; v < vectors; v += kThreads) {
+    const uint4 codes = source[v];
+    for (int j = 0; j < p.top_k; ++j) {
+      if (slot_rows[j] >= 0) pool[static_cast<size_t>(slot_rows[j]) * vectors + v] = codes;
+    }
+  }
+  for (int block = threadIdx.x; block < p.hidden / 128; block += kThreads) {
+    const float scale = p.x_scales[static_cast<size_t>(block) * p.x_scale_stride + token];
+    for (int j = 0; j < p.top_k; ++j) {
+      if (slot_rows[j] >= 0) p.activation_scales[static_cast<size_t>(block) * p.pool_rows + slot_rows[j]] = scale;
+    }
+  }
+}
+
 template <Precision kPrecision>
 __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(GatherParams p) {
   __shared__ int32_t slot_rows[kMaxTopK];
   const int token = blockIdx.x;
-  // x is the caller's input: no kernel of this forward writes it, and this grid cannot start before
-  // the router released it, which the router does only after waiting for the caller's kernels. So
-  // the first chunk may load before this grid's own dependency wait.
-  gather_token_by_block<kPrecision, kGatherThreads>(p, token, slot_rows, [&] {
+  auto wait = [&] {
     ptx::wait_for_prerequisite_grids();
     ptx::allow_dependent_launch();
     return token < valid_tokens(p.num_tokens, p.num_valid_tokens);  // padding: the router left it unrouted
-  });
+  };
+  if constexpr (kPrecision == Precision::fp8_block) {
+    if (p.x_scales != nullptr) return gather_quantized_token_by_block<kGatherThreads>(p, token, slot_rows, wait);
+  }
+  // x is the caller's input: no kernel of this forward writes it, and this grid cannot start before
+  // the router released it, which the router does only after waiting for the caller's kernels. So
+  // the first chunk may load before this grid's own dependency wait.
+  gather_token_by_block<kPrecision, kGatherThreads>(p, token, slot_rows, wait);
 }
 
 }  // namespace megamoe::kernels

@@ -20,7 +20,8 @@
 
 namespace megamoe::kernels {
 
-// What the row copy reads: x quantized per token (the gather's rows_by_token mode).
+// What the row copy reads: x quantized per token (the gather's rows_by_token mode, or the caller's
+// quantized x: MoeInputs::x_scales).
 struct QuantizedTokenRows {
   const uint8_t* rows;       // e4m3 [T, hidden]
   const float* scales;       // fp8_block: [hidden / 128, scale_stride], token t's scale of K block kb at

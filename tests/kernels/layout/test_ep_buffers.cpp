@@ -17,19 +17,24 @@ TEST(EpBufferLayout, WorstCaseIsOneRowPerSourceToken) {
   EXPECT_EQ(EpBufferLayout::worst_case_recv_rows(64, 128), 64u * 128);
 }
 
+// bf16 token rows, or FP8 ones (one byte per channel) with their scales [H / 128][rows].
 TEST(EpBufferLayout, RegionsAreAlignedDisjointAndSized) {
-  const EpBufferLayout l = EpBufferLayout::make(2, 256, 8, 7168, 4096);
-  EXPECT_EQ(l.experts_per_rank, 128);
-  const size_t rows = l.max_recv_rows;
-  const std::vector<std::pair<size_t, size_t>> regions = {
-      {l.counts, 4 * 2 * 2},
-      {l.recv_origin, 8 * rows},
-      {l.recv_ids, 4 * 8 * rows},
-      {l.recv_weights, 4 * 8 * rows},
-      {l.recv_tokens, rows * 7168 * 2},
-      {l.partial_sums, rows * 7168 * 2},
-      {l.signals, 8 * EpBufferLayout::kSignalSlots}};
-  test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
+  for (bool fp8_rows : {false, true}) {
+    const EpBufferLayout l = EpBufferLayout::make(2, 256, 8, 7168, 4096, fp8_rows);
+    EXPECT_EQ(l.experts_per_rank, 128);
+    EXPECT_EQ(l.fp8_rows, fp8_rows);
+    const size_t rows = l.max_recv_rows;
+    std::vector<std::pair<size_t, size_t>> regions = {
+        {l.counts, 4 * 2 * 2},
+        {l.recv_origin, 8 * rows},
+        {l.recv_ids, 4 * 8 * rows},
+        {l.recv_weights, 4 * 8 * rows},
+        {l.recv_tokens, rows * 7168 * (fp8_rows ? 1 : 2)},
+        {l.partial_sums, rows * 7168 * 2},
+        {l.signals, 8 * EpBufferLayout::kSignalSlots}};
+    if (fp8_rows) regions.insert(regions.begin() + 5, {l.recv_scales, 4 * (7168 / 128) * rows});  // in offset order
+    test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
+  }
 }
 
 // The dispatch kernels' per-token rules (destinations, local slot ids) and canonical placement
