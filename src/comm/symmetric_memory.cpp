@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include "kernels/cuda_check.hpp"
@@ -19,9 +20,12 @@ SymmetricMemory::SymmetricMemory(const FileRendezvous& rendezvous, const std::st
   MEGAMOE_CUDA_CHECK(cudaMemset(peers_[rank_], 0, bytes));
   cudaIpcMemHandle_t handle;
   MEGAMOE_CUDA_CHECK(cudaIpcGetMemHandle(&handle, peers_[rank_]));
-  std::vector<uint8_t> mine(sizeof handle + sizeof device);
+  // The size too: ranks that carve different layouts out of their buffers would write past each other's.
+  const uint64_t size = bytes;
+  std::vector<uint8_t> mine(sizeof handle + sizeof device + sizeof size);
   std::memcpy(mine.data(), &handle, sizeof handle);
   std::memcpy(mine.data() + sizeof handle, &device, sizeof device);
+  std::memcpy(mine.data() + sizeof handle + sizeof device, &size, sizeof size);
   rendezvous_.publish("symm-" + name_ + "-rank" + std::to_string(rank_), mine);
   for (int r = 0; r < world_size(); ++r) {
     if (r == rank_) continue;
@@ -31,8 +35,16 @@ SymmetricMemory::SymmetricMemory(const FileRendezvous& rendezvous, const std::st
                                                    " published a malformed handle");
     }
     int peer_device = 0;
+    uint64_t peer_size = 0;
     std::memcpy(&handle, theirs.data(), sizeof handle);
     std::memcpy(&peer_device, theirs.data() + sizeof handle, sizeof peer_device);
+    std::memcpy(&peer_size, theirs.data() + sizeof handle + sizeof peer_device, sizeof peer_size);
+    if (peer_size != size) {
+      throw Error(ErrorCode::invalid_argument, "symmetric memory '" + name_ + "': rank " + std::to_string(r) + " has " +
+                                                   std::to_string(peer_size) + " bytes where rank " +
+                                                   std::to_string(rank_) + " has " + std::to_string(size) +
+                                                   " (the ranks' layers differ: shapes, max_tokens or token_rows)");
+    }
     // A rank on the same GPU (ranks sharing one device) needs no peer access, only the IPC mapping.
     int can_access = peer_device == device ? 1 : 0;
     if (peer_device != device) MEGAMOE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can_access, device, peer_device));

@@ -325,6 +325,9 @@ ReferenceReport reference_forward_unquantized(const MoeSpec& spec, const Weights
 
 CalibratedInputScales calibrate_input_scales(const MoeSpec& spec, const WeightsView& weights, const MoeInputs& inputs) {
   validate(spec);
+  if (inputs.x_scales != nullptr) {
+    throw Error(ErrorCode::invalid_argument, "calibrate_input_scales takes a bf16 x, not quantized codes (x_scales)");
+  }
   const size_t elements = static_cast<size_t>(std::max(inputs.num_tokens, 0)) * spec.hidden;
   // Calibration reads the run's amaxes, not its output, but the run writes one.
   std::vector<bf16_t> y(elements);
