@@ -43,6 +43,11 @@ struct MoeInputs {
   int x_scale_stride = 0;
 };
 
+// The stride of a call's x_scales: x_scale_stride, or num_tokens where that is 0.
+inline int x_scale_stride_of(const MoeInputs& inputs) {
+  return inputs.x_scale_stride != 0 ? inputs.x_scale_stride : inputs.num_tokens;
+}
+
 struct MoeOutputs {
   void* y = nullptr;  // [T, H] bf16, 16-byte aligned, must not overlap any input
 };

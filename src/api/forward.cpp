@@ -81,7 +81,7 @@ void validate_forward_args(const MoeSpec& spec, int capacity_tokens, const MoeIn
   const size_t x_element_bytes = quantized_x ? 1 : 2;
   Span inputs_read[5] = {{"x", reinterpret_cast<uintptr_t>(inputs.x), T * H * x_element_bytes}, {}, {}, {}, {}};
   if (quantized_x) {
-    const size_t stride = inputs.x_scale_stride != 0 ? static_cast<size_t>(inputs.x_scale_stride) : T;
+    const size_t stride = static_cast<size_t>(x_scale_stride_of(inputs));
     inputs_read[4] = {"x_scales", reinterpret_cast<uintptr_t>(inputs.x_scales),
                       ((H / 128 - 1) * stride + T) * sizeof(float)};
   }

@@ -303,7 +303,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   call.topk_weights = inputs.topk_weights;
   call.y = outputs.y;
   call.x_scales = inputs.x_scales;
-  call.x_scale_stride = inputs.x_scale_stride != 0 ? inputs.x_scale_stride : inputs.num_tokens;
+  call.x_scale_stride = x_scale_stride_of(inputs);
   call.timeline_stamps = impl_->timeline_stamps;
   kernels::launch_moe_forward(params, choices, call, stream);
 }

@@ -83,7 +83,7 @@ std::vector<double> load_activations(const MoeSpec& spec, Rounding& rounding, co
   const int T = inputs.num_tokens, H = spec.hidden;
   if (inputs.x_scales != nullptr) {
     // x already quantized (fp8_block, checked by validate_forward_args): its codes and scales as given.
-    const size_t stride = inputs.x_scale_stride != 0 ? static_cast<size_t>(inputs.x_scale_stride) : T;
+    const size_t stride = static_cast<size_t>(x_scale_stride_of(inputs));
     const int blocks = H / quant::kQuantBlock;
     std::vector<float> scales(static_cast<size_t>(T) * blocks);
     for (int t = 0; t < T; ++t)
