@@ -105,11 +105,15 @@ std::vector<uint8_t> FileRendezvous::wait(const std::string& key, std::chrono::m
   return std::vector<uint8_t>(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
 
-void FileRendezvous::arrive(const std::string& name) const { publish(name + ".rank" + std::to_string(rank_), {}); }
+void FileRendezvous::arrive(const std::string& name, const std::vector<uint8_t>& value) const {
+  publish(name + ".rank" + std::to_string(rank_), value);
+}
 
-void FileRendezvous::barrier(const std::string& name, std::chrono::milliseconds timeout) const {
-  arrive(name);
+std::vector<std::vector<uint8_t>> FileRendezvous::exchange(const std::string& name, const std::vector<uint8_t>& value,
+                                                           std::chrono::milliseconds timeout) const {
+  publish(name + ".rank" + std::to_string(rank_), value);
   const auto deadline = deadline_after(std::chrono::steady_clock::now(), timeout);
+  std::vector<std::vector<uint8_t>> values(world_size_);
   for (int r = 0; r < world_size_; ++r) {
     while (!std::filesystem::exists(path_of(name + ".rank" + std::to_string(r)))) {
       if (std::chrono::steady_clock::now() > deadline) {
@@ -125,7 +129,14 @@ void FileRendezvous::barrier(const std::string& name, std::chrono::milliseconds 
       }
       std::this_thread::sleep_for(kPollInterval);
     }
+    std::ifstream file(path_of(name + ".rank" + std::to_string(r)), std::ios::binary);
+    values[r].assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
   }
+  return values;
+}
+
+void FileRendezvous::barrier(const std::string& name, std::chrono::milliseconds timeout) const {
+  exchange(name, {}, timeout);
 }
 
 }  // namespace megamoe::comm

@@ -21,6 +21,7 @@ class FileRendezvous {
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  const std::string& directory() const { return directory_; }
 
   // Makes `value` visible under `key` at once and whole (written aside, then renamed).
   void publish(const std::string& key, const std::vector<uint8_t>& value) const;
@@ -29,12 +30,18 @@ class FileRendezvous {
   // (milliseconds::max(): no limit).
   std::vector<uint8_t> wait(const std::string& key, std::chrono::milliseconds timeout) const;
 
-  // Returns once every rank has entered the barrier `name`; throws megamoe::Error after
-  // `timeout`, listing the ranks that never arrived. Each name may be used once.
+  // Publishes this rank's `value` under `name` and returns every rank's, in rank order, once each
+  // has published; throws megamoe::Error after `timeout`, listing the ranks that never did. Each
+  // name may be used once.
+  std::vector<std::vector<uint8_t>> exchange(const std::string& name, const std::vector<uint8_t>& value,
+                                             std::chrono::milliseconds timeout) const;
+
+  // Returns once every rank has entered the barrier `name` (an exchange of nothing); throws
+  // megamoe::Error after `timeout`, listing the ranks that never arrived. Each name may be used once.
   void barrier(const std::string& name, std::chrono::milliseconds timeout) const;
-  // This rank's entry into the barrier `name` without waiting for the others (a rank that will
-  // not wait still lets theirs complete).
-  void arrive(const std::string& name) const;
+  // This rank's entry into the barrier (or exchange) `name` without waiting for the others (a rank
+  // that will not wait still lets theirs complete), with `value` as its record.
+  void arrive(const std::string& name, const std::vector<uint8_t>& value = {}) const;
 
  private:
   std::string path_of(const std::string& key) const;

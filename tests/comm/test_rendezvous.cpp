@@ -52,6 +52,30 @@ TEST_F(Rendezvous, RanksExchangeIdsAndMeetAtBarriers) {
   for (int r = 0; r < kRanks; ++r) EXPECT_EQ(seen[r], id) << "rank " << r;
 }
 
+TEST_F(Rendezvous, AnExchangeGivesEveryRankEveryValueInRankOrder) {
+  test::SeededRng rng;
+  constexpr int kRanks = 3;
+  std::vector<std::vector<uint8_t>> values(kRanks);
+  for (int r = 0; r < kRanks; ++r) values[r].resize(static_cast<size_t>(rng.integer(0, 40)), static_cast<uint8_t>(r + 1));
+  std::vector<std::vector<std::vector<uint8_t>>> seen(kRanks);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10 * (kRanks - r)));  // the last rank comes first
+      seen[r] = FileRendezvous(directory_, r, kRanks).exchange("records", values[r], 5000ms);
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(seen[r], values) << "rank " << r;
+  try {
+    FileRendezvous(directory_, 0, 2).exchange("alone", {7}, 40ms);
+    FAIL() << "the exchange returned without rank 1's value";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::timeout);
+    EXPECT_NE(std::string(e.what()).find("rank(s) 1 never arrived"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(Rendezvous, MissingPeersTimeOutWithADiagnostic) {
   const FileRendezvous rank1(directory_, 1, 3);
   try {
