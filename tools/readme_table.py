@@ -228,9 +228,16 @@ def torch_block(results, image_prefix="bench/results/", results_dir=None, paths=
 
 
 def ep_section(name, records, path):
+    # Older records carry one figure for both directions (bf16 rows out, bf16 partial sums back).
+    def out_bytes(r):
+        return r.get("dispatch_bytes", r.get("nvlink_bytes_each_way"))
+
+    def back_bytes(r):
+        return r.get("combine_bytes", r.get("nvlink_bytes_each_way"))
+
     def share_of_peer(r):
         # Token rows out (FP8 rows are smaller; older records sent bf16 rows), partial sums back.
-        moved = r.get("dispatch_bytes", r["nvlink_bytes_each_way"]) + r["nvlink_bytes_each_way"]
+        moved = out_bytes(r) + back_bytes(r)
         return moved / ((r["dispatch_us"] + r["combine_us"]) * 1e-6) / (r["peer_copy_gbps"] * 1e9)
     first = records[0]
     lines = [f"### {first['workload']}, {first['precision']}, {first['ranks']} ranks", "",
@@ -239,11 +246,12 @@ def ep_section(name, records, path):
              f"one way, {rate([r['barrier_us'] for r in records], 'µs', 1, 1)} per cross-rank barrier. Round trip: "
              f"{recorded(records, 'round_trip_graph')}. Baseline: {recorded(records, 'baseline')}.", "",
              "| tokens per rank | round trip µs (one graph) | dispatch µs | combine µs | share of peer bandwidth "
-             "(phases) | NVLink MB each way | EP forward µs | baseline µs | × baseline |",
+             "(phases) | NVLink MB out / back | EP forward µs | baseline µs | × baseline |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lines.append(f"| {r['tokens_per_rank']} | {us(r['round_trip_graph_us'])} | {us(r['dispatch_us'])} | "
-                     f"{us(r['combine_us'])} | {share_of_peer(r) * 100:.0f}% | {r['nvlink_bytes_each_way'] / 1e6:.1f} | "
+                     f"{us(r['combine_us'])} | {share_of_peer(r) * 100:.0f}% | "
+                     f"{out_bytes(r) / 1e6:.1f} / {back_bytes(r) / 1e6:.1f} | "
                      f"{us(r['ep_forward_us'])} | {us(r['baseline_us'])} | {r['ep_forward_us'] / r['baseline_us']:.2f} |")
     lines += ["", "Dispatch and combine are timed phase by phase (a device barrier and an event before each, which "
               "adds launch and drain time outside the kernels); the round trip as a serving engine replays it, both "

@@ -52,7 +52,10 @@ def ep_records():
     return [dict(common, tokens_per_rank=4096, dispatch_us=200.0, combine_us=200.0, round_trip_graph_us=380.0,
                  ep_forward_us=5000.0, baseline_us=5000.0, nvlink_bytes_each_way=64e6),
             dict(common, tokens_per_rank=128, dispatch_us=25.0, combine_us=15.0, round_trip_graph_us=30.0,
-                 ep_forward_us=1400.0, baseline_us=1400.0, nvlink_bytes_each_way=2e6)]
+                 ep_forward_us=1400.0, baseline_us=1400.0, nvlink_bytes_each_way=2e6),
+            # A newer record: each direction's bytes of its own (FP8 rows out, bf16 partial sums back).
+            dict(common, tokens_per_rank=512, dispatch_us=50.0, combine_us=50.0, round_trip_graph_us=90.0,
+                 ep_forward_us=2000.0, baseline_us=2500.0, dispatch_bytes=10e6, combine_bytes=20e6)]
 
 
 def write(folder, name, data):
@@ -151,10 +154,12 @@ def check_performance_page():
                for line in lines), lines
     # The breakdown, where a record has one.
     assert "| route_and_count_kernel | 9.0 |" in lines, lines
-    # Expert parallelism: sorted by tokens per rank; share of peer = 2 x bytes / (dispatch + combine) / peer.
-    ep_rows = [line for line in lines if line.startswith("| 128 |") or line.startswith("| 4096 |")]
-    assert ep_rows == ["| 128 | 30.0 | 25.0 | 15.0 | 25% | 2.0 | 1400 | 1400 | 1.00 |",
-                       "| 4096 | 380.0 | 200.0 | 200.0 | 80% | 64.0 | 5000 | 5000 | 1.00 |"], ep_rows
+    # Expert parallelism: sorted by tokens per rank; share of peer = (bytes out + bytes back) /
+    # (dispatch + combine) / peer, an older record's one figure counting for both directions.
+    ep_rows = [line for line in lines if line.startswith(("| 128 |", "| 512 |", "| 4096 |"))]
+    assert ep_rows == ["| 128 | 30.0 | 25.0 | 15.0 | 25% | 2.0 / 2.0 | 1400 | 1400 | 1.00 |",
+                       "| 512 | 90.0 | 50.0 | 50.0 | 75% | 10.0 / 20.0 | 2000 | 2500 | 0.80 |",
+                       "| 4096 | 380.0 | 200.0 | 200.0 | 80% | 64.0 / 64.0 | 5000 | 5000 | 1.00 |"], ep_rows
     # The PyTorch plot is linked only where it exists, relative to docs/.
     assert not any("torch-qwen35-a3b.png" in line for line in lines), "no PNG was written"
 
