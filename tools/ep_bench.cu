@@ -1,10 +1,11 @@
 // megamoe-ep-bench: expert parallelism across the GPUs of one node, one process per GPU:
 //   megamoe-run -n 2 -- megamoe-ep-bench [--workload dsv3] [--tokens 128,4096]
 //                                        [--precision fp8_block|bf16] [--token-rows automatic|bf16|fp8]
+//                                        [--partial-sums bf16|fp8] [--symmetric-memory cuda_ipc|nvshmem]
 //                                        [--json PATH] [--timeline]
 // Measures, per token count per rank: dispatch and combine time and their NVLink GB/s (rows that
 // cross to another rank: token rows of H x 2 bytes, or H + H / 32 as FP8 with their scales, and
-// partial sums of H x 2 bytes back), the whole staged EP forward, and the staged NCCL
+// partial sums back the same way, by --partial-sums), the whole staged EP forward, and the staged NCCL
 // baseline (all-gather tokens -> local experts over all tokens -> reduce-scatter), each the
 // slowest rank's median; and, in the same run, the one-way peer copy bandwidth and the cost of one
 // cross-rank barrier. Each timed phase starts after a device barrier, so that no rank's timing
@@ -29,6 +30,7 @@
 #include "bench_stats.hpp"
 #include "cli_args.hpp"
 #include "comm/ep_layer.hpp"
+#include "comm/nvshmem_heap.hpp"
 #include "device_timing.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/layout/ep_timeline.hpp"
@@ -116,13 +118,18 @@ void print_usage() {
   std::printf(
       "usage: megamoe-run -n RANKS -- megamoe-ep-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3]\n"
       "                                                [--tokens N[,N...]] [--precision bf16|fp8_block]\n"
-      "                                                [--token-rows automatic|bf16|fp8] [--json PATH] [--timeline]\n"
+      "                                                [--token-rows automatic|bf16|fp8] [--partial-sums bf16|fp8]\n"
+      "                                                [--symmetric-memory cuda_ipc|nvshmem] [--json PATH] [--timeline]\n"
       "Options take their value as --flag value or --flag=value.\n"
       "  --workload   named workload (default dsv3)\n"
       "  --tokens     tokens per rank, comma-separated (default 128,4096)\n"
       "  --precision  bf16 or fp8_block (default fp8_block)\n"
       "  --token-rows how token rows travel: automatic (fp8 for fp8_block), bf16, or fp8 (quantized once at\n"
       "               their source, the layer's own rule: the same y, half the bytes)\n"
+      "  --partial-sums how partial sums travel back: bf16 (default) or fp8 (quantized once by their owner\n"
+      "               per 128 channels: half the bytes, not bf16's bits; the table's last column says how far from the baseline)\n"
+      "  --symmetric-memory where the expert-parallel buffer lives: cuda_ipc (default) or nvshmem (NVSHMEM's\n"
+      "               symmetric heap; a build with MEGAMOE_NVSHMEM)\n"
       "  --json PATH  rank 0 also writes the measured figures as JSON (one record per token count)\n"
       "  --timeline   also print when each rank's blocks reached each point of a call\n");
 }
@@ -132,6 +139,8 @@ struct Options {
   std::vector<int> token_counts = {128, 4096};
   Precision precision = Precision::fp8_block;
   comm::EpTokenRows token_rows = comm::EpTokenRows::automatic;
+  comm::EpPartialSums partial_sums = comm::EpPartialSums::bf16;
+  comm::SymmetricBackend symmetric_memory = comm::SymmetricBackend::cuda_ipc;
   std::string json_path;
   bool timeline = false;
   bench::Provenance provenance;
@@ -142,6 +151,10 @@ const std::vector<std::pair<std::string, Precision>> kEpPrecisions = {{"bf16", P
                                                                       {"fp8_block", Precision::fp8_block}};
 const std::vector<std::pair<std::string, comm::EpTokenRows>> kTokenRows = {
     {"automatic", comm::EpTokenRows::automatic}, {"bf16", comm::EpTokenRows::bf16}, {"fp8", comm::EpTokenRows::fp8}};
+const std::vector<std::pair<std::string, comm::EpPartialSums>> kPartialSums = {{"bf16", comm::EpPartialSums::bf16},
+                                                                              {"fp8", comm::EpPartialSums::fp8}};
+const std::vector<std::pair<std::string, comm::SymmetricBackend>> kSymmetricBackends = {
+    {"cuda_ipc", comm::SymmetricBackend::cuda_ipc}, {"nvshmem", comm::SymmetricBackend::nvshmem}};
 
 Options parse(int argc, char** argv) {
   namespace cli = bench::cli;
@@ -160,8 +173,16 @@ Options parse(int argc, char** argv) {
       cli::value_option("--precision",
                         [&](Value v) { o.precision = cli::parse_choice("--precision", v, kEpPrecisions); }),
       cli::value_option("--token-rows", [&](Value v) { o.token_rows = cli::parse_choice("--token-rows", v, kTokenRows); }),
+      cli::value_option("--partial-sums",
+                        [&](Value v) { o.partial_sums = cli::parse_choice("--partial-sums", v, kPartialSums); }),
+      cli::value_option("--symmetric-memory", [&](Value v) {
+        o.symmetric_memory = cli::parse_choice("--symmetric-memory", v, kSymmetricBackends);
+      }),
       cli::value_option("--json", [&](Value v) { o.json_path = cli::writable_file("--json", v); }),
   });
+  if (o.symmetric_memory == comm::SymmetricBackend::nvshmem && !comm::nvshmem_heap::built()) {
+    throw cli::UsageError("--symmetric-memory nvshmem needs a build with NVSHMEM (configure with -DMEGAMOE_NVSHMEM=ON)");
+  }
   if (o.token_rows == comm::EpTokenRows::fp8 && o.precision != Precision::fp8_block) {
     throw cli::UsageError("--token-rows fp8 needs --precision fp8_block");
   }
@@ -196,6 +217,8 @@ int run(const Options& o) {
   const PackedWeights weights = prepare_weights(local, ref::make_random_weights(local, 100 + rank).view());
   comm::EpLayerOptions ep_options;
   ep_options.token_rows = o.token_rows;
+  ep_options.symmetric_memory = o.symmetric_memory;
+  ep_options.partial_sums = o.partial_sums;
   comm::EpLayer ep(spec, weights, max_tokens, rendezvous, ep_options);
   const bool fp8_rows = ep.token_rows() == comm::EpTokenRows::fp8;
   MoeLayer baseline_experts(local, weights, world * max_tokens);
@@ -319,11 +342,12 @@ int run(const Options& o) {
         stream, bench::Replays{kWarmup, kTimed}, [&] { ep.forward(stream, inputs, MoeOutputs{y_ep}); },
         [&] { ep.synchronize_ranks(stream); });
     // Bytes that crossed NVLink: token rows other ranks pushed here (codes and a scale per 128
-    // channels, or bf16); as many bf16 partial sums go back.
+    // channels, or bf16); as many partial sums go back (likewise FP8 or bf16).
     const comm::EpLayer::Delivered delivered = ep.last_delivered(stream);
     long remote_rows = 0;
     for (int src = 0; src < world; ++src) remote_rows += src != rank ? delivered.counts[src] : 0;
-    const double remote_bytes = static_cast<double>(remote_rows) * H * 2;
+    const bool fp8_partials = ep.partial_sums() == comm::EpPartialSums::fp8;
+    const double remote_bytes = static_cast<double>(remote_rows) * (fp8_partials ? H + H / 128 * 4 : H * 2);
     const double remote_row_bytes = static_cast<double>(remote_rows) * (fp8_rows ? H + H / 128 * 4 : H * 2);
 
     // Baseline: all-gather -> local experts over every rank's tokens -> reduce-scatter.
@@ -371,6 +395,8 @@ int run(const Options& o) {
       record.set("workload", workload_name)
           .set("precision", to_string(precision))
           .set("token_rows", comm::to_string(ep.token_rows()))
+          .set("partial_sums", comm::to_string(ep.partial_sums()))
+          .set("symmetric_memory", comm::to_string(ep.symmetric_memory()))
           .set("ranks", world)
           .set("tokens_per_rank", tokens)
           .set("dispatch_us", d_us)
@@ -379,8 +405,8 @@ int run(const Options& o) {
           .set("round_trip_graph", "dispatch + combine in one CUDA graph, " + std::to_string(kRoundTrips) +
                                        " replays back to back between two events, per replay")
           .set("ep_forward_us", t_us)
-          .set("nvlink_bytes_each_way", bytes)
           .set("dispatch_bytes", row_bytes)
+          .set("combine_bytes", bytes)
           .set("dispatch_gbps", d_gbps)
           .set("combine_gbps", c_gbps)
           .set("peer_copy_gbps", peer_gbps)

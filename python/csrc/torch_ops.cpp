@@ -558,11 +558,14 @@ int64_t workspace_bytes(int64_t handle) { return static_cast<int64_t>(registry()
 // [rank * E / world, (rank + 1) * E / world) of a layer of num_experts experts with precomputed
 // routing, packed as for a layer of E / world experts, for up to max_tokens tokens per rank and
 // call. The ranks meet in rendezvous_dir, a folder they share that no other layer uses.
+// partial_sums: "bf16" or "fp8" (comm::EpPartialSums); symmetric_memory: "cuda_ipc" or "nvshmem"
+// (comm::SymmetricBackend).
 int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
                         const at::Tensor& w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
                         int64_t top_k, const std::string& precision, const std::string& scale_format,
                         int64_t max_tokens, const std::string& rendezvous_dir, int64_t rank, int64_t world_size,
-                        int64_t device_index, const std::string& token_rows) {
+                        int64_t device_index, const std::string& token_rows, const std::string& partial_sums,
+                        const std::string& symmetric_memory) {
   // The kernels' limits apply to the experts of one rank (num_experts / world_size, checked below).
   const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
                                      false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0, "auto", 0)
@@ -582,6 +585,22 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
     options.token_rows = comm::EpTokenRows::fp8;
   } else {
     TORCH_CHECK_VALUE(false, "megamoe: token_rows='", token_rows, "' must be 'automatic', 'bf16' or 'fp8'");
+  }
+  if (partial_sums == "bf16") {
+    options.partial_sums = comm::EpPartialSums::bf16;
+  } else if (partial_sums == "fp8") {
+    TORCH_CHECK_NOT_IMPLEMENTED(hidden % 128 == 0, "megamoe: partial_sums='fp8' quantizes per 128 channels: hidden=",
+                                hidden, " is not a multiple of 128");
+    options.partial_sums = comm::EpPartialSums::fp8;
+  } else {
+    TORCH_CHECK_VALUE(false, "megamoe: partial_sums='", partial_sums, "' must be 'bf16' or 'fp8'");
+  }
+  if (symmetric_memory == "cuda_ipc") {
+    options.symmetric_memory = comm::SymmetricBackend::cuda_ipc;
+  } else if (symmetric_memory == "nvshmem") {
+    options.symmetric_memory = comm::SymmetricBackend::nvshmem;
+  } else {
+    TORCH_CHECK_VALUE(false, "megamoe: symmetric_memory='", symmetric_memory, "' must be 'cuda_ipc' or 'nvshmem'");
   }
   checked_int(world_size, "world_size", 1);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
@@ -673,7 +692,7 @@ TORCH_LIBRARY(megamoe, m) {
   m.def("workspace_bytes(int layer) -> int", &workspace_bytes);
   m.def("create_ep_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "
         "int intermediate, int top_k, str precision, str scale_format, int max_tokens, str rendezvous_dir, int rank, "
-        "int world_size, int device_index, str token_rows) -> int",
+        "int world_size, int device_index, str token_rows, str partial_sums, str symmetric_memory) -> int",
         &create_ep_layer);
   m.def("destroy_ep_layer(int layer) -> ()", &destroy_ep_layer);
   m.def("ep_forward(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights) -> Tensor");

@@ -27,6 +27,14 @@ const char* to_string(EpTokenRows rows) {
   return "(not an EpTokenRows value)";
 }
 
+const char* to_string(EpPartialSums sums) {
+  switch (sums) {
+    case EpPartialSums::bf16: return "bf16";
+    case EpPartialSums::fp8: return "fp8";
+  }
+  return "(not an EpPartialSums value)";
+}
+
 EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int max_tokens_per_rank,
                  const FileRendezvous& rendezvous, const EpLayerOptions& options)
     : EpLayer(spec, local_weights.view(), max_tokens_per_rank, rendezvous, options) {}
@@ -73,9 +81,18 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
       throw Error(ErrorCode::invalid_argument, "token_rows=" + std::to_string(static_cast<int>(options.token_rows)) +
                                                    " names no EpTokenRows value (automatic, bf16, fp8)");
   }
+  if (options.partial_sums != EpPartialSums::bf16 && options.partial_sums != EpPartialSums::fp8) {
+    throw Error(ErrorCode::invalid_argument, "partial_sums=" + std::to_string(static_cast<int>(options.partial_sums)) +
+                                                 " names no EpPartialSums value (bf16, fp8)");
+  }
+  const bool fp8_partials = options.partial_sums == EpPartialSums::fp8;
+  if (fp8_partials && spec.hidden % 128 != 0) {
+    throw Error(ErrorCode::unsupported, "partial_sums=fp8 quantizes per 128 channels: hidden=" +
+                                            std::to_string(spec.hidden) + " is not a multiple of 128");
+  }
   if (options.buffer_name.empty()) throw Error(ErrorCode::invalid_argument, "buffer_name must not be empty");
   layout_ = layout::EpBufferLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank,
-                                         fp8_rows);
+                                         fp8_rows, fp8_partials);
 
   // The local pass: every local expert of each received token, summed with the routing weights.
   MoeSpec local = spec;
@@ -87,7 +104,8 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_sms_ = prop.multiProcessorCount;
-  buffer_ = std::make_unique<SymmetricMemory>(rendezvous, options.buffer_name, layout_.total_bytes, kBootstrapTimeout);
+  buffer_ = std::make_unique<SymmetricMemory>(rendezvous, options.buffer_name, layout_.total_bytes, kBootstrapTimeout,
+                                             options.symmetric_memory);
   token_dest_ = cuda_alloc<int32_t>(static_cast<size_t>(max_tokens_per_rank) * world);
   tile_counts_ = cuda_alloc<int32_t>(static_cast<size_t>(kernels::ep_dispatch_tiles(max_tokens_per_rank)) * world);
   dest_base_ = cuda_alloc<int32_t>(world);
@@ -196,15 +214,25 @@ void EpLayer::compute(cudaStream_t stream) {
 }
 
 void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
-  // Every rank's local pass has written its partial sums before any rank reads them. The next
-  // call's dispatch rewrites peers' buffers only after its count barrier, which no rank passes
-  // before every rank has finished this reduction: no closing barrier is needed.
+  if (layout_.fp8_partials) {
+    // Blocks for the rows that arrive when every rank's batch is like this one's; they stride over
+    // the count on the device, whatever it is.
+    const long rows = std::min<long>(layout_.max_recv_rows, static_cast<long>(rendezvous_.world_size()) * dispatched_tokens_);
+    const kernels::EpQuantizePartialsParams q{buffer_->local(), layout_, recv_total_, fault_};
+    kernels::launch_overlapping_previous(kernels::ep_quantize_partials_kernel, row_blocks(num_sms_, rows),
+                                         kernels::kEpRowThreads, 0, stream, "ep_quantize_partials_kernel", q);
+  }
+  // Every rank's local pass has written its partial sums (and their FP8 codes) before any rank
+  // reads them. The next call's dispatch rewrites peers' buffers only after its count barrier,
+  // which no rank passes before every rank has finished this reduction: no closing barrier is
+  // needed.
   launch_barrier(stream, barrier_params(),
                  kernels::Timeline{timeline_stamps_}, layout::kCombineBarrierStart);
   if (inputs.num_tokens == 0) return;
   kernels::EpCombineParams c{};
   c.peer_bases = buffer_->device_peer_table();
   c.layout = layout_;
+  c.rank = rendezvous_.rank();
   c.num_tokens = inputs.num_tokens;
   c.token_dest = token_dest_;
   c.y = static_cast<__nv_bfloat16*>(outputs.y);

@@ -41,10 +41,23 @@ enum class EpTokenRows {
 };
 const char* to_string(EpTokenRows rows);
 
+// How the owners' partial sums travel back to their tokens' sources.
+enum class EpPartialSums {
+  bf16,  // as the local pass rounds them
+  fp8,   // quantized once by their owner per 128 channels (E4M3 + fp32 scales), half the bytes;
+         // not bf16's bits: the error it adds is measured (docs/decisions.md#fp8-partial-sums).
+         // Needs hidden a multiple of 128.
+};
+const char* to_string(EpPartialSums sums);
+
 struct EpLayerOptions {
   // How long a device-side barrier waits for a peer.
   std::chrono::milliseconds barrier_timeout = kDefaultBarrierTimeout;
   EpTokenRows token_rows = EpTokenRows::automatic;
+  EpPartialSums partial_sums = EpPartialSums::bf16;
+  // Where the symmetric buffer lives: CUDA IPC (one node) or NVSHMEM's symmetric heap (a build with
+  // MEGAMOE_NVSHMEM; every rank must choose the same).
+  SymmetricBackend symmetric_memory = SymmetricBackend::cuda_ipc;
   // The symmetric buffer's name in the rendezvous: layers that live at the same time on one
   // rendezvous need names of their own (every rank builds them in the same order).
   std::string buffer_name = "ep";
@@ -74,7 +87,8 @@ class EpLayer {
   void dispatch(cudaStream_t stream, const MoeInputs& inputs);
   // The local experts on the rows dispatch delivered (their count stays on the device).
   void compute(cudaStream_t stream);
-  // Reads this rank's tokens' partial sums from their owners and reduces them into y.
+  // Reads this rank's tokens' partial sums from their owners and reduces them into y (with FP8
+  // partial sums, quantizing this rank's own first: the combine's cost includes it).
   void combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs);
 
   // Collective: returns (on the stream) once every rank has reached it; for benchmarks that time
@@ -106,6 +120,8 @@ class EpLayer {
   const layout::EpBufferLayout& buffer_layout() const { return layout_; }
   // How this layer's token rows travel (automatic resolved).
   EpTokenRows token_rows() const { return layout_.fp8_rows ? EpTokenRows::fp8 : EpTokenRows::bf16; }
+  EpPartialSums partial_sums() const { return layout_.fp8_partials ? EpPartialSums::fp8 : EpPartialSums::bf16; }
+  SymmetricBackend symmetric_memory() const { return buffer_->backend(); }
 
   // Diagnosis (megamoe-ep-bench --timeline): later calls fold the global timer at the points of
   // layout/ep_timeline.hpp into `stamps` (device, [kEpTimelineEvents][2]: earliest, latest ns;

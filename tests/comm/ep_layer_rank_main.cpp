@@ -1,16 +1,22 @@
 // One rank of the expert-parallel test, started by megamoe-run, one GPU per rank or (megamoe-run
 // --one-gpu) every rank on one GPU (rank r takes visible device r mod count):
-//   ep_layer_rank [--iterations N] [--tokens T] [--ue8m0] [--hang | --die] [--barrier-timeout-ms MS]
+//   ep_layer_rank [--iterations N] [--tokens T] [--hidden H] [--ue8m0] [--symmetric-memory cuda_ipc|nvshmem]
+//                 [--hang | --die] [--barrier-timeout-ms MS]
 // Every iteration draws fresh routing on every rank (uniform, skewed onto few experts, with -1
 // holes and some ranks empty), runs EpLayer::forward, checks that dispatch delivered exactly the
 // token rows ref::plan_dispatch predicts (row by row, with each slot's local expert), that y
 // matches the fp64 reference for this rank's tokens, and that the layer's FP8 token rows (the
-// default for fp8_block) give the same y, bit for bit, as a second layer sending bf16 rows. --hang: rank 1 stalls (never calls forward),
+// default for fp8_block) give the same y, bit for bit, as a second layer sending bf16 rows, and that
+// a third layer returning FP8 partial sums stays within a bound of the first's y (its error is
+// printed). --hang: rank 1 stalls (never calls forward),
 // so rank 0's barrier must give up after its timeout with a diagnostic instead of hanging, and
 // rank 0 then checks what a caller sees: check_peers throws a timeout error naming rank 1, y is
 // NaN, the next forward throws at once, and the process still runs a single-GPU layer correctly.
 // --die: the same with rank 1's process gone (it exits without cleaning up after building the
-// layer) instead of stalled.
+// layer) instead of stalled. Before any layer, every run checks the refusals a caller can meet:
+// symmetric buffers whose sizes differ between ranks, and EpLayer::forward given x_scales.
+// --hidden: the model width (default 256; 384 and 7168 reach the source's FP8 quantizer with a
+// part-filled and a second pass over the row). --symmetric-memory: where the buffers live.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -22,6 +28,7 @@
 #include <string>
 
 #include "comm/ep_layer.hpp"
+#include "comm/symmetric_memory.hpp"
 #include "kernels/cuda_check.hpp"
 #include "megamoe/error.hpp"
 #include "ref/ep_dispatch.hpp"
@@ -155,14 +162,85 @@ int lost_peer_case(const MoeSpec& spec, const MoeSpec& local, const PackedWeight
   return 0;
 }
 
+// Whether building a symmetric buffer throws on this rank with an error `named` accepts (printing
+// what went wrong where it does not).
+template <class Named>
+bool buffer_refused(const comm::FileRendezvous& rendezvous, const char* what, const char* name, size_t bytes,
+                    comm::SymmetricBackend backend, Named named) {
+  try {
+    comm::SymmetricMemory odd(rendezvous, name, bytes, std::chrono::seconds(30), backend);
+    std::fprintf(stderr, "FAILED: rank %d built a symmetric buffer whose %s differs from its peers'\n",
+                 rendezvous.rank(), what);
+    return false;
+  } catch (const Error& e) {
+    if (named(e)) return true;
+    std::fprintf(stderr, "FAILED: rank %d: a differing %s refused with the wrong error: %s\n", rendezvous.rank(), what,
+                 e.what());
+    return false;
+  }
+}
+
+// The refusals, collective: each rank asks for a buffer of another size than its peers (every rank
+// must refuse, naming the sizes), then for a buffer on another backend than its neighbours' (every
+// rank must refuse: the backends differ, or the build has no NVSHMEM for the ranks that ask for
+// it), then gives its layer x_scales, which expert parallelism does not take. Buffers that differ
+// need two ranks.
+bool refusals_hold(const comm::FileRendezvous& rendezvous, comm::SymmetricBackend backend, comm::EpLayer& layer,
+                   const MoeSpec& spec, cudaStream_t stream) {
+  const int rank = rendezvous.rank();
+  if (rendezvous.world_size() > 1) {
+    const bool sizes = buffer_refused(rendezvous, "size", "sizes-differ", 4096 + 256 * static_cast<size_t>(rank),
+                                      backend, [](const Error& e) {
+                                        return e.code() == ErrorCode::invalid_argument &&
+                                               std::string(e.what()).find("bytes where rank") != std::string::npos;
+                                      });
+    const comm::SymmetricBackend mixed =
+        rank % 2 == 0 ? comm::SymmetricBackend::cuda_ipc : comm::SymmetricBackend::nvshmem;
+    const bool backends = buffer_refused(rendezvous, "backend", "backends-differ", 4096, mixed, [](const Error& e) {
+      const std::string what = e.what();
+      return (e.code() == ErrorCode::invalid_argument && what.find("uses backend") != std::string::npos) ||
+             (e.code() == ErrorCode::unsupported && what.find("has no NVSHMEM") != std::string::npos);
+    });
+    if (!sizes || !backends) return false;
+  }
+  RankInputs in = make_inputs(spec, rank, 0, 4);
+  const DeviceCall call(spec, in);
+  MoeInputs inputs = call.inputs();
+  float* scales = nullptr;  // a valid layout for MoeLayer: [H / 128][T]
+  MEGAMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&scales), sizeof(float) * (spec.hidden / 128) * std::max(call.tokens, 1)));
+  inputs.x_scales = scales;
+  try {
+    layer.forward(stream, inputs, MoeOutputs{call.y});
+    cudaFree(scales);
+    std::fprintf(stderr, "FAILED: rank %d: EpLayer::forward took x_scales\n", rank);
+    return false;
+  } catch (const Error& e) {
+    cudaFree(scales);
+    if (e.code() != ErrorCode::unsupported || std::string(e.what()).find("x_scales is for MoeLayer") == std::string::npos) {
+      std::fprintf(stderr, "FAILED: rank %d: x_scales refused with an error that does not name them: %s\n", rank,
+                   e.what());
+      return false;
+    }
+  }
+  return true;
+}
+
 int run(int argc, char** argv) {
-  int iterations = 20, max_tokens = 64;
+  int iterations = 20, max_tokens = 64, hidden = 256;
+  comm::SymmetricBackend backend = comm::SymmetricBackend::cuda_ipc;
   bool hang = false, die = false, ue8m0 = false;
   std::chrono::milliseconds barrier_timeout = comm::kDefaultBarrierTimeout;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--iterations" && i + 1 < argc) iterations = std::atoi(argv[++i]);
     else if (arg == "--tokens" && i + 1 < argc) max_tokens = std::atoi(argv[++i]);
+    else if (arg == "--hidden" && i + 1 < argc) hidden = std::atoi(argv[++i]);
+    else if (arg == "--symmetric-memory" && i + 1 < argc) {
+      const std::string name = argv[++i];
+      if (name == "cuda_ipc") backend = comm::SymmetricBackend::cuda_ipc;
+      else if (name == "nvshmem") backend = comm::SymmetricBackend::nvshmem;
+      else throw Error(ErrorCode::invalid_argument, "--symmetric-memory takes cuda_ipc or nvshmem, not " + name);
+    }
     else if (arg == "--hang") hang = true;
     else if (arg == "--ue8m0") ue8m0 = true;  // power-of-two activation scales, on the wire too
     else if (arg == "--die") hang = die = true;
@@ -179,7 +257,7 @@ int run(int argc, char** argv) {
   MoeSpec spec;
   spec.num_experts = 16;
   spec.top_k = 4;
-  spec.hidden = 256;
+  spec.hidden = hidden;
   spec.intermediate = 256;
   spec.precision = Precision::fp8_block;
   spec.scale_format = ue8m0 ? ScaleFormat::ue8m0 : ScaleFormat::fp32;
@@ -195,7 +273,13 @@ int run(int argc, char** argv) {
                          DType::bf16});
   comm::EpLayerOptions options;
   options.barrier_timeout = barrier_timeout;
+  options.symmetric_memory = backend;
   comm::EpLayer layer(spec, mine, max_tokens, rendezvous, options);
+  if (layer.symmetric_memory() != backend) {
+    std::fprintf(stderr, "FAILED: rank %d: the layer's buffer is on %s, not the %s asked for\n", rank,
+                 comm::to_string(layer.symmetric_memory()), comm::to_string(backend));
+    return 1;
+  }
   if (layer.token_rows() != comm::EpTokenRows::fp8) {
     std::fprintf(stderr, "rank %d: an fp8_block layer sends %s token rows; automatic must mean fp8\n", rank,
                  comm::to_string(layer.token_rows()));
@@ -203,6 +287,7 @@ int run(int argc, char** argv) {
   }
   cudaStream_t stream;
   MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  if (!hang && !refusals_hold(rendezvous, backend, layer, spec, stream)) return 1;
   if (hang && rank == 1) {
     std::printf("rank 1 skips forward on purpose%s\n", die ? " and exits without cleaning up" : "");
     std::fflush(stdout);
@@ -216,6 +301,17 @@ int run(int argc, char** argv) {
   options.token_rows = comm::EpTokenRows::bf16;
   options.buffer_name = "ep-bf16-rows";
   comm::EpLayer bf16_rows(spec, mine, max_tokens, rendezvous, options);
+  options.token_rows = comm::EpTokenRows::automatic;
+  options.partial_sums = comm::EpPartialSums::fp8;
+  options.buffer_name = "ep-fp8-partials";
+  comm::EpLayer fp8_partials(spec, mine, max_tokens, rendezvous, options);
+  if (fp8_partials.partial_sums() != comm::EpPartialSums::fp8) {
+    std::fprintf(stderr, "FAILED: rank %d: a layer asked for FP8 partial sums sends %s ones\n", rank,
+                 comm::to_string(fp8_partials.partial_sums()));
+    return 1;
+  }
+  double worst_fp8_partials = 0.0;  // rel. L2 of y with FP8 partial sums against y with bf16 ones
+  bool fp8_partials_differ = false;
 
   double worst = 0.0;
   for (int it = 0; it < iterations; ++it) {
@@ -229,7 +325,9 @@ int run(int argc, char** argv) {
     const int T = routing[rank].num_tokens;
     const DeviceCall call(spec, in);
     const DeviceCall call_bf16_rows(spec, in);
+    const DeviceCall call_fp8_partials(spec, in);
     bf16_rows.forward(stream, call_bf16_rows.inputs(), MoeOutputs{call_bf16_rows.y});
+    fp8_partials.forward(stream, call_fp8_partials.inputs(), MoeOutputs{call_fp8_partials.y});
     layer.forward(stream, call.inputs(), MoeOutputs{call.y});
 
     // Dispatch: exactly the rows the CPU model predicts, in canonical order, with each slot's
@@ -267,6 +365,19 @@ int run(int argc, char** argv) {
       return 1;
     }
     if (T > 0) {
+      // FP8 partial sums: each remote owner's partial sum re-rounded to E4M3 (3 mantissa bits) per
+      // 128 channels, about 3.6% RMS of that share; the source's own share stays bf16.
+      const std::vector<bf16_t> y_fp8_partials = call_fp8_partials.output(spec);
+      std::vector<double> exact(y_fp8_rows.size()), approx(y_fp8_rows.size());
+      for (size_t i = 0; i < exact.size(); ++i) exact[i] = y_fp8_rows[i].to_float(), approx[i] = y_fp8_partials[i].to_float();
+      const double partials_err = ref::relative_l2(approx, exact);
+      worst_fp8_partials = std::max(worst_fp8_partials, partials_err);
+      fp8_partials_differ = fp8_partials_differ || partials_err > 0.0;
+      if (!(partials_err < 5e-2)) {
+        std::fprintf(stderr, "iteration %d: rank %d y with FP8 partial sums is %.3e (rel. L2) from y with bf16 ones\n",
+                     it, rank, partials_err);
+        return 1;
+      }
       const double err = error_against_reference(spec, all, in, call.output(spec));
       worst = std::max(worst, err);
       // fp8 requantization noise (see tests/api/test_moe_layer.cpp) plus the bf16 rounding of
@@ -276,32 +387,45 @@ int run(int argc, char** argv) {
         return 1;
       }
     }
-    // Now and then the same forward captured in a CUDA graph and replayed twice:
-    // the barrier counts live on the device, so replays synchronize like fresh calls and give the
-    // same bits.
-    if (it % 100 == 6) {  // on every rank alike, or the barriers would not pair up
-      const std::vector<bf16_t> eager = call.output(spec);
+    // Now and then the same forwards captured in CUDA graphs and replayed twice each: the barrier
+    // counts live on the device, so replays synchronize like fresh calls and give the same bits.
+    auto replays_match = [&](comm::EpLayer& ep, const DeviceCall& c, const char* what) {
+      const std::vector<bf16_t> eager = c.output(spec);
       cudaGraph_t graph;
       cudaGraphExec_t exec;
       MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      layer.forward(stream, call.inputs(), MoeOutputs{call.y});
+      ep.forward(stream, c.inputs(), MoeOutputs{c.y});
       MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int replay = 0; replay < 2; ++replay) {
-        MEGAMOE_CUDA_CHECK(cudaMemsetAsync(call.y, 0xFF, eager.size() * 2, stream));
+      bool same = true;
+      for (int replay = 0; replay < 2 && same; ++replay) {
+        MEGAMOE_CUDA_CHECK(cudaMemsetAsync(c.y, 0xFF, eager.size() * 2, stream));
         MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
         MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-        const std::vector<bf16_t> replayed = call.output(spec);
-        if (std::memcmp(eager.data(), replayed.data(), eager.size() * 2) != 0) {
-          std::fprintf(stderr, "iteration %d: rank %d graph replay %d differs from the eager forward\n", it, rank, replay);
-          return 1;
+        const std::vector<bf16_t> replayed = c.output(spec);
+        same = std::memcmp(eager.data(), replayed.data(), eager.size() * 2) == 0;
+        if (!same) {
+          std::fprintf(stderr, "iteration %d: rank %d %s: graph replay %d differs from the eager forward\n", it, rank,
+                       what, replay);
         }
       }
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
+      return same;
+    };
+    if (it % 100 == 6) {  // on every rank alike, or the barriers would not pair up
+      if (!replays_match(layer, call, "the layer") || !replays_match(fp8_partials, call_fp8_partials, "FP8 partial sums")) {
+        return 1;
+      }
     }
   }
-  std::printf("rank %d ok: %d iterations, worst rel. L2 error %.3e\n", rank, iterations, worst);
+  // With one rank every partial sum is the source's own (bf16): nothing to tell apart.
+  if (world > 1 && iterations >= 4 && !fp8_partials_differ) {
+    std::fprintf(stderr, "FAILED: rank %d: FP8 partial sums gave bf16's bits in every iteration (not taken?)\n", rank);
+    return 1;
+  }
+  std::printf("rank %d ok (%s): %d iterations, worst rel. L2 error %.3e; FP8 partial sums within %.3e of bf16 ones\n",
+              rank, comm::to_string(backend), iterations, worst, worst_fp8_partials);
   return 0;
 }
 

@@ -4,8 +4,10 @@ python.ep_one_gpu, label gpu). Every rank draws the same weights and holds half 
 iteration each rank brings its own tokens (0 to max_tokens, the counts differing between ranks,
 some slots -1), and its output must match the fp32 quantizing reference of the whole layer and
 the single-GPU layer holding every expert; fp8_block's FP8 token rows (the default) must give the
-bits of a second layer sending bf16 rows (token_rows="bf16"). Then a CUDA graph of the call replays the eager bits,
+bits of a second layer sending bf16 rows (token_rows="bf16"), and a third returning FP8 partial sums
+(partial_sums="fp8") must stay within 5e-2 (rel. L2) of them. Then a CUDA graph of the call replays the eager bits,
 an invalid id is counted on the rank that sent it, and bad calls raise before anything collective.
+An argument, "cuda_ipc" (default) or "nvshmem", says where the layers' symmetric buffers live.
 Prints "rank R ok" last; exits 1 on the first failure."""
 
 import math
@@ -22,6 +24,7 @@ EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, MAX_TOKENS = 32, 4, 512, 256, 256
 # ranks, on top of the single-GPU layer's own error (tests/python/test_layer.py's TIGHT bounds).
 BOUNDS = {"fp8_block": 3e-2, "bf16": 1e-2}
 TOKEN_COUNTS = [0, 1, 7, 64, 200, MAX_TOKENS]
+SYMMETRIC_MEMORY = sys.argv[1] if len(sys.argv) > 1 else "cuda_ipc"
 
 
 def fail(rank: int, message: str) -> None:
@@ -52,15 +55,21 @@ def main() -> None:
 
     for precision, bound in BOUNDS.items():
         layer = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
-                                           precision=precision, max_tokens=MAX_TOKENS)
+                                           precision=precision, max_tokens=MAX_TOKENS,
+                                           symmetric_memory=SYMMETRIC_MEMORY)
         if layer.experts != range(mine.start, mine.stop):
             fail(rank, f"holds experts {layer.experts}, expected {mine}")
         # fp8_block: the same layer sending its token rows as bf16, for the bits (built in the same
         # order on every rank, as every collective is).
-        bf16_rows = None
+        # And one returning FP8 partial sums, within a bound of the bf16 ones.
+        bf16_rows = fp8_partials = None
         if precision == "fp8_block":
             bf16_rows = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
-                                                   precision=precision, max_tokens=MAX_TOKENS, token_rows="bf16")
+                                                   precision=precision, max_tokens=MAX_TOKENS, token_rows="bf16",
+                                                   symmetric_memory=SYMMETRIC_MEMORY)
+            fp8_partials = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
+                                                      precision=precision, max_tokens=MAX_TOKENS, partial_sums="fp8",
+                                                      symmetric_memory=SYMMETRIC_MEMORY)
         whole = megamoe.prepare_weights(w13, w2, top_k=TOP_K, precision=precision,
                                         routing=megamoe.PrecomputedRouting(), max_tokens=MAX_TOKENS)
         worst = 0.0
@@ -72,6 +81,11 @@ def main() -> None:
                 fail(rank, f"{precision} iteration {iteration}: y {tuple(y.shape)} {y.dtype}, or not finite")
             if bf16_rows is not None and not torch.equal(y, megamoe.ep_fused_moe(x, bf16_rows, ids, weights)):
                 fail(rank, f"{precision} iteration {iteration}, {tokens} tokens: FP8 token rows differ from bf16 rows")
+            if fp8_partials is not None:
+                y_fp8_partials = megamoe.ep_fused_moe(x, fp8_partials, ids, weights)
+                if tokens > 0 and not relative_l2(y_fp8_partials, y) < 5e-2:
+                    fail(rank, f"{precision} iteration {iteration}: FP8 partial sums are "
+                               f"{relative_l2(y_fp8_partials, y):.3e} from bf16 ones")
             if tokens == 0:
                 continue
             error = relative_l2(y, moe_reference(x, w13, w2, ids, weights, precision))
@@ -121,8 +135,9 @@ def main() -> None:
             except expected:
                 pass
         layer.close()
-        if bf16_rows is not None:
-            bf16_rows.close()
+        for other in (bf16_rows, fp8_partials):
+            if other is not None:
+                other.close()
         del whole
     print(f"rank {rank} ok", flush=True)
 

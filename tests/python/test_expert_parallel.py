@@ -33,6 +33,10 @@ def test_prepare_ep_weights_checks_before_joining_the_other_ranks(monkeypatch, t
         megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, token_rows="fp16", **ranks)
     with pytest.raises(ValueError, match="token_rows='fp8' needs precision 'fp8_block'"):
         megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, precision="bf16", token_rows="fp8", **ranks)
+    with pytest.raises(ValueError, match="partial_sums='fp16' must be 'bf16' or 'fp8'"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, partial_sums="fp16", **ranks)
+    with pytest.raises(ValueError, match="symmetric_memory='ipc' must be 'cuda_ipc' or 'nvshmem'"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, symmetric_memory="ipc", **ranks)
     # The rank and world size, and the kernels' limits, are checked before the device is looked for
     # (the op refused them only after it, on a GPU once the weights were packed).
     folder = dict(rendezvous_dir=str(tmp_path))
@@ -112,24 +116,33 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
     scales = torch.empty(0)
     with pytest.raises(ValueError, match="must be a multiple of the world size 3"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 3, 0, "automatic")
+                                          0, 3, 0, "automatic", "bf16", "cuda_ipc")
     with pytest.raises(ValueError, match=r"rank 2 must be in \[0, world_size=2\)"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          2, 2, 0, "automatic")
+                                          2, 2, 0, "automatic", "bf16", "cuda_ipc")
     with pytest.raises(ValueError, match="packed w13 must be contiguous with"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 2, 0, "automatic")
+                                          0, 2, 0, "automatic", "bf16", "cuda_ipc")
     with pytest.raises(ValueError, match="token_rows='fp16' must be"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 2, 0, "fp16")
+                                          0, 2, 0, "fp16", "bf16", "cuda_ipc")
     with pytest.raises(ValueError, match="token_rows='fp8' needs precision fp8_block"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 2, 0, "fp8")
+                                          0, 2, 0, "fp8", "bf16", "cuda_ipc")
+    with pytest.raises(ValueError, match="partial_sums='fp16' must be 'bf16' or 'fp8'"):
+        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
+                                          0, 2, 0, "automatic", "fp16", "cuda_ipc")
+    with pytest.raises(NotImplementedError, match="hidden=192 is not a multiple of 128"):
+        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 192, 128, 2, "bf16", "fp32", 16, "/nowhere",
+                                          0, 2, 0, "automatic", "fp8", "cuda_ipc")
+    with pytest.raises(ValueError, match="symmetric_memory='shm' must be 'cuda_ipc' or 'nvshmem'"):
+        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
+                                          0, 2, 0, "automatic", "bf16", "shm")
     with pytest.raises(ValueError, match="no expert-parallel layer with handle"):
         torch.ops.megamoe.ep_invalid_routing_ids(10**9)
     with pytest.raises(NotImplementedError, match="top_k=33 exceeds the 32 slots per token"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 128, 128, 128, 33, "bf16", "fp32", 16,
-                                          "/nowhere", 0, 2, 0, "automatic")
+                                          "/nowhere", 0, 2, 0, "automatic", "bf16", "cuda_ipc")
     with pytest.raises(ValueError, match="no expert-parallel layer with handle"):
         torch.ops.megamoe.ep_check_peers(10**9)
 

@@ -9,9 +9,16 @@
 // token by token, where a push must finish (and pass a barrier) before the reduction can start.
 // The fused kernel, whose FC2 epilogue produces rows while others are still being computed, is
 // where pushing pays.
+//
+// FP8 partial sums (EpLayerOptions::partial_sums = fp8): before the barrier each owner quantizes
+// its partial sums once, per 128 channels (the gather's rule, fp32 scales), and the sources read
+// the codes and scales of remote owners, half the bytes over NVLink, dequantizing as they add; a
+// source's own partial sum is read as bf16 (it crosses no link). Not the bf16 sums' bits: its
+// error is reported against them (docs/decisions.md#fp8-partial-sums).
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -28,6 +35,7 @@ namespace megamoe::kernels {
 struct EpCombineParams {
   void* const* peer_bases;
   layout::EpBufferLayout layout;
+  int rank;
   int num_tokens;
   const int32_t* token_dest;  // [T, world]: position of the token's row in each owner, -1 where none went
   __nv_bfloat16* y;           // [T, H]
@@ -36,6 +44,72 @@ struct EpCombineParams {
 };
 
 constexpr int kEpReduceThreads = 256;
+
+struct EpQuantizePartialsParams {
+  void* local_base;           // this rank's symmetric buffer
+  layout::EpBufferLayout layout;
+  const int32_t* recv_total;  // rows received in this call
+  const RankFault* fault;
+};
+
+// Grid: blocks of kEpRowThreads striding over the received rows; after the local pass.
+__global__ void __launch_bounds__(kEpRowThreads) ep_quantize_partials_kernel(EpQuantizePartialsParams p) {
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_launch();
+  if (rank_fault_seen(p.fault)) return;
+  const int rows = *p.recv_total, vectors = p.layout.hidden / 8, blocks = p.layout.hidden / 128;
+  const uint4* sums = ep_detail::region<const uint4>(p.local_base, p.layout.partial_sums);
+  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    uint4* codes = ep_detail::region<uint4>(p.local_base, p.layout.partial_codes) + static_cast<size_t>(row) * vectors / 2;
+    float* scales = ep_detail::region<float>(p.local_base, p.layout.partial_scales) + static_cast<size_t>(row) * blocks;
+    ep_detail::block_quantize_row(sums + static_cast<size_t>(row) * vectors, &codes, &scales, 1, p.layout.hidden, 1,
+                                  /*ue8m0=*/false);
+  }
+}
+
+// Eight E4M3 codes of one FP8 partial sum times its block scale, added to `sum` (fp32).
+__device__ __forceinline__ void add_fp8x8(Bf16x8Sum& sum, uint2 codes, float scale) {
+  const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
+    sum.sum[2 * i] += scale * v.x;
+    sum.sum[2 * i + 1] += scale * v.y;
+  }
+}
+
+// Each owner's partial sum of (token, vector) in rank order, FP8 from remote owners: every
+// owner's loads in flight before the first addition.
+__device__ __forceinline__ void add_fp8_partials(Bf16x8Sum& sum, const EpCombineParams& p, const int32_t* positions,
+                                                 long vector) {
+  constexpr int kInFlight = 8;
+  const int world = p.layout.world_size, vectors = p.layout.hidden / 8, blocks = p.layout.hidden / 128;
+  for (int first = 0; first < world; first += kInFlight) {
+    uint4 own{};
+    uint2 codes[kInFlight];
+    float scales[kInFlight];
+    bool present[kInFlight];
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) {
+      const int owner = first + i;
+      const long position = owner < world ? positions[owner] : -1;
+      present[i] = position >= 0;
+      if (!present[i]) continue;
+      if (owner == p.rank) {
+        own = ep_detail::region<const uint4>(p.peer_bases[owner], p.layout.partial_sums)[position * vectors + vector];
+      } else {
+        codes[i] = ep_detail::region<const uint2>(p.peer_bases[owner], p.layout.partial_codes)[position * vectors + vector];
+        scales[i] = ep_detail::region<const float>(p.peer_bases[owner], p.layout.partial_scales)[position * blocks + vector / 16];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) {
+      if (!present[i]) continue;
+      if (first + i == p.rank) sum.add(own, 1.0f);
+      else add_fp8x8(sum, codes[i], scales[i]);
+    }
+  }
+}
 
 // Grid: one thread per 16-byte vector of y, after a cross-rank barrier that follows every rank's
 // local pass.
@@ -55,6 +129,12 @@ __global__ void __launch_bounds__(kEpReduceThreads) ep_reduce_kernel(EpCombinePa
   const long vector = index % vectors;
   const int32_t* positions = p.token_dest + token * world;
   Bf16x8Sum sum;
+  if (p.layout.fp8_partials) {
+    add_fp8_partials(sum, p, positions, vector);
+    reinterpret_cast<uint4*>(p.y)[index] = sum.rounded();
+    p.timeline.mark(layout::kReduceDone);
+    return;
+  }
   // Owners' partial sums (already weighted) in rank order; a group's NVLink reads all in flight
   // before its first addition.
   sum.add_rows<8>(world, [&](int owner, const uint4*& row, float& weight) {

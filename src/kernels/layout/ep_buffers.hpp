@@ -23,6 +23,9 @@
 //   partial_sums  bf16 [max_recv_rows][H]           the local pass's output: each received row's
 //                                                   weighted sum over this rank's experts, read by
 //                                                   the row's source rank in the combine
+//   partial_codes e4m3 [max_recv_rows][H]           FP8 partial sums only: each partial sum
+//   partial_scales fp32 [max_recv_rows][H/128]      quantized once by its owner per 128 channels,
+//                                                   what other ranks read instead (half the bytes)
 //   signals       uint64 [kSignalSlots]             barrier arrivals, one slot per source rank
 #pragma once
 
@@ -42,7 +45,8 @@ struct EpBufferLayout {
   int top_k = 0;
   int hidden = 0;
   int max_tokens_per_rank = 0;
-  bool fp8_rows = false;  // token rows travel as E4M3 codes with per-128 scales, else bf16
+  bool fp8_rows = false;      // token rows travel as E4M3 codes with per-128 scales, else bf16
+  bool fp8_partials = false;  // partial sums travel back the same way, else bf16
   size_t max_recv_rows = 0;
 
   size_t counts = 0;
@@ -52,6 +56,8 @@ struct EpBufferLayout {
   size_t recv_tokens = 0;
   size_t recv_scales = 0;  // FP8 rows only (0 bytes otherwise)
   size_t partial_sums = 0;
+  size_t partial_codes = 0;   // FP8 partial sums only (0 bytes otherwise)
+  size_t partial_scales = 0;  // likewise
   size_t signals = 0;
   size_t total_bytes = 0;
 
@@ -61,7 +67,8 @@ struct EpBufferLayout {
   }
 
   MEGAMOE_HOST_DEVICE static constexpr EpBufferLayout make(int world_size, int num_experts, int top_k, int hidden,
-                                                           int max_tokens_per_rank, bool fp8_rows) {
+                                                           int max_tokens_per_rank, bool fp8_rows,
+                                                           bool fp8_partials) {
     EpBufferLayout l;
     l.world_size = world_size;
     l.experts_per_rank = num_experts / world_size;
@@ -69,6 +76,7 @@ struct EpBufferLayout {
     l.hidden = hidden;
     l.max_tokens_per_rank = max_tokens_per_rank;
     l.fp8_rows = fp8_rows;
+    l.fp8_partials = fp8_partials;
     l.max_recv_rows = worst_case_recv_rows(world_size, max_tokens_per_rank);
     size_t cursor = 0;
     auto take = [&cursor](size_t bytes) {
@@ -83,6 +91,8 @@ struct EpBufferLayout {
     l.recv_tokens = take(l.max_recv_rows * hidden * (fp8_rows ? 1 : 2));
     l.recv_scales = take(fp8_rows ? sizeof(float) * (hidden / 128) * l.max_recv_rows : 0);
     l.partial_sums = take(l.max_recv_rows * hidden * 2);
+    l.partial_codes = take(fp8_partials ? l.max_recv_rows * hidden : 0);
+    l.partial_scales = take(fp8_partials ? sizeof(float) * (hidden / 128) * l.max_recv_rows : 0);
     l.signals = take(sizeof(uint64_t) * kSignalSlots);
     l.total_bytes = cursor;
     return l;

@@ -17,12 +17,14 @@ TEST(EpBufferLayout, WorstCaseIsOneRowPerSourceToken) {
   EXPECT_EQ(EpBufferLayout::worst_case_recv_rows(64, 128), 64u * 128);
 }
 
-// bf16 token rows, or FP8 ones (one byte per channel) with their scales [H / 128][rows].
+// bf16 token rows, or FP8 ones (one byte per channel) with their scales [H / 128][rows]; bf16
+// partial sums, or also FP8 ones with their scales [rows][H / 128].
 TEST(EpBufferLayout, RegionsAreAlignedDisjointAndSized) {
-  for (bool fp8_rows : {false, true}) {
-    const EpBufferLayout l = EpBufferLayout::make(2, 256, 8, 7168, 4096, fp8_rows);
+  for (auto [fp8_rows, fp8_partials] : {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
+    const EpBufferLayout l = EpBufferLayout::make(2, 256, 8, 7168, 4096, fp8_rows, fp8_partials);
     EXPECT_EQ(l.experts_per_rank, 128);
     EXPECT_EQ(l.fp8_rows, fp8_rows);
+    EXPECT_EQ(l.fp8_partials, fp8_partials);
     const size_t rows = l.max_recv_rows;
     std::vector<std::pair<size_t, size_t>> regions = {
         {l.counts, 4 * 2 * 2},
@@ -32,7 +34,11 @@ TEST(EpBufferLayout, RegionsAreAlignedDisjointAndSized) {
         {l.recv_tokens, rows * 7168 * (fp8_rows ? 1 : 2)},
         {l.partial_sums, rows * 7168 * 2},
         {l.signals, 8 * EpBufferLayout::kSignalSlots}};
-    if (fp8_rows) regions.insert(regions.begin() + 5, {l.recv_scales, 4 * (7168 / 128) * rows});  // in offset order
+    // In offset order.
+    if (fp8_partials) {
+      regions.insert(regions.begin() + 6, {{l.partial_codes, rows * 7168}, {l.partial_scales, 4 * (7168 / 128) * rows}});
+    }
+    if (fp8_rows) regions.insert(regions.begin() + 5, {l.recv_scales, 4 * (7168 / 128) * rows});
     test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
   }
 }
