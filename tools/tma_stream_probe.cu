@@ -12,8 +12,9 @@
 // read by many CTAs: what the L2 delivers to the SMs through TMA. A decode case streams the 32
 // tiles of one token's eight experts once, each tile's K blocks split over 1, 2 or 4 CTAs (split-K
 // over more of the SMs, without the math or the reduction): the question is whether a tile's
-// stream is paced per CTA, so that more CTAs per tile finish sooner. Prints one line per case:
-// µs, GB/s of the whole grid and per CTA.
+// stream is paced per CTA, so that more CTAs per tile finish sooner; a second streams the bytes of
+// one token's FC1 and FC2 weights together, beside the same launch with no tile. Prints one line
+// per case: µs, GB/s of the whole grid and per CTA.
 #include <cute/tensor.hpp>
 
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -132,10 +133,10 @@ __global__ void __launch_bounds__(64, 1)
 
 template <class Tma>
 double time_case(const Tma& tma, WeightOrder order, const Shape3& shape, int grid, int stages, int spin, bool wrap,
-                 BufferReader& scrub, cudaStream_t stream, long long* bytes, int k_slices = 1, int decode_tiles = 0) {
+                 BufferReader& scrub, cudaStream_t stream, long long* bytes, int k_slices = 1, int decode_tiles = -1) {
   const int total_tiles = shape.experts * (shape.rows / kTileRows);
   int tiles = wrap ? grid * kTilesPerCta : std::min(total_tiles, grid * kTilesPerCta);
-  if (decode_tiles > 0) tiles = decode_tiles * k_slices;  // work items: each tile's slices, once
+  if (decode_tiles >= 0) tiles = decode_tiles * k_slices;  // work items: each tile's slices, once (none: empty)
   *bytes = static_cast<long long>(tiles / k_slices) * shape.k_bytes * kTileRows;
   const int smem_bytes = static_cast<int>(sizeof(SmemStorage)) + 1024;
   auto* kernel = &tma_stream_kernel<Tma>;
@@ -186,8 +187,10 @@ void run_shape(const Shape3& shape, const std::vector<int>& grids, const std::ve
   }
 }
 
-// One token's FC1 tiles (eight experts of `shape`, 4 tiles each: 32 tiles) streamed once, each
-// tile's K split over `k_slices` CTAs, a CTA per slice.
+// One token's tiles (the experts of `shape`, 4 tiles each: eight experts are one qwen35 token's FC1)
+// streamed once, each tile's K split over `k_slices` CTAs, a CTA per slice. The first row is the
+// same launch with no tile (barrier setup, launch and drain, timed alike), and each row says how
+// much longer it took than that: the stream's own time.
 void run_decode(const Shape3& shape, const std::vector<int>& slice_counts, const std::vector<int>& spins,
                 BufferReader& scrub, cudaStream_t stream) {
   const size_t elements = static_cast<size_t>(shape.experts) * shape.rows * shape.k_bytes;
@@ -200,14 +203,21 @@ void run_decode(const Shape3& shape, const std::vector<int>& slice_counts, const
   const int tiles = shape.experts * (shape.rows / kTileRows);
   std::printf("%s decode: %d tiles of 256 x %d bytes once (%.1f MB), K split over CTAs; 6 stages\n", shape.name, tiles,
               shape.k_bytes, static_cast<double>(elements) / 1e6);
-  std::printf("  %7s %5s %6s %10s %10s %12s\n", "slices", "grid", "spin", "us", "GB/s", "GB/s per CTA");
+  std::printf("  %7s %5s %6s %10s %14s %10s %12s\n", "slices", "grid", "spin", "us", "us past empty", "GB/s",
+              "GB/s per CTA");
+  long long no_bytes = 0;
+  const double empty_ms = time_case(tma, WeightOrder::rows, shape, tiles * slice_counts.back(), 6, 0, false, scrub,
+                                    stream, &no_bytes, 1, 0);
+  std::printf("  %7s %5d %6d %10.1f %14s %10s %12s\n", "empty", tiles * slice_counts.back(), 0, empty_ms * 1e3, "-",
+              "-", "-");
   for (const int slices : slice_counts) {
     for (const int spin : spins) {
       long long bytes = 0;
       const int grid = tiles * slices;
       const double ms = time_case(tma, WeightOrder::rows, shape, grid, 6, spin, false, scrub, stream, &bytes, slices, tiles);
       const double gbps = bytes / (ms * 1e-3) / 1e9;
-      std::printf("  %7d %5d %6d %10.1f %10.0f %12.1f\n", slices, grid, spin, ms * 1e3, gbps, gbps / grid);
+      std::printf("  %7d %5d %6d %10.1f %14.1f %10.0f %12.1f\n", slices, grid, spin, ms * 1e3, (ms - empty_ms) * 1e3,
+                  gbps, gbps / grid);
       std::fflush(stdout);
     }
   }
@@ -227,6 +237,9 @@ int main(int argc, char** argv) {
     run_shape({"fc2-like", 2048, 512, 256}, {32, sms}, {3, 6}, {0}, false, scrub, stream);
     // One qwen35 token's FC1: 8 experts x 1024 channels x K 2048 (16.8 MB), split-K 1 / 2 / 4.
     run_decode({"fc1-like", 1024, 2048, 8}, {1, 2, 4}, {0, 600}, scrub, stream);
+    // The bytes of one qwen35 token's FC1 and FC2 weights together (25.2 MB, as twelve FC1-shaped
+    // experts): what one launch would stream if FC2's weights went beside FC1's.
+    run_decode({"fc1+fc2-bytes", 1024, 2048, 12}, {1, 2}, {0}, scrub, stream);
     // 16 MB of weights, each tile read by ~33 CTAs: all but the first read hit L2.
     run_shape({"l2-resident", 1024, 2048, 8}, {sms}, {4, 6}, {0}, true, scrub, stream);
   });
