@@ -575,33 +575,20 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
                               "megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on one "
                               "GPU (prepare_weights)");
   comm::EpLayerOptions options;
-  if (token_rows == "automatic") {
-    options.token_rows = comm::EpTokenRows::automatic;
-  } else if (token_rows == "bf16") {
-    options.token_rows = comm::EpTokenRows::bf16;
-  } else if (token_rows == "fp8") {
-    TORCH_CHECK_VALUE(spec.precision == Precision::fp8_block, "megamoe: token_rows='fp8' needs precision fp8_block "
-                      "(the layer's own quantization of x), not ", to_string(spec.precision));
-    options.token_rows = comm::EpTokenRows::fp8;
-  } else {
-    TORCH_CHECK_VALUE(false, "megamoe: token_rows='", token_rows, "' must be 'automatic', 'bf16' or 'fp8'");
-  }
-  if (partial_sums == "bf16") {
-    options.partial_sums = comm::EpPartialSums::bf16;
-  } else if (partial_sums == "fp8") {
-    TORCH_CHECK_NOT_IMPLEMENTED(hidden % 128 == 0, "megamoe: partial_sums='fp8' quantizes per 128 channels: hidden=",
-                                hidden, " is not a multiple of 128");
-    options.partial_sums = comm::EpPartialSums::fp8;
-  } else {
-    TORCH_CHECK_VALUE(false, "megamoe: partial_sums='", partial_sums, "' must be 'bf16' or 'fp8'");
-  }
-  if (symmetric_memory == "cuda_ipc") {
-    options.symmetric_memory = comm::SymmetricBackend::cuda_ipc;
-  } else if (symmetric_memory == "nvshmem") {
-    options.symmetric_memory = comm::SymmetricBackend::nvshmem;
-  } else {
-    TORCH_CHECK_VALUE(false, "megamoe: symmetric_memory='", symmetric_memory, "' must be 'cuda_ipc' or 'nvshmem'");
-  }
+  options.token_rows = choice_from<comm::EpTokenRows>(
+      token_rows, "token_rows",
+      {{"automatic", comm::EpTokenRows::automatic}, {"bf16", comm::EpTokenRows::bf16}, {"fp8", comm::EpTokenRows::fp8}});
+  TORCH_CHECK_VALUE(options.token_rows != comm::EpTokenRows::fp8 || spec.precision == Precision::fp8_block,
+                    "megamoe: token_rows='fp8' needs precision fp8_block (the layer's own quantization of x), not ",
+                    to_string(spec.precision));
+  options.partial_sums = choice_from<comm::EpPartialSums>(
+      partial_sums, "partial_sums", {{"bf16", comm::EpPartialSums::bf16}, {"fp8", comm::EpPartialSums::fp8}});
+  TORCH_CHECK_NOT_IMPLEMENTED(options.partial_sums != comm::EpPartialSums::fp8 || hidden % 128 == 0,
+                              "megamoe: partial_sums='fp8' quantizes per 128 channels: hidden=", hidden,
+                              " is not a multiple of 128");
+  options.symmetric_memory = choice_from<comm::SymmetricBackend>(
+      symmetric_memory, "symmetric_memory",
+      {{"cuda_ipc", comm::SymmetricBackend::cuda_ipc}, {"nvshmem", comm::SymmetricBackend::nvshmem}});
   checked_int(world_size, "world_size", 1);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
                     ")");

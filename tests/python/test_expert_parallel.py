@@ -123,19 +123,19 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
     with pytest.raises(ValueError, match="packed w13 must be contiguous with"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
                                           0, 2, 0, "automatic", "bf16", "cuda_ipc")
-    with pytest.raises(ValueError, match="token_rows='fp16' must be"):
+    with pytest.raises(ValueError, match="token_rows must be 'automatic', 'bf16' or 'fp8', not 'fp16'"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
                                           0, 2, 0, "fp16", "bf16", "cuda_ipc")
     with pytest.raises(ValueError, match="token_rows='fp8' needs precision fp8_block"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
                                           0, 2, 0, "fp8", "bf16", "cuda_ipc")
-    with pytest.raises(ValueError, match="partial_sums='fp16' must be 'bf16' or 'fp8'"):
+    with pytest.raises(ValueError, match="partial_sums must be 'bf16' or 'fp8', not 'fp16'"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
                                           0, 2, 0, "automatic", "fp16", "cuda_ipc")
     with pytest.raises(NotImplementedError, match="hidden=192 is not a multiple of 128"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 192, 128, 2, "bf16", "fp32", 16, "/nowhere",
                                           0, 2, 0, "automatic", "fp8", "cuda_ipc")
-    with pytest.raises(ValueError, match="symmetric_memory='shm' must be 'cuda_ipc' or 'nvshmem'"):
+    with pytest.raises(ValueError, match="symmetric_memory must be 'cuda_ipc' or 'nvshmem', not 'shm'"):
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
                                           0, 2, 0, "automatic", "bf16", "shm")
     with pytest.raises(ValueError, match="no expert-parallel layer with handle"):
