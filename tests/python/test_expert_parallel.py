@@ -114,35 +114,31 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
     """Without a GPU: the op's own checks (for callers of torch.ops.megamoe directly)."""
     empty = torch.empty(0, dtype=torch.uint8)
     scales = torch.empty(0)
-    with pytest.raises(ValueError, match="must be a multiple of the world size 3"):
-        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 3, 0, "automatic", "bf16", "cuda_ipc")
-    with pytest.raises(ValueError, match=r"rank 2 must be in \[0, world_size=2\)"):
-        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          2, 2, 0, "automatic", "bf16", "cuda_ipc")
-    with pytest.raises(ValueError, match="packed w13 must be contiguous with"):
-        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 2, 0, "automatic", "bf16", "cuda_ipc")
-    with pytest.raises(ValueError, match="token_rows must be 'automatic', 'bf16' or 'fp8', not 'fp16'"):
-        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 2, 0, "fp16", "bf16", "cuda_ipc")
-    with pytest.raises(ValueError, match="token_rows='fp8' needs precision fp8_block"):
-        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 2, 0, "fp8", "bf16", "cuda_ipc")
-    with pytest.raises(ValueError, match="partial_sums must be 'bf16' or 'fp8', not 'fp16'"):
-        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 2, 0, "automatic", "fp16", "cuda_ipc")
-    with pytest.raises(NotImplementedError, match="hidden=192 is not a multiple of 128"):
-        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 192, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 2, 0, "automatic", "fp8", "cuda_ipc")
-    with pytest.raises(ValueError, match="symmetric_memory must be 'cuda_ipc' or 'nvshmem', not 'shm'"):
-        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 8, 128, 128, 2, "bf16", "fp32", 16, "/nowhere",
-                                          0, 2, 0, "automatic", "bf16", "shm")
+    good = dict(num_experts=8, hidden=128, top_k=2, precision="bf16", rank=0, world_size=2, token_rows="automatic",
+                partial_sums="bf16", symmetric_memory="cuda_ipc")
+
+    def create(**changes):
+        a = dict(good, **changes)
+        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, a["num_experts"], a["hidden"], 128, a["top_k"],
+                                          a["precision"], "fp32", 16, "/nowhere", a["rank"], a["world_size"], 0,
+                                          a["token_rows"], a["partial_sums"], a["symmetric_memory"])
+
+    refusals = [
+        (dict(world_size=3), ValueError, "must be a multiple of the world size 3"),
+        (dict(rank=2), ValueError, r"rank 2 must be in \[0, world_size=2\)"),
+        (dict(), ValueError, "packed w13 must be contiguous with"),
+        (dict(token_rows="fp16"), ValueError, "token_rows must be 'automatic', 'bf16' or 'fp8', not 'fp16'"),
+        (dict(token_rows="fp8"), ValueError, "token_rows='fp8' needs precision fp8_block"),
+        (dict(partial_sums="fp16"), ValueError, "partial_sums must be 'bf16' or 'fp8', not 'fp16'"),
+        (dict(hidden=192, partial_sums="fp8"), NotImplementedError, "hidden=192 is not a multiple of 128"),
+        (dict(symmetric_memory="shm"), ValueError, "symmetric_memory must be 'cuda_ipc' or 'nvshmem', not 'shm'"),
+        (dict(num_experts=128, top_k=33), NotImplementedError, "top_k=33 exceeds the 32 slots per token"),
+    ]
+    for changes, error, message in refusals:
+        with pytest.raises(error, match=message):
+            create(**changes)
     with pytest.raises(ValueError, match="no expert-parallel layer with handle"):
         torch.ops.megamoe.ep_invalid_routing_ids(10**9)
-    with pytest.raises(NotImplementedError, match="top_k=33 exceeds the 32 slots per token"):
-        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, 128, 128, 128, 33, "bf16", "fp32", 16,
-                                          "/nowhere", 0, 2, 0, "automatic", "bf16", "cuda_ipc")
     with pytest.raises(ValueError, match="no expert-parallel layer with handle"):
         torch.ops.megamoe.ep_check_peers(10**9)
 
