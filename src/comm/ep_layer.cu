@@ -152,6 +152,10 @@ int row_blocks(int num_sms, long rows) { return static_cast<int>(std::clamp<long
 
 }  // namespace
 
+long EpLayer::expected_recv_rows() const {
+  return std::min<long>(layout_.max_recv_rows, static_cast<long>(rendezvous_.world_size()) * dispatched_tokens_);
+}
+
 void EpLayer::synchronize_ranks(cudaStream_t stream) {
   launch_barrier(stream, barrier_params(), kernels::Timeline{}, 0);
 }
@@ -208,8 +212,7 @@ void EpLayer::compute(cudaStream_t stream) {
   }
   // The launch is sized for every rank's worst case; its tiles for what arrives when the ranks carry
   // batches like this one's (the count stays on the device).
-  local.expected_valid_tokens =
-      static_cast<int>(std::min<long>(layout_.max_recv_rows, static_cast<long>(rendezvous_.world_size()) * dispatched_tokens_));
+  local.expected_valid_tokens = static_cast<int>(expected_recv_rows());
   local_experts_->forward(stream, local, MoeOutputs{static_cast<char*>(buffer_->local()) + layout_.partial_sums});
 }
 
@@ -217,9 +220,8 @@ void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
   if (layout_.fp8_partials) {
     // Blocks for the rows that arrive when every rank's batch is like this one's; they stride over
     // the count on the device, whatever it is.
-    const long rows = std::min<long>(layout_.max_recv_rows, static_cast<long>(rendezvous_.world_size()) * dispatched_tokens_);
     const kernels::EpQuantizePartialsParams q{buffer_->local(), layout_, recv_total_, fault_};
-    kernels::launch_overlapping_previous(kernels::ep_quantize_partials_kernel, row_blocks(num_sms_, rows),
+    kernels::launch_overlapping_previous(kernels::ep_quantize_partials_kernel, row_blocks(num_sms_, expected_recv_rows()),
                                          kernels::kEpRowThreads, 0, stream, "ep_quantize_partials_kernel", q);
   }
   // Every rank's local pass has written its partial sums (and their FP8 codes) before any rank

@@ -115,16 +115,14 @@ void join(const FileRendezvous& rendezvous, const std::string& name, std::chrono
                                                    std::to_string(sizeof(JobRecord)) + " (another NVSHMEM version?)");
     }
     std::memcpy(&records[r], published[r].data(), sizeof(JobRecord));
+    const bool rank0s_job = std::memcmp(&records[r].id, &records[0].id, sizeof(nvshmemx_uniqueid_t)) == 0;
     joined += records[r].joined != 0;
     one_job = one_job && records[r].joined != 0 && records[r].pe == static_cast<int>(r) &&
-              records[r].pes == rendezvous.world_size() &&
-              std::memcmp(&records[r].id, &records[0].id, sizeof(nvshmemx_uniqueid_t)) == 0;
+              records[r].pes == rendezvous.world_size() && rank0s_job;
     described += (r == 0 ? "" : "; ") + std::string("rank ") + std::to_string(r) +
                  (records[r].joined ? ": PE " + std::to_string(records[r].pe) + " of " +
                                           std::to_string(records[r].pes) +
-                                          (std::memcmp(&records[r].id, &records[0].id, sizeof(nvshmemx_uniqueid_t)) == 0
-                                               ? " of rank 0's job"
-                                               : " of another job")
+                                          (rank0s_job ? " of rank 0's job" : " of another job")
                                     : ": in no job");
   }
   if (one_job) return;
