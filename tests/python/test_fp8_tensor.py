@@ -356,9 +356,9 @@ def test_reference_activation_rounding():
     assert out[4].item() == 224.0 and out[5].item() == -224.0  # saturated: 448 * 0.5
     assert out[6].item() == 2**-9 * 0.5  # the smallest subnormal code, 0.002 rounded
     x = torch.randn(64, 128, generator=generator(14))
-    amax = x.abs().max()
     x[3, 5] = float("inf")
     x[7, 1] = float("nan")
+    amax = x[x.isfinite()].abs().max()  # after the poisoning: either cell may have held the max
     assert torch.equal(tensor_scale(x), amax / torch.tensor(448.0))
     assert torch.equal(tensor_scale(torch.zeros(4)), torch.tensor(1e-4) / torch.tensor(448.0))
 
