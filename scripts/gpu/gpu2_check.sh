@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Run on a machine with two or more NVLink-connected GPUs (device kind nvidia-h200-x2), with .deps
-# carried: builds, then runs the expert-parallel suites (CTest label gpu2) under megamoe-run, and
-# the single-GPU layer on every GPU of one process.
+# Run on a machine with two or more NVLink-connected GPUs (device kind nvidia-h200-x2), with
+# .gpu-prebuilt (scripts/gpu/prebuild.sh) or .deps carried: builds (or unpacks), then runs the
+# expert-parallel suites (CTest label gpu2) under megamoe-run, the single-GPU layer on every GPU of
+# one process, and megamoe-ep-bench on dsv3 from decode to prefill (8 to 4096 tokens per rank) with
+# each rank's timeline of one call.
 # NVLink multicast stays off (megamoe-run sets NCCL_NVLS_ENABLE=0 and friends in every rank).
 # shellcheck source-path=SCRIPTDIR
 set -uo pipefail
@@ -14,7 +16,7 @@ ctest --test-dir "$build" -L gpu2 --output-on-failure 2>&1 | tee "$out/gpu2.log"
 MEGAMOE_REQUIRE_GPU=1 "$build/tests/test_api_moe_layer" --gtest_filter='MoeLayer.RunsOnEveryGpuOfOneProcess' 2>&1 |
   tee -a "$out/gpu2.log"
 if [ -x "$build/megamoe-ep-bench" ]; then
-  "$build/megamoe-run" -n 2 --timeout 540 -- "$build/megamoe-ep-bench" --workload dsv3 --tokens 128,4096 \
+  "$build/megamoe-run" -n 2 --timeout 540 -- "$build/megamoe-ep-bench" --workload dsv3 --tokens 8,128,512,4096 --timeline \
     --json "$out/ep-dsv3-fp8_block.json" 2>&1 | tee -a "$out/ep_bench.log"
 else
   echo "megamoe-ep-bench was not built (NCCL not found); see build2.log"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Run on the GPU machine (device tool), from the repository root, with .deps carried along:
-# builds from the carried CUTLASS and GoogleTest copies (that machine has no network), runs every
-# test suite with the GPU suites required (the expert-parallel ones with their ranks sharing this
+# Run on the GPU machine (device tool), from the repository root, with .gpu-prebuilt (the build
+# done beforehand on a machine without a GPU: scripts/gpu/prebuild.sh) or .deps carried along:
+# unpacks that build, or builds from the carried CUTLASS and GoogleTest copies (that machine has no
+# network), runs every test suite with the GPU suites required (the expert-parallel ones with their ranks sharing this
 # GPU), checks the SASS of the kernels, runs compute-sanitizer over the GPU suites, and prints a
 # short summary last. Logs go to $OUT (or ./gpu-logs).
 #
@@ -81,7 +82,11 @@ nvcc --version | tail -2 | tee -a "$out/build.log"
 cmake --version | head -1 | tee -a "$out/build.log"
 
 build_or_stop "$out/build.log"
-note "build: ok ($(grep -c 'warning' "$out/build.log") warnings, spills: $(grep -ci 'spill' "$out/build.log"))"
+if grep -q '^build: prebuilt' "$out/build.log"; then
+  note "$(grep '^build: prebuilt' "$out/build.log" | tail -1)"
+else
+  note "build: ok ($(grep -c 'warning' "$out/build.log") warnings, spills: $(grep -ci 'spill' "$out/build.log"))"
+fi
 
 suites=()
 for exe in "$build"/tests/test_kernels_* "$build"/tests/test_api_moe_layer; do

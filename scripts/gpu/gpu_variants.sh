@@ -16,12 +16,6 @@
 # without a GPU: DIR/variants.tar.xz), a variant whose sources hash as its source_hash there says
 # takes its binaries from there instead of building them: device minutes go to measuring.
 
-# What a variant's binaries are built from: every file of the source folders, by path and content.
-source_hash() {
-  (cd "$1" && find CMakeLists.txt cmake include src tools tests examples -type f 2>/dev/null | LC_ALL=C sort |
-    xargs sha1sum | sha1sum | cut -c1-40)
-}
-
 # The binary of target $2 under build folder $1, relative to it (empty if none).
 target_binary() {
   (cd "$1" 2>/dev/null && find . -type f -name "$2" -perm -u+x | head -1 | cut -c3-)
@@ -84,7 +78,7 @@ build_variants() {
     # A copy left by an earlier call with the same scratch folder is replaced; its build folder stays,
     # and every copied file is stamped now (-m), so that nothing built from another patch survives.
     mkdir -p "$variant" && find "$variant" -mindepth 1 -maxdepth 1 ! -name build-gpu -exec rm -rf {} + &&
-      tar -C "$root" --exclude=./.venv --exclude='./build*' --exclude=./.ab-prebuilt --exclude=./gpu-logs -cf - . |
+      tar -C "$root" --exclude=./.venv --exclude='./build*' --exclude=./.ab-prebuilt --exclude=./.gpu-prebuilt --exclude=./gpu-logs -cf - . |
       tar -C "$variant" -xmf -
     (cd "$variant" && patch -p1 --quiet <"$patch_file") || { echo "B$i: $patch_file does not apply" | tee -a "$log"; exit 1; }
     echo "B$i = A + $(basename "$patch_file")" | tee -a "$log"
