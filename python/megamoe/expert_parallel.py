@@ -88,11 +88,32 @@ def _rank_and_world(rank: Optional[int], world_size: Optional[int]):
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         launched = torch.distributed.get_rank(), torch.distributed.get_world_size()
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        launched = _launcher_int("RANK"), _launcher_int("WORLD_SIZE")
     else:
         raise ValueError("megamoe: pass rank and world_size, initialize torch.distributed, or launch with RANK and "
                          "WORLD_SIZE set (torchrun, megamoe-run)")
     return (launched[0] if rank is None else rank), (launched[1] if world_size is None else world_size)
+
+
+def _launcher_int(variable: str) -> int:
+    """The integer a launcher (torchrun, megamoe-run) put in the environment variable `variable`."""
+    value = os.environ[variable]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"megamoe: the environment variable {variable}={value!r} must be an integer (torchrun and "
+                         f"megamoe-run set RANK and WORLD_SIZE; or pass rank and world_size)") from None
+
+
+def _folder_name(folder, name: str) -> Optional[str]:
+    """`folder` (a str or os.PathLike, or None) as a str; TypeError for anything else."""
+    if folder is None:
+        return None
+    path = os.fspath(folder) if isinstance(folder, os.PathLike) else folder
+    if not isinstance(path, str):
+        raise TypeError(f"megamoe: {name} must be a folder's path (str or os.PathLike), not "
+                        f"{type(folder).__name__} {folder!r}")
+    return path
 
 
 def _rendezvous_root(rendezvous_dir: Optional[str]) -> str:
@@ -160,18 +181,23 @@ def prepare_ep_weights(
     if token_rows == "fp8" and precision != "fp8_block":
         raise ValueError(f"megamoe: token_rows='fp8' needs precision 'fp8_block' (the layer's own quantization "
                          f"of x), not {precision!r}")
+    rendezvous_dir = _folder_name(rendezvous_dir, "rendezvous_dir")
     checked = checked_weights(w13, w2, w13_scale, w2_scale, precision)
+    # The op refuses it too, but only once the device was looked for and the weights packed.
+    if partial_sums == "fp8" and checked.hidden % 128:
+        raise NotImplementedError(f"megamoe: partial_sums='fp8' quantizes per 128 channels: hidden={checked.hidden} "
+                                  f"is not a multiple of 128")
     rank, world_size = _rank_and_world(rank, world_size)
     # The op checks them too, but only once the device was looked for and the weights packed.
     if require_int(world_size, "world_size") < 1:
         raise ValueError(f"megamoe: world_size={world_size} is out of range: it must be >= 1")
     if not 0 <= require_int(rank, "rank") < world_size:
         raise ValueError(f"megamoe: rank {rank} must be in [0, world_size={world_size})")
-    if not isinstance(num_experts, int) or checked.num_experts * world_size != num_experts:
+    if require_int(num_experts, "num_experts") != checked.num_experts * world_size:
         raise ValueError(f"megamoe: this rank's w13 holds {checked.num_experts} experts, so num_experts must be "
                          f"{checked.num_experts} x {world_size} ranks = {checked.num_experts * world_size}, "
                          f"not {num_experts!r}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= checked.num_experts:
+    if not 1 <= require_int(top_k, "top_k") <= checked.num_experts:
         raise ValueError(f"megamoe: top_k must be an int in [1, {checked.num_experts}] (the experts per rank: a "
                          f"rank runs every local expert of a token it receives), not {top_k!r}")
     # The layer each rank runs on its GPU, of this rank's experts: what the kernels' limits apply to
@@ -180,6 +206,7 @@ def prepare_ep_weights(
                     require_str(precision, "precision"),
                     require_str(scale_format, "scale_format"), *op_arguments(PrecomputedRouting()),
                     require_int(max_tokens, "max_tokens"), 0, "auto", 0, "auto")
+    checked.require_finite()
     folder = _rendezvous_root(rendezvous_dir)
     device = torch.device("cuda", ops.check_device(device_index(device)))
     packed = packed_on(checked, precision, scale_format, device)

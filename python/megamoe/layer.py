@@ -164,10 +164,11 @@ def prepare_weights(
     each forward. They go together, and with precision fp8_tensor only. fp8_tensor runs on one GPU
     (not prepare_ep_weights), with launch "auto" or "per_stage".
 
-    Weights on a CUDA device are packed there
-    (megamoe.packing); others on the host by the C++ packer, where a large layer reports its
-    progress on stderr. Both give the same bytes. max_tokens sizes the workspace: fused_moe runs a
-    larger batch as consecutive passes of max_tokens tokens.
+    Weights must be finite: a NaN or inf (a NaN code of float8_e4m3fn) is refused, named with its
+    index, after the other checks (it takes a pass over the weights). Weights on a CUDA device are
+    packed there (megamoe.packing); others on the host by the C++ packer, where a large layer
+    reports its progress on stderr. Both give the same bytes. max_tokens sizes the workspace:
+    fused_moe runs a larger batch as consecutive passes of max_tokens tokens.
 
     The planner's choices stay its own unless fixed here (the output does not depend on them):
     token_tile (16, 32 or 64 tokens per GEMM tile and expert with channels on wgmma M, or 128 with
@@ -184,10 +185,11 @@ def prepare_weights(
                if value not in (None, "auto")}
     layer = (checked.num_experts, checked.hidden, checked.intermediate, require_int(top_k, "top_k"),
              require_str(precision, "precision"), require_str(scale_format, "scale_format"), *op_arguments(routing),
-             require_int(max_tokens, "max_tokens"), require_int(token_tile or 0, "token_tile"),
-             require_str(fc1_token_rows, "fc1_token_rows"), require_int(num_sms or 0, "num_sms"),
+             require_int(max_tokens, "max_tokens"), optional_int(token_tile, "token_tile"),
+             require_str(fc1_token_rows, "fc1_token_rows"), optional_int(num_sms, "num_sms"),
              require_str(launch, "launch"))
     ops.check_layer(*layer)
+    checked.require_finite()
     device = torch.device("cuda", ops.check_device(device_index(device)))
     packed = packed_on(checked, precision, scale_format, device)
     handle = ops.create_layer(*packed, *layer, device.index)
@@ -204,6 +206,11 @@ def require_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"megamoe: {name} must be an int, not {type(value).__name__} {value!r}")
     return value
+
+
+def optional_int(value, name: str) -> int:
+    """An int the op takes with 0 for "the planner's choice", which None also means here."""
+    return 0 if value is None else require_int(value, name)
 
 
 def require_values(t: torch.Tensor, name: str) -> None:
@@ -223,6 +230,9 @@ def device_index(device) -> int:
     if device is None:
         return -1
     if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"megamoe: device={device} is no CUDA device index: it must be >= 0 (or None for the "
+                             f"current device)")
         return device
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"megamoe: device must be a torch.device, str or int, not {type(device).__name__}")
@@ -246,6 +256,11 @@ class CheckedWeights:
     intermediate: int
     w13_input_scale: Optional[torch.Tensor] = None
     w2_input_scale: Optional[torch.Tensor] = None
+
+    def require_finite(self) -> None:
+        """ValueError for a NaN or inf weight: a pass over every weight, so it comes after the cheap checks."""
+        packing.require_finite_weights(self.w13, "w13")
+        packing.require_finite_weights(self.w2, "w2")
 
 
 def checked_input_scale(scale, name: str, num_experts: int) -> torch.Tensor:
@@ -317,10 +332,12 @@ def checked_weights(w13, w2, w13_scale, w2_scale, precision: str = "fp8_block", 
             require_values(scale, name)
             scales[name] = packing.checkpoint_scales(scale, name, num_experts, rows, columns,
                                                      gate_up=name == "w13_scale", precision=precision).to(w13.device)
+            values = scale.detach().float()  # as the packers read them: 1e300 in float64 is inf
+            bad = ~(torch.isfinite(values) & (values > 0))
+            if bad.any():
+                raise ValueError(f"megamoe: {packing.first_marked(name, values, bad)}: scales must be finite and "
+                                 f"positive")
         w13_scale, w2_scale = scales["w13_scale"], scales["w2_scale"]
-        for name, scale in scales.items():
-            if not (torch.isfinite(scale).all() and (scale > 0).all()):
-                raise ValueError(f"megamoe: {name} holds non-finite or non-positive scales")
     elif w13_scale is not None or w2_scale is not None:
         raise ValueError(f"megamoe: weight scales go with float8_e4m3fn weights only; these are {w13.dtype}")
     input_scales = checked_input_scales(w13_input_scale, w2_input_scale, precision, num_experts)
@@ -391,6 +408,11 @@ def ids_through_expert_map(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> 
     return torch.where(inside, mapped, outside)
 
 
+def require_prepared(weights) -> None:
+    if not isinstance(weights, MoeWeights):
+        raise TypeError(f"megamoe: weights must come from megamoe.prepare_weights, not {type(weights).__name__}")
+
+
 def fused_moe(
     x: torch.Tensor,
     weights: MoeWeights,
@@ -416,8 +438,7 @@ def fused_moe(
     call, which therefore cannot be inside a capture (it raises ValueError there). Calls from several
     threads on the same weights are safe; calls on several streams must be ordered by the caller.
     """
-    if not isinstance(weights, MoeWeights):
-        raise TypeError(f"megamoe: weights must come from megamoe.prepare_weights, not {type(weights).__name__}")
+    require_prepared(weights)
     require_bool(deterministic, "deterministic")  # the op takes None as False: the fast combine
     tokens = checked_tokens(x, weights.hidden, weights.device)
     precomputed = topk_ids is not None or topk_weights is not None
@@ -515,6 +536,7 @@ class MegaMoE(nn.Module):
     @classmethod
     def from_weights(cls, weights: MoeWeights, *, deterministic: bool = True) -> "MegaMoE":
         """A module over weights already prepared (shared with other modules or fused_moe calls)."""
+        require_prepared(weights)
         require_bool(deterministic, "deterministic")
         module = cls.__new__(cls)
         nn.Module.__init__(module)
@@ -542,8 +564,9 @@ class MegaMoE(nn.Module):
             if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[:-1] != shape[:-1] and \
                     tuple(t.shape[:-1]) != (tokens,):
                 columns = t.shape[-1]
-                raise ValueError(f"megamoe: {name} must be {[*shape[:-1], columns]} or {[tokens, columns]} for "
-                                 f"hidden_states {list(shape)}, got {list(t.shape)}")
+                forms = [[*shape[:-1], columns]] + ([[tokens, columns]] if len(shape) != 2 else [])
+                raise ValueError(f"megamoe: {name} must be {' or '.join(map(str, forms))} for hidden_states "
+                                 f"{list(shape)}, got {list(t.shape)}")
         flat = lambda t: t.reshape(-1, t.shape[-1]) if isinstance(t, torch.Tensor) and t.dim() >= 1 else t  # noqa: E731
         y = fused_moe(flat(hidden_states), self.weights, flat(router_logits), topk_ids=flat(topk_ids),
                       topk_weights=flat(topk_weights), deterministic=self.deterministic, expert_map=expert_map)

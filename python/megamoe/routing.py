@@ -77,9 +77,11 @@ def as_routing(routing: Union[Routing, str]) -> Routing:
     named = {"softmax": SoftmaxRouting, "precomputed": PrecomputedRouting}
     if isinstance(routing, str) and routing in named:
         return named[routing]()
-    raise ValueError(
+    # An unknown name is a bad value; anything else (a number, None, a class) a bad type.
+    error = ValueError if isinstance(routing, str) else TypeError
+    raise error(
         f"megamoe: routing must be SoftmaxRouting(...), DeepseekRouting(...), PrecomputedRouting() "
-        f"or one of {sorted(named)}, not {routing!r}"
+        f"or one of {sorted(named)}, not {type(routing).__name__} {routing!r}"
     )
 
 

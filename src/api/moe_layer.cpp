@@ -268,9 +268,6 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   std::lock_guard<std::mutex> lock(impl_->mutex);
   const Routing& routing = inputs.routing != nullptr ? *inputs.routing : spec_.routing;
   require_routing_supported(routing);
-  kernels::MoeLayerParams params = impl_->params;
-  const auto* grouped = std::get_if<DeepseekGrouped>(&routing);
-  set_routing_params(params, routing, grouped ? impl_->bias_buffer(grouped->e_score_correction_bias, stream) : nullptr);
   const CombineMode mode = combine.value_or(impl_->plan.options.combine);
   const plan::ForwardPlan plan = plan::plan_forward(spec_, impl_->plan, planned_tokens(inputs), mode, impl_->facts,
                                                     plan::PlanDetail::decisions);
@@ -294,6 +291,10 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
                 "x_scales (x already quantized) with launch=single_kernel: the single kernel quantizes a bf16 x "
                 "itself; pass a bf16 x or launch=per_stage");
   }
+  // Only a call that launches uploads a bias new to the layer (synchronously, one of its 64).
+  kernels::MoeLayerParams params = impl_->params;
+  const auto* grouped = std::get_if<DeepseekGrouped>(&routing);
+  set_routing_params(params, routing, grouped ? impl_->bias_buffer(grouped->e_score_correction_bias, stream) : nullptr);
   kernels::MoeCall call{};
   call.num_tokens = inputs.num_tokens;
   call.num_valid_tokens = inputs.num_valid_tokens;

@@ -39,14 +39,22 @@ void validate_grouped(const DeepseekGrouped& mode, const MoeSpec& spec) {
            " experts in topk_group=" + std::to_string(mode.topk_group) + " groups of " + std::to_string(E / mode.n_group));
   }
   if (!std::isfinite(mode.routed_scaling_factor) || mode.routed_scaling_factor <= 0.0f) {
-    reject("deepseek_grouped: routed_scaling_factor must be finite and > 0");
+    std::ostringstream message;
+    message << "deepseek_grouped: routed_scaling_factor=" << mode.routed_scaling_factor << " must be finite and > 0";
+    reject(message.str());
   }
-  if (!mode.e_score_correction_bias.empty() && static_cast<int>(mode.e_score_correction_bias.size()) != E) {
-    reject("deepseek_grouped: e_score_correction_bias has " + std::to_string(mode.e_score_correction_bias.size()) +
+  const std::vector<float>& bias = mode.e_score_correction_bias;
+  if (!bias.empty() && static_cast<int>(bias.size()) != E) {
+    reject("deepseek_grouped: e_score_correction_bias has " + std::to_string(bias.size()) +
            " entries; it needs num_experts=" + std::to_string(E) + " (or none)");
   }
-  for (float b : mode.e_score_correction_bias)
-    if (!std::isfinite(b)) reject("deepseek_grouped: e_score_correction_bias holds a non-finite value");
+  for (size_t i = 0; i < bias.size(); ++i) {
+    if (!std::isfinite(bias[i])) {
+      std::ostringstream message;
+      message << "deepseek_grouped: e_score_correction_bias[" << i << "] = " << bias[i] << ": the bias must be finite";
+      reject(message.str());
+    }
+  }
 }
 
 }  // namespace

@@ -22,6 +22,8 @@ namespace {
 // One expert's matrix [rows, cols] of the caller's weights: `offset` elements into `base`, and
 // (fp8_e4m3) this expert's scales in `layout`.
 struct SourceMatrix {
+  const char* name;  // "w13" or "w2", for errors
+  int expert;
   const void* base;
   DType dtype;
   const float* scales;
@@ -30,6 +32,17 @@ struct SourceMatrix {
   int rows;
   int cols;
 };
+
+// A NaN or inf weight would spoil its whole quantization block (and the output of every token
+// routed to its expert): refused, named by its place in the caller's tensor [E, rows, cols].
+[[noreturn]] void refuse_weight(const SourceMatrix& m, int row, int col, float value);
+
+// Throws for the first non-finite value of row `row` of `m`, decoded as `values`.
+void require_finite_row(const SourceMatrix& m, int row, const float* values) {
+  for (int c = 0; c < m.cols; ++c) {
+    if (!std::isfinite(values[c])) refuse_weight(m, row, c, values[c]);
+  }
+}
 
 // Layouts with one scale for many rows of an expert matrix (vLLM's fp8 checkpoints).
 bool is_per_tensor(ScaleLayout layout) {
@@ -78,6 +91,7 @@ void load_matrix(const SourceMatrix& m, RowMap row_map, std::vector<float>& out)
       const float scale = m.scales[row_scale_index(m.layout, r, m.rows)];
       for (int c = 0; c < cols; ++c) dst[c] = quant::e4m3_decode(src[c]) * scale;
     }
+    require_finite_row(m, r, dst);
   }
 }
 
@@ -112,6 +126,11 @@ void pack_tensor_matrix(const SourceMatrix& m, int parts, RowMap row_map, PackSc
   const uint8_t* original = nullptr;
   if (m.dtype == DType::fp8_e4m3 && is_per_tensor(m.layout)) {
     original = static_cast<const uint8_t*>(m.base) + m.offset;
+    for (size_t i = 0; i < static_cast<size_t>(m.rows) * m.cols; ++i) {
+      if ((original[i] & 0x7F) == quant::kE4M3NaN) {
+        refuse_weight(m, static_cast<int>(i / m.cols), static_cast<int>(i % m.cols), std::nanf(""));
+      }
+    }
     for (int p = 0; p < parts; ++p) scales[p] = m.scales[row_scale_index(m.layout, p * (m.rows / parts), m.rows)];
   } else {
     load_matrix(m, [](int row) { return row; }, scratch.values);
@@ -132,6 +151,14 @@ std::string format_float(float value) {
   std::ostringstream os;
   os << value;
   return os.str();
+}
+
+void refuse_weight(const SourceMatrix& m, int row, int col, float value) {
+  throw Error(ErrorCode::invalid_argument, std::string("weights.") + m.name + "[" + std::to_string(m.expert) + ", " +
+                                               std::to_string(row) + ", " + std::to_string(col) + "] = " +
+                                               (std::isnan(value) ? "nan" : format_float(value)) +
+                                               ": weights must be finite (a NaN or inf would spoil the output of "
+                                               "every token routed to that expert)");
 }
 
 // fp8_tensor's activation scales: the device multiplies by 1 / scale, which a subnormal scale
@@ -369,10 +396,10 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
     auto expert_scales = [&](const float* scales, ScaleLayout layout, int rows, int cols) {
       return scales ? scales + e * matrix_scale_count(layout, rows, cols) : nullptr;
     };
-    const SourceMatrix w13{weights.w13, weights.dtype,
+    const SourceMatrix w13{"w13", e, weights.w13, weights.dtype,
                            expert_scales(weights.w13_scales, weights.w13_scale_layout, 2 * I, H),
                            weights.w13_scale_layout, e * w13_count, 2 * I, H};
-    const SourceMatrix w2{weights.w2, weights.dtype, expert_scales(weights.w2_scales, weights.w2_scale_layout, H, I),
+    const SourceMatrix w2{"w2", e, weights.w2, weights.dtype, expert_scales(weights.w2_scales, weights.w2_scale_layout, H, I),
                           weights.w2_scale_layout, e * w2_count, H, I};
     const auto w13_packed_row = [I](int row) { return layout::packed_w13_row(row, I); };
     const auto w2_packed_row = [](int row) { return row; };

@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "megamoe/error.hpp"
 #include "megamoe/forward.hpp"
@@ -72,6 +74,27 @@ TEST(ValidateSpec, EachErrorNamesTheField) {
     std::string message;
     EXPECT_EQ(error_of([&] { validate(spec); }, &message), ErrorCode::invalid_spec) << c.field;
     EXPECT_NE(message.find(c.field), std::string::npos) << "message '" << message << "' should name " << c.field;
+  }
+}
+
+// A refused routing value is named with the value given, as the other fields are.
+TEST(ValidateSpec, RoutingErrorsGiveTheValue) {
+  std::vector<float> bias(16, 0.0f);
+  bias[2] = std::numeric_limits<float>::infinity();
+  const std::pair<DeepseekGrouped, const char*> cases[] = {
+      {{.n_group = 4, .topk_group = 2, .routed_scaling_factor = -2.5f},
+       "routed_scaling_factor=-2.5 must be finite and > 0"},
+      {{.n_group = 4, .topk_group = 2, .routed_scaling_factor = std::numeric_limits<float>::quiet_NaN()},
+       "routed_scaling_factor=nan must be finite and > 0"},
+      {{.n_group = 4, .topk_group = 2, .e_score_correction_bias = bias},
+       "e_score_correction_bias[2] = inf: the bias must be finite"},
+  };
+  for (const auto& [routing, expected] : cases) {
+    MoeSpec spec = valid_spec();
+    spec.routing = routing;
+    std::string message;
+    EXPECT_EQ(error_of([&] { validate(spec); }, &message), ErrorCode::invalid_spec) << expected;
+    EXPECT_NE(message.find(expected), std::string::npos) << "message '" << message << "' should say " << expected;
   }
 }
 

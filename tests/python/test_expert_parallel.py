@@ -157,3 +157,31 @@ def test_the_layer_limit_is_per_rank(monkeypatch, tmp_path):
     with pytest.raises(Stop):
         megamoe.prepare_ep_weights(W13[:1].expand(512, 256, 128), W2[:1].expand(512, 128, 128), num_experts=1024,
                                    top_k=2, rank=0, world_size=2, rendezvous_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    # A bool was an int, and a float a bad value.
+    (dict(top_k=True), TypeError, "top_k must be an int, not bool True"),
+    (dict(num_experts=8.0), TypeError, "num_experts must be an int, not float 8.0"),
+    (dict(rendezvous_dir=5), TypeError, r"rendezvous_dir must be a folder's path \(str or os.PathLike\), not int 5"),
+    (dict(rendezvous_dir=b"/tmp"), TypeError, "rendezvous_dir must be a folder's path"),
+    # Refused by the op, but only once the device was looked for and the weights packed.
+    (dict(w13=torch.zeros(4, 128, 192, dtype=torch.bfloat16), w2=torch.zeros(4, 192, 64, dtype=torch.bfloat16),
+          precision="bf16", partial_sums="fp8"), NotImplementedError,
+     "partial_sums='fp8' quantizes per 128 channels: hidden=192 is not a multiple of 128"),
+    (dict(w2=torch.cat([W2[:3], torch.full((1, 128, 128), float("nan"), dtype=torch.bfloat16)])), ValueError,
+     r"w2\[3, 0, 0\] = nan: weights must be finite"),
+])
+def test_prepare_ep_weights_refuses_before_the_device(tmp_path, changes, error, message):
+    arguments = dict(w13=W13, w2=W2, num_experts=8, top_k=2, rank=1, world_size=2, rendezvous_dir=str(tmp_path))
+    arguments.update(changes)
+    with pytest.raises(error, match=message):
+        megamoe.prepare_ep_weights(**arguments)
+
+
+def test_the_launchers_variables_must_be_integers(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "zero")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"the environment variable RANK='zero' must be an integer"):
+        megamoe.prepare_ep_weights(W13, W2, num_experts=8, top_k=2, rendezvous_dir=str(tmp_path))
+    assert expert_parallel._folder_name(tmp_path, "rendezvous_dir") == str(tmp_path)

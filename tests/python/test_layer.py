@@ -479,10 +479,14 @@ def test_prepare_weights_checks_its_arguments():
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4, 2, 1), w2_scale=torch.ones(4, 2, 1))
     with pytest.raises(TypeError, match="w2_scale must be a torch.Tensor"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4), w2_scale=[1.0] * 4)
-    with pytest.raises(ValueError, match="non-positive scales"):
+    # A bad scale is named with its index in the caller's tensor, and its value as the packers read it.
+    with pytest.raises(ValueError, match=r"w2_scale\[0, 0\] = -1.0: scales must be finite and positive"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4, 2), w2_scale=-torch.ones(4, 128))
-    with pytest.raises(ValueError, match="non-positive scales"):
+    with pytest.raises(ValueError, match=r"w13_scale\[0, 0, 0\] = 0.0: scales must be finite and positive"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.zeros(4, 2, 1), w2_scale=torch.ones(4, 1, 1))
+    with pytest.raises(ValueError, match=r"w13_scale\[2\] = inf: scales must be finite and positive"):
+        megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w2_scale=torch.ones(4),
+                                w13_scale=torch.tensor([1.0, 1.0, 1e300, 1.0], dtype=torch.float64))
     # Integer scales were taken as numbers: uint8 exponent bytes 127 became scales of 127.
     with pytest.raises(TypeError, match=r"w13_scale must be a floating-point tensor \(float32 scales\), not "
                                         r"torch.uint8"):
@@ -531,8 +535,18 @@ def test_prepare_weights_checks_its_arguments():
     (dict(launch="single_kernel", token_tile=64), ValueError, "takes token tiles of 16 or 32"),
     (dict(launch="single_kernel", fc1_token_rows="row_copy"), ValueError, "reads FC1's rows from the pool"),
     (dict(launch=1), TypeError, "launch must be a str"),
+    # None is the planner's choice; a falsy value of another type was taken for it.
+    (dict(token_tile=False), TypeError, "token_tile must be an int, not bool False"),
+    (dict(token_tile=0.0), TypeError, "token_tile must be an int, not float 0.0"),
+    (dict(num_sms=""), TypeError, "num_sms must be an int, not str ''"),
     (dict(device="cpu"), ValueError, "device must be a CUDA device"),
     (dict(device=3.5), TypeError, "device must be a torch.device, str or int"),
+    # -1 reached the op as its own "current device".
+    (dict(device=-1), ValueError, r"device=-1 is no CUDA device index: it must be >= 0"),
+    (dict(routing=5), TypeError, "routing must be .*, not int 5"),
+    (dict(routing=None), TypeError, "routing must be .*, not NoneType None"),
+    (dict(routing=megamoe.DeepseekRouting(routed_scaling_factor=-1.0)), ValueError,
+     "routed_scaling_factor=-1 must be finite and > 0"),
 ])
 def test_prepare_weights_refuses_out_of_range_values(arguments, error, message):
     """Runs without a GPU: the ops' checks, before anything is packed."""
@@ -541,6 +555,36 @@ def test_prepare_weights_refuses_out_of_range_values(arguments, error, message):
     arguments = dict(dict(top_k=2), **arguments)
     with pytest.raises(error, match=message):
         megamoe.prepare_weights(w13, w2, **arguments)
+
+
+@pytest.mark.parametrize("dtype, bad", [(torch.bfloat16, float("nan")), (torch.float32, float("inf")),
+                                        (torch.float32, -float("inf")), (torch.float8_e4m3fn, float("nan"))])
+def test_prepare_weights_refuses_weights_that_are_not_finite(monkeypatch, dtype, bad):
+    """Runs without a GPU: a NaN spoiled its whole fp8 block on the GPU packer and one code on the
+    host packer; refused (after the cheap checks) with the first bad element named, expert by expert."""
+    from megamoe import packing
+
+    monkeypatch.setattr(packing, "_CHUNK_ELEMENTS", 256 * 128)  # one expert at a time: the index counts on
+    w13 = torch.full((4, 256, 128), 0.5).to(dtype)
+    w2 = torch.full((4, 128, 128), 0.5).to(dtype)
+    scales = dict(w13_scale=torch.ones(4), w2_scale=torch.ones(4)) if dtype == torch.float8_e4m3fn else {}
+    poisoned = w2.clone()
+    poisoned[2, 7, 5] = bad
+    with pytest.raises(ValueError, match=rf"w2\[2, 7, 5\] = {bad}: weights must be finite"):
+        megamoe.prepare_weights(w13, poisoned, top_k=2, **scales)
+    with pytest.raises(ValueError, match="top_k=5 must be in"):  # the cheap checks first
+        megamoe.prepare_weights(w13, poisoned, top_k=5, **scales)
+
+
+def test_finite_weights_whose_sum_overflows_are_taken():
+    """The finiteness check reads a sum first; a sum past float32's range is no NaN or inf weight."""
+    from megamoe import packing
+
+    large = torch.full((2, 256, 128), 3e38)
+    packing.require_finite_weights(large, "w13")
+    large[1, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"w13\[1, 0, 0\] = inf: weights must be finite"):
+        packing.require_finite_weights(large, "w13")
 
 
 def test_create_layer_refuses_sizes_that_would_wrap():
@@ -666,6 +710,8 @@ def test_fused_moe_and_the_module_check_their_own_arguments(monkeypatch):
             megamoe.fused_moe(x, weights, logits, deterministic=bad)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         megamoe.MegaMoE.from_weights(weights, deterministic="no")
+    with pytest.raises(TypeError, match="weights must come from megamoe.prepare_weights, not object"):
+        megamoe.MegaMoE.from_weights(object())
     # The module's tokens: routing of another leading shape was taken row by row, another token's.
     module = megamoe.MegaMoE.from_weights(weights)
     hidden = x.view(2, 3, 128)
@@ -674,6 +720,9 @@ def test_fused_moe_and_the_module_check_their_own_arguments(monkeypatch):
         module(hidden, logits.view(3, 2, 4))
     with pytest.raises(ValueError, match=r"topk_ids must be \[2, 3, 2\] or \[6, 2\]"):
         module(hidden, topk_ids=torch.zeros(3, 2, 2, dtype=torch.int32), topk_weights=torch.zeros(2, 3, 2))
+    with pytest.raises(ValueError, match=r"router_logits must be \[6, 4\] for hidden_states \[6, 128\], got "
+                                         r"\[6, 1, 4\]"):
+        module(x, logits.view(6, 1, 4))
     with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor, not list"):
         module(x.tolist(), logits)
     with pytest.raises(ValueError, match=r"hidden_states must be \[..., 128\], got \[\]"):

@@ -262,6 +262,43 @@ TEST(PrepareWeights, RejectsBadInput) {
             ErrorCode::invalid_argument);
 }
 
+// A NaN or inf weight, in any dtype and scale layout, is refused and named by its place in the
+// caller's [E, rows, cols] tensor (it would spoil its quantization block and every token routed to
+// its expert); a NaN code of an E4M3 checkpoint too, kept as it is by fp8_tensor or decoded by the
+// others.
+TEST(PrepareWeights, RefusesWeightsThatAreNotFinite) {
+  const int E = 3, H = 256, I = 128;
+  const size_t w13_count = static_cast<size_t>(E) * 2 * I * H, w2_count = static_cast<size_t>(E) * H * I;
+  const size_t w2_place = (1ull * H + 3) * I + 5;  // w2[1, 3, 5]
+  auto expect_refused = [&](const WeightsView& view, Precision precision, const std::string& place) {
+    SCOPED_TRACE(place + " as " + to_string(view.dtype) + " for " + to_string(precision));
+    std::string message;
+    EXPECT_EQ(code_of(view, small_spec(precision, E, H, I), &message), ErrorCode::invalid_argument);
+    EXPECT_NE(message.find(place), std::string::npos) << message;
+  };
+  for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+    std::vector<float> w13(w13_count, 0.01f), w2(w2_count, 0.01f);
+    w2[w2_place] = bad;
+    const std::string value = bad != bad ? "nan" : bad > 0 ? "inf" : "-inf";
+    expect_refused(WeightsView{w13.data(), w2.data(), DType::fp32}, Precision::fp8_block, "weights.w2[1, 3, 5] = " + value);
+    std::vector<bf16_t> w13_bf16(w13_count, bf16_t::from_float(0.01f)), w2_bf16(w2_count, bf16_t::from_float(0.01f));
+    w13_bf16[(2ull * 2 * I + 7) * H + 9] = bf16_t::from_float(bad);  // w13[2, 7, 9]
+    expect_refused(WeightsView{w13_bf16.data(), w2_bf16.data(), DType::bf16}, Precision::bf16,
+                   "weights.w13[2, 7, 9] = " + value);
+  }
+  std::vector<uint8_t> w13_codes(w13_count, 0x30), w2_codes(w2_count, 0x30);
+  w2_codes[w2_place] = quant::kE4M3NaN | 0x80;
+  const std::vector<float> block_scales(E * 2 * 2, 1e-3f), expert_scales(E, 1e-3f);
+  for (Precision precision : {Precision::fp8_block, Precision::fp8_tensor}) {
+    expect_refused(WeightsView{w13_codes.data(), w2_codes.data(), DType::fp8_e4m3, block_scales.data(),
+                               block_scales.data()},
+                   precision, "weights.w2[1, 3, 5] = nan");
+    WeightsView per_tensor{w13_codes.data(), w2_codes.data(), DType::fp8_e4m3, expert_scales.data(),
+                           expert_scales.data(), ScaleLayout::per_tensor, ScaleLayout::per_tensor};
+    expect_refused(per_tensor, precision, "weights.w2[1, 3, 5] = nan");
+  }
+}
+
 // A scale layout that names no enumerator (a cast from another language's integer) would read every
 // value of every expert with the first scale and check none of the others: it is refused, for either
 // matrix.
