@@ -21,8 +21,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -119,7 +121,8 @@ void print_usage() {
       "usage: megamoe-run -n RANKS -- megamoe-ep-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3]\n"
       "                                                [--tokens N[,N...]] [--precision bf16|fp8_block]\n"
       "                                                [--token-rows automatic|bf16|fp8] [--partial-sums bf16|fp8]\n"
-      "                                                [--symmetric-memory cuda_ipc|nvshmem] [--json PATH] [--timeline]\n"
+      "                                                [--symmetric-memory cuda_ipc|nvshmem] [--fused] [--json PATH]\n"
+      "                                                [--timeline]\n"
       "Options take their value as --flag value or --flag=value.\n"
       "  --workload   named workload (default dsv3)\n"
       "  --tokens     tokens per rank, comma-separated (default 128,4096)\n"
@@ -130,6 +133,8 @@ void print_usage() {
       "               per 128 channels: half the bytes, not bf16's bits; the table's last column says how far from the baseline)\n"
       "  --symmetric-memory where the expert-parallel buffer lives: cuda_ipc (default) or nvshmem (NVSHMEM's\n"
       "               symmetric heap; a build with MEGAMOE_NVSHMEM)\n"
+      "  --fused      also time a fused layer (EpLayerOptions::fused: the forward as one launch) in the same\n"
+      "               run, its y checked against the staged layer's bit for bit\n"
       "  --json PATH  rank 0 also writes the measured figures as JSON (one record per token count)\n"
       "  --timeline   also print when each rank's blocks reached each point of a call\n");
 }
@@ -143,6 +148,7 @@ struct Options {
   comm::SymmetricBackend symmetric_memory = comm::SymmetricBackend::cuda_ipc;
   std::string json_path;
   bool timeline = false;
+  bool fused = false;
   bench::Provenance provenance;
 };
 
@@ -167,6 +173,7 @@ Options parse(int argc, char** argv) {
         std::exit(0);
       }),
       cli::switch_option("--timeline", [&] { o.timeline = true; }),
+      cli::switch_option("--fused", [&] { o.fused = true; }),
       cli::value_option("--workload", [&](Value v) { o.workload = v; }),
       cli::value_option("--tokens",
                         [&](Value v) { o.token_counts = cli::parse_count_list("--tokens", v, kMaxLayerTokens); }),
@@ -185,6 +192,10 @@ Options parse(int argc, char** argv) {
   }
   if (o.token_rows == comm::EpTokenRows::fp8 && o.precision != Precision::fp8_block) {
     throw cli::UsageError("--token-rows fp8 needs --precision fp8_block");
+  }
+  if (o.fused && (o.partial_sums != comm::EpPartialSums::bf16 || o.token_rows != comm::EpTokenRows::automatic)) {
+    throw cli::UsageError("--fused compares with the staged layer of the same rows: it takes --token-rows automatic "
+                          "and --partial-sums bf16");
   }
   cli::check_usage([&] { plan::find_workload(o.workload); });
   return o;
@@ -221,6 +232,12 @@ int run(const Options& o) {
   ep_options.partial_sums = o.partial_sums;
   comm::EpLayer ep(spec, weights, max_tokens, rendezvous, ep_options);
   const bool fp8_rows = ep.token_rows() == comm::EpTokenRows::fp8;
+  std::unique_ptr<comm::EpLayer> fused;
+  if (o.fused) {
+    ep_options.fused = true;
+    ep_options.buffer_name = "ep-fused";
+    fused = std::make_unique<comm::EpLayer>(spec, weights, max_tokens, rendezvous, ep_options);
+  }
   MoeLayer baseline_experts(local, weights, world * max_tokens);
 
   ncclUniqueId id;
@@ -341,6 +358,26 @@ int run(const Options& o) {
     const double total_ms = bench::median_ms(
         stream, bench::Replays{kWarmup, kTimed}, [&] { ep.forward(stream, inputs, MoeOutputs{y_ep}); },
         [&] { ep.synchronize_ranks(stream); });
+    // The fused layer, timed alike; its y must be the staged layer's, bit for bit (a mismatch
+    // fails the run: the figure would not be of the same layer).
+    double fused_ms = 0.0;
+    if (fused) {
+      bf16_t* y_fused = cuda_alloc<bf16_t>(x.size());
+      fused->forward(stream, inputs, MoeOutputs{y_fused});
+      fused->check_peers(stream);
+      std::vector<bf16_t> staged_y(x.size()), fused_y(x.size());
+      MEGAMOE_CUDA_CHECK(cudaMemcpy(staged_y.data(), y_ep, x.size() * 2, cudaMemcpyDeviceToHost));
+      MEGAMOE_CUDA_CHECK(cudaMemcpy(fused_y.data(), y_fused, x.size() * 2, cudaMemcpyDeviceToHost));
+      if (std::memcmp(staged_y.data(), fused_y.data(), x.size() * 2) != 0) {
+        cudaFree(y_fused);
+        throw std::runtime_error("rank " + std::to_string(rank) + ", " + std::to_string(tokens) +
+                                 " tokens: the fused layer's y differs from the staged layer's");
+      }
+      fused_ms = bench::median_ms(
+          stream, bench::Replays{kWarmup, kTimed}, [&] { fused->forward(stream, inputs, MoeOutputs{y_fused}); },
+          [&] { fused->synchronize_ranks(stream); });
+      cudaFree(y_fused);
+    }
     // Bytes that crossed NVLink: token rows other ranks pushed here (codes and a scale per 128
     // channels, or bf16); as many partial sums go back (likewise FP8 or bf16).
     const comm::EpLayer::Delivered delivered = ep.last_delivered(stream);
@@ -382,6 +419,7 @@ int run(const Options& o) {
     const double d_us = 1e3 * max_over_ranks(rendezvous, key + "-dispatch", median(dispatch_ms));
     const double c_us = 1e3 * max_over_ranks(rendezvous, key + "-combine", median(combine_ms));
     const double t_us = 1e3 * max_over_ranks(rendezvous, key + "-total", total_ms);
+    const double f_us = 1e3 * max_over_ranks(rendezvous, key + "-fused", fused_ms);
     const double b_us = 1e3 * max_over_ranks(rendezvous, key + "-baseline", median(baseline_ms));
     const double rt_us = 1e3 * max_over_ranks(rendezvous, key + "-round-trip", round_trips_ms / kRoundTrips);
     const double bytes = max_over_ranks(rendezvous, key + "-bytes", remote_bytes);
@@ -415,6 +453,11 @@ int run(const Options& o) {
           .set("baseline", "NCCL all-gather -> local experts (MoeLayer) -> reduce-scatter")
           .set("rel_diff_ep_vs_baseline", agreement)
           .set("gpu", gpu_name);
+      if (fused) {
+        record.set("fused_forward_us", f_us);
+        std::printf("  %6s   fused: %.1f us a forward (one launch a rank; staged %.1f), y the staged layer's bit for bit\n",
+                    "", f_us, t_us);
+      }
       records.push(std::move(bench::set_provenance(record, o.provenance)));
     }
     for (void* p : {static_cast<void*>(x_dev), static_cast<void*>(ids_dev), static_cast<void*>(w_dev),

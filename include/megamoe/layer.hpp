@@ -14,6 +14,10 @@
 
 namespace megamoe {
 
+namespace detail {
+struct SingleKernelLaunch;  // src/api/single_kernel_launch.hpp (expert parallelism's fused forward)
+}  // namespace detail
+
 // Throws megamoe::Error(unsupported) where a layer of `spec` with `experts_on_gpu` of its experts on
 // one GPU needs more than the kernels hold (experts, top_k slots, deepseek groups, hidden a multiple
 // of 8) beyond what validate(spec) checks. MoeLayer checks it before it looks for the device; a
@@ -76,6 +80,7 @@ class MoeLayer {
   size_t workspace_bytes() const;
 
  private:
+  friend struct detail::SingleKernelLaunch;
   struct Impl;
   MoeSpec spec_;
   int max_tokens_;

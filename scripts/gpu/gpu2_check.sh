@@ -3,7 +3,7 @@
 # .gpu-prebuilt (scripts/gpu/prebuild.sh) or .deps carried: builds (or unpacks), then runs the
 # expert-parallel suites (CTest label gpu2) under megamoe-run, the single-GPU layer on every GPU of
 # one process, and megamoe-ep-bench on dsv3 from decode to prefill (8 to 4096 tokens per rank) with
-# each rank's timeline of one call.
+# each rank's timeline of one call, then again with the fused layer beside the staged one.
 # NVLink multicast stays off (megamoe-run sets NCCL_NVLS_ENABLE=0 and friends in every rank).
 # shellcheck source-path=SCRIPTDIR
 set -uo pipefail
@@ -18,6 +18,9 @@ MEGAMOE_REQUIRE_GPU=1 "$build/tests/test_api_moe_layer" --gtest_filter='MoeLayer
 if [ -x "$build/megamoe-ep-bench" ]; then
   "$build/megamoe-run" -n 2 --timeout 540 -- "$build/megamoe-ep-bench" --workload dsv3 --tokens 8,128,512,4096 --timeline \
     --json "$out/ep-dsv3-fp8_block.json" 2>&1 | tee -a "$out/ep_bench.log"
+  # The fused layer beside the staged one, in a run of its own (it stops at a y that differs).
+  "$build/megamoe-run" -n 2 --timeout 540 -- "$build/megamoe-ep-bench" --workload dsv3 --tokens 8,128,512,4096 --fused \
+    --json "$out/ep-dsv3-fp8_block-fused.json" 2>&1 | tee -a "$out/ep_bench.log"
 else
   echo "megamoe-ep-bench was not built (NCCL not found); see build2.log"
 fi

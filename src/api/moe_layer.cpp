@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "api/single_kernel_launch.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/impls/sm90_moe_forward.hpp"
 #include "kernels/routing/routing_limits.hpp"
@@ -258,6 +259,13 @@ int planned_tokens(const MoeInputs& inputs) {
   return std::max(inputs.expected_valid_tokens > 0 ? inputs.expected_valid_tokens : inputs.num_tokens, 1);
 }
 
+// The plan's choices as the launchers take them.
+kernels::MoeLaunchChoices launch_choices(const plan::ForwardPlan& plan, CombineMode mode) {
+  return kernels::MoeLaunchChoices{plan.token_tile,         plan.weight_multicast, plan.fc1_copies_token_rows,
+                                   mode == CombineMode::deterministic, plan.single_kernel,   plan.grid,
+                                   plan.fc1.stages,         plan.fc2.stages};
+}
+
 }  // namespace
 
 void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs,
@@ -271,14 +279,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   const CombineMode mode = combine.value_or(impl_->plan.options.combine);
   const plan::ForwardPlan plan = plan::plan_forward(spec_, impl_->plan, planned_tokens(inputs), mode, impl_->facts,
                                                     plan::PlanDetail::decisions);
-  const kernels::MoeLaunchChoices choices{plan.token_tile,
-                                          plan.weight_multicast,
-                                          plan.fc1_copies_token_rows,
-                                          mode == CombineMode::deterministic,
-                                          plan.single_kernel,
-                                          plan.grid,
-                                          plan.fc1.stages,
-                                          plan.fc2.stages};
+  const kernels::MoeLaunchChoices choices = launch_choices(plan, mode);
   if (print_configs() && impl_->printed
                              .insert({choices.token_tile, choices.fc1_copies_token_rows, choices.deterministic,
                                       choices.single_kernel, choices.grid})
@@ -307,6 +308,19 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   call.x_scale_stride = x_scale_stride_of(inputs);
   call.timeline_stamps = impl_->timeline_stamps;
   kernels::launch_moe_forward(params, choices, call, stream);
+}
+
+detail::SingleKernelLaunch detail::SingleKernelLaunch::of(const MoeLayer& layer, int tokens) {
+  std::lock_guard<std::mutex> lock(layer.impl_->mutex);
+  kernels::MoeLayerParams params = layer.impl_->params;
+  set_routing_params(params, layer.spec_.routing, nullptr);
+  const plan::ForwardPlan plan = plan::plan_forward(layer.spec_, layer.impl_->plan, std::max(tokens, 1),
+                                                    CombineMode::deterministic, layer.impl_->facts,
+                                                    plan::PlanDetail::decisions);
+  if (!plan.single_kernel) {
+    throw Error(ErrorCode::unsupported, "internal: the fused expert-parallel forward needs a single-kernel plan");
+  }
+  return SingleKernelLaunch{params, launch_choices(plan, CombineMode::deterministic)};
 }
 
 void MoeLayer::set_timeline(unsigned long long* stamps) {

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <string>
 
+#include "api/single_kernel_launch.hpp"
 #include "kernels/comm/ep_combine.cuh"
 #include "kernels/comm/ep_dispatch.cuh"
+#include "kernels/comm/ep_fused_roles.cuh"
 #include "kernels/comm/rank_barrier.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/launch.hpp"
@@ -91,27 +93,56 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
                                             std::to_string(spec.hidden) + " is not a multiple of 128");
   }
   if (options.buffer_name.empty()) throw Error(ErrorCode::invalid_argument, "buffer_name must not be empty");
+  fused_ = options.fused;
+  if (fused_) {
+    if (fp8_rows != (spec.precision == Precision::fp8_block)) {
+      throw Error(ErrorCode::unsupported, "fused=true sends the rows its layer computes on: FP8 rows for fp8_block, "
+                                          "bf16 rows for bf16 (token_rows=automatic), not " +
+                                              std::string(to_string(options.token_rows)) + " rows for " +
+                                              to_string(spec.precision));
+    }
+    if (fp8_partials) {
+      throw Error(ErrorCode::unsupported, "fused=true returns bf16 partial sums; partial_sums=fp8 is the staged "
+                                          "layer's (fused=false)");
+    }
+    if (barrier_timeout > kMaxFusedBarrierTimeout) {
+      throw Error(ErrorCode::invalid_argument,
+                  "barrier_timeout=" + std::to_string(barrier_timeout.count()) + " ms: with fused=true at most " +
+                      std::to_string(kMaxFusedBarrierTimeout.count()) +
+                      " ms (the kernel that waits for the peers traps its own waits after ~17 s)");
+    }
+  }
   layout_ = layout::EpBufferLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank,
                                          fp8_rows, fp8_partials);
+  fused_layout_ = layout::EpFusedLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank,
+                                              fp8_rows);
+  signals_offset_ = fused_ ? fused_layout_.signals : layout_.signals;
 
-  // The local pass: every local expert of each received token, summed with the routing weights.
+  // The local pass: every local expert of each received token (each virtual token, where fused),
+  // summed with the routing weights.
   MoeSpec local = spec;
   local.num_experts = layout_.experts_per_rank;
-  local_experts_ = std::make_unique<MoeLayer>(local, local_weights, static_cast<int>(layout_.max_recv_rows));
+  MoeLayerOptions local_options;
+  if (fused_) local_options.launch = ForwardLaunch::single_kernel;
+  local_experts_ =
+      std::make_unique<MoeLayer>(local, local_weights, static_cast<int>(layout_.max_recv_rows), local_options);
 
   cudaDeviceProp prop{};
   int device = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_sms_ = prop.multiProcessorCount;
-  buffer_ = std::make_unique<SymmetricMemory>(rendezvous, options.buffer_name, layout_.total_bytes, kBootstrapTimeout,
-                                             options.symmetric_memory);
+  buffer_ = std::make_unique<SymmetricMemory>(rendezvous, options.buffer_name,
+                                             fused_ ? fused_layout_.total_bytes : layout_.total_bytes,
+                                             kBootstrapTimeout, options.symmetric_memory);
   token_dest_ = cuda_alloc<int32_t>(static_cast<size_t>(max_tokens_per_rank) * world);
   tile_counts_ = cuda_alloc<int32_t>(static_cast<size_t>(kernels::ep_dispatch_tiles(max_tokens_per_rank)) * world);
   dest_base_ = cuda_alloc<int32_t>(world);
   recv_total_ = cuda_alloc<int32_t>(1);
   barriers_passed_ = cuda_alloc<uint64_t>(1);
   MEGAMOE_CUDA_CHECK(cudaMemset(barriers_passed_, 0, sizeof(uint64_t)));
+  fused_calls_ = cuda_alloc<uint64_t>(1);
+  MEGAMOE_CUDA_CHECK(cudaMemset(fused_calls_, 0, sizeof(uint64_t)));
   tickets_ = cuda_alloc<uint32_t>(2);
   MEGAMOE_CUDA_CHECK(cudaMemset(tickets_, 0, 2 * sizeof(uint32_t)));
   error_flags_ = cuda_alloc<int32_t>(4);
@@ -128,13 +159,14 @@ EpLayer::~EpLayer() {
   if (!readable || fault.failed != 0) buffer_->abandon_peers();
   for (void* p : {static_cast<void*>(token_dest_), static_cast<void*>(tile_counts_), static_cast<void*>(dest_base_),
                   static_cast<void*>(recv_total_), static_cast<void*>(tickets_), static_cast<void*>(barriers_passed_),
+                  static_cast<void*>(fused_calls_),
                   static_cast<void*>(error_flags_), static_cast<void*>(fault_)}) {
     cudaFree(p);
   }
 }
 
 kernels::RankBarrierParams EpLayer::barrier_params() const {
-  return kernels::RankBarrierParams{buffer_->device_peer_table(), layout_.signals, rendezvous_.rank(),
+  return kernels::RankBarrierParams{buffer_->device_peer_table(), signals_offset_, rendezvous_.rank(),
                                     rendezvous_.world_size(), barrier_timeout_ns_, barriers_passed_, fault_};
 }
 
@@ -166,12 +198,51 @@ void EpLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOut
     throw Error(ErrorCode::unsupported, "EpLayer takes a bf16 x (its dispatch quantizes the rows it sends itself: "
                                         "EpLayerOptions::token_rows); x_scales is for MoeLayer");
   }
+  if (fused_) return forward_fused(stream, inputs, outputs);
   dispatch(stream, inputs);
   compute(stream);
   combine(stream, inputs, outputs);
 }
 
+void EpLayer::require_staged(const char* what) const {
+  if (fused_) {
+    throw Error(ErrorCode::unsupported, std::string("EpLayer::") + what +
+                                            " is the staged layer's: a fused layer (EpLayerOptions::fused) runs its "
+                                            "forward as one launch");
+  }
+}
+
+void EpLayer::forward_fused(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
+  if (!peer_lost_.empty()) throw Error(ErrorCode::timeout, peer_lost_);
+  const int world = rendezvous_.world_size();
+  const auto launch = detail::SingleKernelLaunch::of(
+      *local_experts_, static_cast<int>(std::min<long>(fused_layout_.virtual_tokens(),
+                                                       static_cast<long>(world) * inputs.num_tokens)));
+  kernels::EpFusedParams ep{};
+  ep.peer_bases = buffer_->device_peer_table();
+  ep.layout = fused_layout_;
+  ep.rank = rendezvous_.rank();
+  ep.num_experts = spec_.num_experts;
+  ep.num_tokens = inputs.num_tokens;
+  ep.topk_ids = inputs.topk_ids;
+  ep.topk_weights = inputs.topk_weights;
+  ep.x = static_cast<const uint4*>(inputs.x);
+  ep.ue8m0 = spec_.scale_format == ScaleFormat::ue8m0;
+  ep.y = static_cast<__nv_bfloat16*>(outputs.y);
+  ep.error_flags = error_flags_;
+  ep.calls = fused_calls_;
+  ep.fault = fault_;
+  ep.timeout_ns = barrier_timeout_ns_;
+  // One publish item per CTA at most (a rank with no tokens still has one: its arrivals are owed).
+  ep.publish_tokens = std::max(1, (inputs.num_tokens + launch.choices.grid - 1) / launch.choices.grid);
+  ep.publish_items = std::max(1, (inputs.num_tokens + ep.publish_tokens - 1) / ep.publish_tokens);
+  kernels::MoeCall call{};
+  call.num_tokens = static_cast<int>(fused_layout_.virtual_tokens());
+  kernels::launch_ep_fused_forward(launch.params, launch.choices, call, ep, stream);
+}
+
 void EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
+  require_staged("dispatch");
   if (!peer_lost_.empty()) throw Error(ErrorCode::timeout, peer_lost_);
   kernels::EpDispatchParams d{};
   d.peer_bases = buffer_->device_peer_table();
@@ -201,6 +272,7 @@ void EpLayer::dispatch(cudaStream_t stream, const MoeInputs& inputs) {
 }
 
 void EpLayer::compute(cudaStream_t stream) {
+  require_staged("compute");
   const char* buffer = static_cast<const char*>(buffer_->local());
   MoeInputs local{static_cast<int>(layout_.max_recv_rows), buffer + layout_.recv_tokens, nullptr,
                   reinterpret_cast<const int32_t*>(buffer + layout_.recv_ids),
@@ -217,6 +289,7 @@ void EpLayer::compute(cudaStream_t stream) {
 }
 
 void EpLayer::combine(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
+  require_staged("combine");
   if (layout_.fp8_partials) {
     // Blocks for the rows that arrive when every rank's batch is like this one's; they stride over
     // the count on the device, whatever it is.
@@ -259,8 +332,9 @@ void EpLayer::check_peers(cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&fault, fault_, sizeof fault, cudaMemcpyDeviceToHost, stream));
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (fault.failed == 0) return;
-  peer_lost_ = "rank " + std::to_string(rendezvous_.rank()) + " gave up cross-rank barrier " +
-               std::to_string(fault.epoch) + " after " + std::to_string(fault.waited_ns / 1000000) +
+  peer_lost_ = "rank " + std::to_string(rendezvous_.rank()) + " gave up " +
+               (fused_ ? "waiting for a peer in forward " : "cross-rank barrier ") + std::to_string(fault.epoch) +
+               " after " + std::to_string(fault.waited_ns / 1000000) +
                " ms: rank " + std::to_string(fault.peer) + " had arrived " + std::to_string(fault.seen) + " times, " +
                std::to_string(fault.epoch) + " expected (it stalled or died). This expert-parallel layer is unusable "
                "from then on (its outputs are NaN, its calls throw); the process and its CUDA context are intact";
@@ -268,6 +342,7 @@ void EpLayer::check_peers(cudaStream_t stream) {
 }
 
 EpLayer::Delivered EpLayer::last_delivered(cudaStream_t stream) const {
+  require_staged("last_delivered");
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   const char* buffer = static_cast<const char*>(buffer_->local());
   Delivered d;

@@ -19,6 +19,7 @@
 #include "comm/symmetric_memory.hpp"
 #include "kernels/comm/rank_fault.hpp"
 #include "kernels/layout/ep_buffers.hpp"
+#include "kernels/layout/ep_fused_buffers.hpp"
 #include "megamoe/forward.hpp"
 #include "megamoe/layer.hpp"
 
@@ -61,7 +62,18 @@ struct EpLayerOptions {
   // The symmetric buffer's name in the rendezvous: layers that live at the same time on one
   // rendezvous need names of their own (every rank builds them in the same order).
   std::string buffer_name = "ep";
+  // One launch per forward: dispatch, the local experts and the combine as roles of the
+  // single-kernel forward (docs/design.md#expert-parallelism-inside-the-persistent-kernel), the
+  // staged layer's y bit for bit. Off by default until measured against the staged layer. Needs
+  // FP8 token rows with fp8_block (bf16 rows with bf16), bf16 partial sums and a barrier timeout of
+  // at most kMaxFusedBarrierTimeout; every rank must choose the same. The phases (dispatch,
+  // compute, combine) and last_delivered are the staged layer's only.
+  bool fused = false;
 };
+
+// The fused forward's cross-rank waits run inside a kernel whose own waits trap after ~17 s
+// (ptx::kWaitTimeoutCycles) and may follow one of them: a peer must be given up on well before.
+inline constexpr std::chrono::milliseconds kMaxFusedBarrierTimeout = kDefaultBarrierTimeout;
 
 class EpLayer {
  public:
@@ -121,6 +133,7 @@ class EpLayer {
   // How this layer's token rows travel (automatic resolved).
   EpTokenRows token_rows() const { return layout_.fp8_rows ? EpTokenRows::fp8 : EpTokenRows::bf16; }
   EpPartialSums partial_sums() const { return layout_.fp8_partials ? EpPartialSums::fp8 : EpPartialSums::bf16; }
+  bool fused() const { return fused_; }
   SymmetricBackend symmetric_memory() const { return buffer_->backend(); }
 
   // Diagnosis (megamoe-ep-bench --timeline): later calls fold the global timer at the points of
@@ -130,10 +143,16 @@ class EpLayer {
 
  private:
   kernels::RankBarrierParams barrier_params() const;
+  void forward_fused(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs);
+  // Throws for the phases a fused layer does not have.
+  void require_staged(const char* what) const;
 
   MoeSpec spec_;
   const FileRendezvous& rendezvous_;
-  layout::EpBufferLayout layout_;
+  layout::EpBufferLayout layout_;         // the staged layer's buffer (sizes only, where fused)
+  bool fused_ = false;
+  layout::EpFusedLayout fused_layout_;    // the fused forward's buffer
+  size_t signals_offset_ = 0;             // the barrier's signal slots in whichever buffer
   std::unique_ptr<SymmetricMemory> buffer_;
   std::unique_ptr<MoeLayer> local_experts_;
   int num_sms_ = 0;
@@ -142,6 +161,7 @@ class EpLayer {
   long expected_recv_rows() const;
   int dispatched_tokens_ = 0;             // this rank's batch in the last dispatch (plans the local tiles)
   uint64_t* barriers_passed_ = nullptr;   // device [1]: barriers run so far, the same count on every rank
+  uint64_t* fused_calls_ = nullptr;       // device [1]: fused forwards run so far, likewise
   int32_t* token_dest_ = nullptr;         // [max_tokens, world] position of each token's row per owner
   int32_t* tile_counts_ = nullptr;        // [dispatch tiles, world] count -> push scratch
   int32_t* dest_base_ = nullptr;          // [world]

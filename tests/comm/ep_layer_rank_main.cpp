@@ -1,7 +1,7 @@
 // One rank of the expert-parallel test, started by megamoe-run, one GPU per rank or (megamoe-run
 // --one-gpu) every rank on one GPU (rank r takes visible device r mod count):
-//   ep_layer_rank [--iterations N] [--tokens T] [--hidden H] [--ue8m0] [--symmetric-memory cuda_ipc|nvshmem]
-//                 [--hang | --die] [--barrier-timeout-ms MS]
+//   ep_layer_rank [--iterations N] [--tokens T] [--hidden H] [--ue8m0] [--bf16] [--fused]
+//                 [--symmetric-memory cuda_ipc|nvshmem] [--hang | --die] [--barrier-timeout-ms MS]
 // Every iteration draws fresh routing on every rank (uniform, skewed onto few experts, with -1
 // holes and some ranks empty), runs EpLayer::forward, checks that dispatch delivered exactly the
 // token rows ref::plan_dispatch predicts (row by row, with each slot's local expert), that y
@@ -17,6 +17,10 @@
 // symmetric buffers whose sizes differ between ranks, and EpLayer::forward given x_scales.
 // --hidden: the model width (default 256; 384 and 7168 reach the source's FP8 quantizer with a
 // part-filled and a second pass over the row). --symmetric-memory: where the buffers live.
+// --bf16: a bf16 layer (bf16 rows on the wire) instead of fp8_block. --fused: the layer under test
+// runs its forward as one launch (EpLayerOptions::fused), so every check above applies to it and its
+// y must equal the staged bf16-rows layer's bit for bit; it refuses the staged phases; with --hang
+// or --die its own waits must end in the diagnostic.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -222,13 +226,25 @@ bool refusals_hold(const comm::FileRendezvous& rendezvous, comm::SymmetricBacken
       return false;
     }
   }
+  if (layer.fused()) {  // one launch: the staged phases are not there to call
+    try {
+      layer.dispatch(stream, call.inputs());
+      std::fprintf(stderr, "FAILED: rank %d: a fused layer took a staged dispatch\n", rank);
+      return false;
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::unsupported || std::string(e.what()).find("staged layer's") == std::string::npos) {
+        std::fprintf(stderr, "FAILED: rank %d: a staged phase refused with the wrong error: %s\n", rank, e.what());
+        return false;
+      }
+    }
+  }
   return true;
 }
 
 int run(int argc, char** argv) {
   int iterations = 20, max_tokens = 64, hidden = 256;
   comm::SymmetricBackend backend = comm::SymmetricBackend::cuda_ipc;
-  bool hang = false, die = false, ue8m0 = false;
+  bool hang = false, die = false, ue8m0 = false, bf16 = false, fused = false;
   std::chrono::milliseconds barrier_timeout = comm::kDefaultBarrierTimeout;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -243,6 +259,8 @@ int run(int argc, char** argv) {
     }
     else if (arg == "--hang") hang = true;
     else if (arg == "--ue8m0") ue8m0 = true;  // power-of-two activation scales, on the wire too
+    else if (arg == "--bf16") bf16 = true;
+    else if (arg == "--fused") fused = true;
     else if (arg == "--die") hang = die = true;
     else if (arg == "--barrier-timeout-ms" && i + 1 < argc) barrier_timeout = std::chrono::milliseconds(std::atoi(argv[++i]));
     else throw Error(ErrorCode::invalid_argument, "unknown argument " + arg);
@@ -259,7 +277,7 @@ int run(int argc, char** argv) {
   spec.top_k = 4;
   spec.hidden = hidden;
   spec.intermediate = 256;
-  spec.precision = Precision::fp8_block;
+  spec.precision = bf16 ? Precision::bf16 : Precision::fp8_block;
   spec.scale_format = ue8m0 ? ScaleFormat::ue8m0 : ScaleFormat::fp32;
   spec.routing = Precomputed{};
   const ref::RandomWeights weights = ref::make_random_weights(spec, 7);  // identical on every rank
@@ -274,15 +292,19 @@ int run(int argc, char** argv) {
   comm::EpLayerOptions options;
   options.barrier_timeout = barrier_timeout;
   options.symmetric_memory = backend;
+  options.fused = fused;
   comm::EpLayer layer(spec, mine, max_tokens, rendezvous, options);
+  options.fused = false;  // the layers it is compared with are staged
   if (layer.symmetric_memory() != backend) {
     std::fprintf(stderr, "FAILED: rank %d: the layer's buffer is on %s, not the %s asked for\n", rank,
                  comm::to_string(layer.symmetric_memory()), comm::to_string(backend));
     return 1;
   }
-  if (layer.token_rows() != comm::EpTokenRows::fp8) {
-    std::fprintf(stderr, "rank %d: an fp8_block layer sends %s token rows; automatic must mean fp8\n", rank,
-                 comm::to_string(layer.token_rows()));
+  const comm::EpTokenRows automatic_rows = bf16 ? comm::EpTokenRows::bf16 : comm::EpTokenRows::fp8;
+  if (layer.token_rows() != automatic_rows || layer.fused() != fused) {
+    std::fprintf(stderr, "FAILED: rank %d: a %s layer sends %s token rows (automatic must mean %s), fused %d\n", rank,
+                 to_string(spec.precision), comm::to_string(layer.token_rows()), comm::to_string(automatic_rows),
+                 layer.fused());
     return 1;
   }
   cudaStream_t stream;
@@ -331,9 +353,10 @@ int run(int argc, char** argv) {
     layer.forward(stream, call.inputs(), MoeOutputs{call.y});
 
     // Dispatch: exactly the rows the CPU model predicts, in canonical order, with each slot's
-    // local expert.
+    // local expert (the staged layer's; a fused one's delivery is checked by its y below).
     const ref::DispatchPlan plan = ref::plan_dispatch(ref::EpTopology{world, spec.num_experts}, spec.top_k, routing);
-    const comm::EpLayer::Delivered delivered = layer.last_delivered(stream);
+    const comm::EpLayer& staged = fused ? bf16_rows : layer;
+    const comm::EpLayer::Delivered delivered = staged.last_delivered(stream);
     for (int src = 0; src < world; ++src) {
       if (delivered.counts[src] != plan.sent[src][rank]) {
         std::fprintf(stderr, "iteration %d: rank %d counts %d rows from rank %d, expected %d\n", it, rank,
@@ -358,10 +381,11 @@ int run(int argc, char** argv) {
       }
     }
     // Combine: this rank's outputs against the single-GPU fp64 reference with all experts, and the
-    // bf16 rows' bit for bit.
+    // bf16 rows' (staged) bit for bit.
     const std::vector<bf16_t> y_fp8_rows = call.output(spec), y_bf16_rows = call_bf16_rows.output(spec);
     if (std::memcmp(y_fp8_rows.data(), y_bf16_rows.data(), y_fp8_rows.size() * sizeof(bf16_t)) != 0) {
-      std::fprintf(stderr, "iteration %d: rank %d y with FP8 token rows differs from y with bf16 rows\n", it, rank);
+      std::fprintf(stderr, "FAILED: iteration %d: rank %d y of the layer under test (%s rows%s) differs from the staged "
+                   "layer's with bf16 rows\n", it, rank, comm::to_string(layer.token_rows()), fused ? ", fused" : "");
       return 1;
     }
     if (T > 0) {

@@ -37,11 +37,24 @@ __device__ __forceinline__ void prefetch_token_routing(const CombineParams& p, i
   ptx::prefetch_l1(p.routed_weights + first_slot + p.top_k - 1);
 }
 
+// Where combine_vectors stores a token's output: its row of y, for every valid token (zero where it
+// uses no slot). Another Output (expert parallelism's partial sums, stored into their source's
+// buffer) gives each token's row, and with kRoutedOnly stores only tokens with a used slot and a
+// row (null: nowhere to store).
+struct CombineIntoY {
+  static constexpr bool kRoutedOnly = false;
+  __device__ __forceinline__ __nv_bfloat16* row(const CombineParams& p, int token) const {
+    return p.y + static_cast<size_t>(token) * p.hidden;
+  }
+};
+
 // Output vectors first + b * stride for b < kBatch (a vector's index is token index * (H/8) + its
 // 8-channel group); those past the valid tokens are skipped. Every vector's rows are located and
 // loaded together (add_rows_batched): a batch costs the memory round trips of one vector.
-template <bool kDeterministic, int kBatch>
-__device__ __forceinline__ void combine_vectors(const CombineParams& p, long first, long stride, int valid) {
+template <bool kDeterministic, int kBatch, class Output = CombineIntoY>
+__device__ __forceinline__ void combine_vectors(const CombineParams& p, long first, long stride, int valid,
+                                                const Output& output = {}) {
+  static_assert(kDeterministic || !Output::kRoutedOnly, "the atomic combine's sums do not say which slots were used");
   constexpr int kVector = Bf16x8Sum::kChannels;
   const int vectors_per_token = p.hidden / kVector;
   const long end = static_cast<long>(valid) * vectors_per_token;
@@ -53,12 +66,16 @@ __device__ __forceinline__ void combine_vectors(const CombineParams& p, long fir
     column[b] = static_cast<int>(index % vectors_per_token) * kVector;
   }
   Bf16x8Sum sum[kBatch];
+  bool used[kBatch] = {};  // whether the token has a used slot (read with kRoutedOnly only)
   if constexpr (kDeterministic) {
     add_rows_batched<kBatch, 8>(sum, p.top_k, [&](int b, int j, const uint4*& row, float& weight) {
       if (token[b] < 0) return;
       const size_t slot = static_cast<size_t>(token[b]) * p.top_k + j;
       weight = p.routed_weights[slot];
-      if (p.routed_ids[slot] >= 0) row = reinterpret_cast<const uint4*>(p.slot_outputs + slot * p.hidden + column[b]);
+      if (p.routed_ids[slot] >= 0) {
+        row = reinterpret_cast<const uint4*>(p.slot_outputs + slot * p.hidden + column[b]);
+        used[b] = true;
+      }
     });
   } else {
     float4 lo[kBatch] = {}, hi[kBatch] = {};
@@ -79,7 +96,11 @@ __device__ __forceinline__ void combine_vectors(const CombineParams& p, long fir
 #pragma unroll
   for (int b = 0; b < kBatch; ++b) {
     if (token[b] < 0) continue;
-    reinterpret_cast<uint4*>(p.y + static_cast<size_t>(token[b]) * p.hidden + column[b])[0] = sum[b].rounded();
+    __nv_bfloat16* row = output.row(p, token[b]);
+    if constexpr (Output::kRoutedOnly) {
+      if (!used[b] || row == nullptr) continue;
+    }
+    reinterpret_cast<uint4*>(row + column[b])[0] = sum[b].rounded();
   }
 }
 

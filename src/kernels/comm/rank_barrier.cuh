@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "kernels/comm/peer_wait.cuh"
 #include "kernels/comm/rank_fault.hpp"
 #include "kernels/pipeline/timeline.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
@@ -35,12 +36,6 @@ struct RankBarrierParams {
   uint64_t* passed;          // device, this rank only: barriers run so far
   RankFault* fault;          // device, this rank only
 };
-
-// Whether a barrier of this rank has given up (by any thread, after the previous kernel's writes
-// are visible, or after the barrier in the same block).
-__device__ __forceinline__ bool rank_fault_seen(const RankFault* fault) {
-  return *static_cast<volatile const uint32_t*>(&fault->failed) != 0;
-}
 
 // The number of the next barrier, to be loaded by each thread below world_size of the block that
 // will run it, early in its launch (after the previous kernel's writes are visible): the load is
@@ -65,24 +60,11 @@ __device__ __forceinline__ void cross_rank_barrier(const RankBarrierParams& p, u
     ptx::red_add_release_sys(remote + p.rank, 1);
     const uint64_t* mine =
         reinterpret_cast<const uint64_t*>(static_cast<const char*>(p.peer_bases[p.rank]) + p.signals_offset) + peer;
-    const uint64_t start = ptx::global_timer_ns();
-    uint64_t seen;
-    while ((seen = ptx::ld_acquire_sys(mine)) < epoch) {
-      const uint64_t waited = ptx::global_timer_ns() - start;
-      if (waited > static_cast<uint64_t>(p.timeout_ns)) {
-        if (atomicCAS(&p.fault->failed, 0u, 1u) == 0u) {
-          p.fault->peer = peer;
-          p.fault->epoch = epoch;
-          p.fault->seen = seen;
-          p.fault->waited_ns = waited;
-          printf("megamoe: rank %d timed out in cross-rank barrier %llu: rank %d has arrived %llu times, %llu expected; "
-                 "this rank's expert-parallel calls stop here\n",
-                 p.rank, static_cast<unsigned long long>(epoch), peer, static_cast<unsigned long long>(seen),
-                 static_cast<unsigned long long>(epoch));
-        }
-        break;
-      }
-      if (rank_fault_seen(p.fault)) break;  // another peer's wait gave up
+    if (wait_for_peer(mine, peer, epoch, p.timeout_ns, p.fault) == PeerWait::gave_up_first) {
+      printf("megamoe: rank %d timed out in cross-rank barrier %llu: rank %d has arrived %llu times, %llu expected; "
+             "this rank's expert-parallel calls stop here\n",
+             p.rank, static_cast<unsigned long long>(epoch), peer, static_cast<unsigned long long>(p.fault->seen),
+             static_cast<unsigned long long>(epoch));
     }
   }
   __syncthreads();

@@ -15,6 +15,8 @@ enum class NamedBarrier : uint32_t {
   kCombineShare = 4,      // every FC2 tile is stored: the math threads combine (single-kernel forward)
   kRingIdle = 5,          // the whole block, between the two GEMMs (single-kernel forward)
   kRowAmaxExchanged = 6,  // both math warpgroups wrote their half's row amaxes (tokens-on-M FC1, short tile)
+  kEpChunkClaimed = 7,    // the math threads know their CTA's next chunk (fused expert parallelism)
+  kEpChunkStored = 8,     // every math thread has stored its part of that chunk
 };
 
 }  // namespace megamoe::kernels

@@ -77,4 +77,11 @@ void launch_moe_forward(const MoeLayerParams& layer, const MoeLaunchChoices& cho
 void launch_single_kernel_forward(const MoeLayerParams& layer, const MoeLaunchChoices& choices, const MoeCall& call,
                                   cudaStream_t stream);
 
+// The single kernel as one rank's whole expert-parallel forward (comm/ep_fused_roles.cuh): `layer`
+// holds the rank's experts, `choices` a single-kernel plan, and `call` is the rank's virtual tokens
+// (num_tokens = world * max_tokens per rank; its inputs and output pointers are unused).
+struct EpFusedParams;
+void launch_ep_fused_forward(const MoeLayerParams& layer, const MoeLaunchChoices& choices, const MoeCall& call,
+                             const EpFusedParams& ep, cudaStream_t stream);
+
 }  // namespace megamoe::kernels

@@ -1,8 +1,10 @@
-// Host launcher of the single-kernel forward (impls/sm90_moe_single_kernel.cuh).
+// Host launcher of the single-kernel forward (impls/sm90_moe_single_kernel.cuh), on one GPU or as
+// one rank's fused expert-parallel forward (impls/sm90_moe_ep_fused.cuh).
 #include <type_traits>
 
 #include "kernels/cuda_check.hpp"
 #include "kernels/impls/sm90_forward_params.cuh"
+#include "kernels/impls/sm90_moe_ep_fused.cuh"
 #include "kernels/impls/sm90_moe_forward.hpp"
 #include "kernels/impls/sm90_moe_single_kernel.cuh"
 #include "kernels/launch.hpp"
@@ -10,8 +12,36 @@
 namespace megamoe::kernels {
 namespace {
 
-template <Precision kPrecision, int kTokenTile, GemmOp kFc2Op>
-void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, cudaStream_t stream) {
+// The single-GPU forward brings nothing beyond the layer and the call.
+struct OneGpu {};
+
+template <class Fc1Params, class Fc2Params>
+auto kernel_params(const OneGpu&) {
+  return SingleKernelParams<Fc1Params, Fc2Params>{};
+}
+
+template <class Fc1Params, class Fc2Params>
+auto kernel_params(const EpFusedParams& ep) {
+  EpFusedKernelParams<Fc1Params, Fc2Params> p{};
+  p.ep = ep;
+  return p;
+}
+
+// How the call's rows are cut into front items: the single-GPU forward's, and for expert
+// parallelism always with gather items (its route items never gather: the rows are remote).
+ForwardItems forward_items(const OneGpu&, uint32_t* counters, int tokens, int ctas) {
+  return make_forward_items(counters, tokens, ctas);
+}
+
+ForwardItems forward_items(const EpFusedParams&, uint32_t* counters, int tokens, int ctas) {
+  ForwardItems items = make_forward_items(counters, tokens, ctas);
+  if (items.gather_items == 0) items.gather_items = (tokens + items.gather_tokens - 1) / items.gather_tokens;
+  return items;
+}
+
+template <Precision kPrecision, int kTokenTile, GemmOp kFc2Op, class Extra>
+void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, const Extra& extra,
+                   cudaStream_t stream) {
   using Fc1Config = GroupedGemmConfig<kPrecision, kTokenTile, GemmOp::fc1_swiglu>;
   using Fc2Config = GroupedGemmConfig<kPrecision, kTokenTile, kFc2Op>;
   check_planned_stages<Fc1Config>(c.fc1_stages);
@@ -24,12 +54,12 @@ void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const Moe
   // Every tile is claimed (first_wave 0): see scheduler/forward_items.hpp.
   auto fc1_params = make_gemm_params<Fc1Config>(f, fc1, 0);
   auto fc2_params = make_gemm_params<Fc2Config>(f, fc2, 0);
-  using Params = SingleKernelParams<decltype(fc1_params), decltype(fc2_params)>;
-  Params p{};
+  auto p = kernel_params<decltype(fc1_params), decltype(fc2_params)>(extra);
+  using Params = decltype(p);
   p.front.routing = routing;
   p.front.gather = gather;
   p.front.timeline = Timeline{call.timeline_stamps};
-  p.front.items = make_forward_items(w.at<uint32_t>(f.workspace, w.forward_counters), call.num_tokens, c.grid);
+  p.front.items = forward_items(extra, w.at<uint32_t>(f.workspace, w.forward_counters), call.num_tokens, c.grid);
   fc1_params.tokens_ready = p.front.items.counter(kGatheredItems);
   fc1_params.tokens_ready_count = p.front.items.gathered_when_ready();
   fc2_params.tiles_stored = p.front.items.counter(kFc2TilesStored);
@@ -42,36 +72,55 @@ void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const Moe
   launch_overlapping_previous(kernel, c.grid, kFrontThreads, Layout::kSmemBytes, stream, "sm90_moe_single_kernel", p);
 }
 
-template <Precision kPrecision, int kTokenTile>
-void dispatch_combine(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, cudaStream_t stream) {
-  if (c.deterministic) return launch_single<kPrecision, kTokenTile, GemmOp::fc2_slot_store>(f, c, call, stream);
-  launch_single<kPrecision, kTokenTile, GemmOp::fc2_atomic_combine>(f, c, call, stream);
+template <Precision kPrecision, int kTokenTile, class Extra>
+void dispatch_combine(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, const Extra& extra,
+                      cudaStream_t stream) {
+  if constexpr (std::is_same_v<Extra, OneGpu>) {
+    if (!c.deterministic) {
+      return launch_single<kPrecision, kTokenTile, GemmOp::fc2_atomic_combine>(f, c, call, extra, stream);
+    }
+  } else if (!c.deterministic) {
+    throw Error(ErrorCode::unsupported, "internal: the fused expert-parallel forward combines deterministically");
+  }
+  launch_single<kPrecision, kTokenTile, GemmOp::fc2_slot_store>(f, c, call, extra, stream);
 }
 
-template <Precision kPrecision>
-void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, cudaStream_t stream) {
+template <Precision kPrecision, class Extra>
+void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, const Extra& extra,
+                         cudaStream_t stream) {
   switch (c.token_tile) {
-    case 16: return dispatch_combine<kPrecision, 16>(f, c, call, stream);
-    case 32: return dispatch_combine<kPrecision, 32>(f, c, call, stream);
+    case 16: return dispatch_combine<kPrecision, 16>(f, c, call, extra, stream);
+    case 32: return dispatch_combine<kPrecision, 32>(f, c, call, extra, stream);
     // 64-token tiles spill FC2's accumulators here (the planner keeps them to five launches).
     default: throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes token tiles of 16 or 32");
   }
+}
+
+template <class Extra>
+void dispatch_precision(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, const Extra& extra,
+                        cudaStream_t stream) {
+  if (c.fc1_copies_token_rows) {
+    throw Error(ErrorCode::unsupported, "internal: the single-kernel forward reads FC1's rows from the pool");
+  }
+  switch (f.precision) {
+    case Precision::bf16: return dispatch_token_tile<Precision::bf16>(f, c, call, extra, stream);
+    case Precision::fp8_block: return dispatch_token_tile<Precision::fp8_block>(f, c, call, extra, stream);
+    // Not instantiated: the planner keeps fp8_tensor to the five launches (options.cpp rejects it).
+    case Precision::fp8_tensor: break;
+  }
+  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes bf16 or fp8_block");
 }
 
 }  // namespace
 
 void launch_single_kernel_forward(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call,
                                   cudaStream_t stream) {
-  if (c.fc1_copies_token_rows) {
-    throw Error(ErrorCode::unsupported, "internal: the single-kernel forward reads FC1's rows from the pool");
-  }
-  switch (f.precision) {
-    case Precision::bf16: return dispatch_token_tile<Precision::bf16>(f, c, call, stream);
-    case Precision::fp8_block: return dispatch_token_tile<Precision::fp8_block>(f, c, call, stream);
-    // Not instantiated: the planner keeps fp8_tensor to the five launches (options.cpp rejects it).
-    case Precision::fp8_tensor: break;
-  }
-  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes bf16 or fp8_block");
+  dispatch_precision(f, c, call, OneGpu{}, stream);
+}
+
+void launch_ep_fused_forward(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call,
+                             const EpFusedParams& ep, cudaStream_t stream) {
+  dispatch_precision(f, c, call, ep, stream);
 }
 
 }  // namespace megamoe::kernels

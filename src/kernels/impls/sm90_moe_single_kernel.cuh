@@ -1,6 +1,7 @@
 // The single-kernel forward (sm_90a, docs/design.md#single-kernel-forward): routing, gather, FC1,
 // FC2 and the combine in one persistent launch of the swapAB GEMM's block (one CTA per SM), each
-// CTA claiming its work in dependency order (scheduler/forward_items.hpp):
+// CTA claiming its work in dependency order (scheduler/forward_items.hpp). The roles before and
+// after the GEMMs come with the launch's parameters (run_front_role, run_back_role):
 //   whole CTA            front role: route and gather items (routing/front_items.cuh)
 //   producer warpgroup   FC1's producer roles, then FC2's (impls/sm90_grouped_gemm_swapab.cuh)
 //   math warpgroups      FC1's mainloop and epilogue, then FC2's (mma/swapab_mainloop.cuh), then
@@ -27,11 +28,32 @@ namespace megamoe::kernels {
 
 template <class Fc1Params, class Fc2Params>
 struct SingleKernelParams {
+  static constexpr int kCounters = kForwardCounters;  // the forward counters its roles use
   FrontParams front;
   Fc1Params fc1;
   Fc2Params fc2;
   CombineParams combine;
 };
+
+// What the last CTA to finish does after zeroing the counters (expert parallelism counts its calls).
+template <class Fc1Params, class Fc2Params>
+__device__ __forceinline__ void finish_forward(const SingleKernelParams<Fc1Params, Fc2Params>&) {}
+
+// The roles before and after the GEMMs, by the type of the launch's parameters (expert parallelism
+// brings its own: comm/ep_fused_roles.cuh). The single-GPU forward's: routing and gather items,
+// then the combine share.
+template <Precision kPrecision, class Fc1Params, class Fc2Params>
+__device__ __forceinline__ void run_front_role(const SingleKernelParams<Fc1Params, Fc2Params>& p, FrontScratch& s) {
+  front_items<kPrecision>(p.front, s);
+}
+
+template <bool kDeterministic, class Fc1Params, class Fc2Params>
+__device__ __forceinline__ void run_back_role(const SingleKernelParams<Fc1Params, Fc2Params>& p, FrontScratch&,
+                                              int math_thread, int math_threads) {
+  combine_share<kDeterministic>(p.combine, p.front.items.counter(kFc2TilesStored),
+                                static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread, math_threads,
+                                p.front.timeline);
+}
 
 template <class Fc1Config, class Fc2Config>
 struct SingleKernelLayout {
@@ -83,7 +105,7 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
   const Timeline& timeline = p.front.timeline;
   timeline.mark(layout::kForwardStart);
 
-  front_items<Fc1Config::kPrecision>(p.front, front_scratch);
+  run_front_role<Fc1Config::kPrecision>(p, front_scratch);
   // The scratch was written through the generic proxy; the stages are written by TMA next.
   ptx::fence_proxy_async_shared();
   __syncthreads();
@@ -126,16 +148,15 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
 
   const int math_thread = threadIdx.x - 128;
   const ForwardItems& items = p.front.items;
-  combine_share<kDeterministic>(p.combine, items.counter(kFc2TilesStored),
-                                static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread,
-                                Fc2Config::kConsumerThreads, timeline);
+  run_back_role<kDeterministic>(p, front_scratch, math_thread, Fc2Config::kConsumerThreads);
   timeline.mark(layout::kCombineDone, kMathLead);
   if (math_thread == 0) {
     // Fenced as in last_to_finish: the zeroing is ordered after every CTA's last counter access.
     __threadfence();
     if (atomicAdd(items.counter(kCtasDone), 1u) == gridDim.x - 1) {
       __threadfence();  // every CTA has passed every claim and wait of this forward
-      for (int c = 0; c < kForwardCounters; ++c) items.counters[c] = 0;
+      for (int c = 0; c < Params::kCounters; ++c) items.counters[c] = 0;
+      finish_forward(p);
     }
   }
 }

@@ -36,17 +36,27 @@
 
 namespace megamoe::layout {
 
-struct EpBufferLayout {
-  static constexpr int kSignalSlots = 64;  // the most ranks one node holds, with room to spare
-  static constexpr int kOriginFields = 2;  // source rank, token
-
+// What an expert-parallel buffer (this one, or the fused forward's: layout/ep_fused_buffers.hpp) is
+// laid out for.
+struct EpShape {
   int world_size = 1;
   int experts_per_rank = 0;
   int top_k = 0;
   int hidden = 0;
   int max_tokens_per_rank = 0;
-  bool fp8_rows = false;      // token rows travel as E4M3 codes with per-128 scales, else bf16
-  bool fp8_partials = false;  // partial sums travel back the same way, else bf16
+  bool fp8_rows = false;  // token rows travel as E4M3 codes with per-128 scales, else bf16
+
+  MEGAMOE_HOST_DEVICE static constexpr EpShape of(int world_size, int num_experts, int top_k, int hidden,
+                                                  int max_tokens_per_rank, bool fp8_rows) {
+    return EpShape{world_size, num_experts / world_size, top_k, hidden, max_tokens_per_rank, fp8_rows};
+  }
+};
+
+struct EpBufferLayout : EpShape {
+  static constexpr int kSignalSlots = 64;  // the most ranks one node holds, with room to spare
+  static constexpr int kOriginFields = 2;  // source rank, token
+
+  bool fp8_partials = false;  // partial sums travel back as the rows do, else bf16
   size_t max_recv_rows = 0;
 
   size_t counts = 0;
@@ -70,31 +80,21 @@ struct EpBufferLayout {
                                                            int max_tokens_per_rank, bool fp8_rows,
                                                            bool fp8_partials) {
     EpBufferLayout l;
-    l.world_size = world_size;
-    l.experts_per_rank = num_experts / world_size;
-    l.top_k = top_k;
-    l.hidden = hidden;
-    l.max_tokens_per_rank = max_tokens_per_rank;
-    l.fp8_rows = fp8_rows;
+    static_cast<EpShape&>(l) = EpShape::of(world_size, num_experts, top_k, hidden, max_tokens_per_rank, fp8_rows);
     l.fp8_partials = fp8_partials;
     l.max_recv_rows = worst_case_recv_rows(world_size, max_tokens_per_rank);
-    size_t cursor = 0;
-    auto take = [&cursor](size_t bytes) {
-      const size_t offset = cursor;
-      cursor = align_up(cursor + bytes, kRegionAlignment);
-      return offset;
-    };
-    l.counts = take(sizeof(int32_t) * world_size * world_size);
-    l.recv_origin = take(sizeof(int32_t) * kOriginFields * l.max_recv_rows);
-    l.recv_ids = take(sizeof(int32_t) * top_k * l.max_recv_rows);
-    l.recv_weights = take(sizeof(float) * top_k * l.max_recv_rows);
-    l.recv_tokens = take(l.max_recv_rows * hidden * (fp8_rows ? 1 : 2));
-    l.recv_scales = take(fp8_rows ? sizeof(float) * (hidden / 128) * l.max_recv_rows : 0);
-    l.partial_sums = take(l.max_recv_rows * hidden * 2);
-    l.partial_codes = take(fp8_partials ? l.max_recv_rows * hidden : 0);
-    l.partial_scales = take(fp8_partials ? sizeof(float) * (hidden / 128) * l.max_recv_rows : 0);
-    l.signals = take(sizeof(uint64_t) * kSignalSlots);
-    l.total_bytes = cursor;
+    RegionCursor regions;
+    l.counts = regions.take(sizeof(int32_t) * world_size * world_size);
+    l.recv_origin = regions.take(sizeof(int32_t) * kOriginFields * l.max_recv_rows);
+    l.recv_ids = regions.take(sizeof(int32_t) * top_k * l.max_recv_rows);
+    l.recv_weights = regions.take(sizeof(float) * top_k * l.max_recv_rows);
+    l.recv_tokens = regions.take(l.max_recv_rows * hidden * (fp8_rows ? 1 : 2));
+    l.recv_scales = regions.take(fp8_rows ? sizeof(float) * (hidden / 128) * l.max_recv_rows : 0);
+    l.partial_sums = regions.take(l.max_recv_rows * hidden * 2);
+    l.partial_codes = regions.take(fp8_partials ? l.max_recv_rows * hidden : 0);
+    l.partial_scales = regions.take(fp8_partials ? sizeof(float) * (hidden / 128) * l.max_recv_rows : 0);
+    l.signals = regions.take(sizeof(uint64_t) * kSignalSlots);
+    l.total_bytes = regions.end;
     return l;
   }
 };

@@ -12,11 +12,23 @@
 namespace megamoe::layout {
 
 inline constexpr size_t kRegionAlignment = 128;
-inline constexpr int kForwardCounterSlots = 8;  // the single-kernel forward's (scheduler/forward_items.hpp)
+// The single-kernel forward's (scheduler/forward_items.hpp; comm/ep_fused_roles.cuh adds its own).
+inline constexpr int kForwardCounterSlots = 16;
 
 MEGAMOE_HOST_DEVICE constexpr size_t align_up(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
+
+// Lays regions out one after another, each at kRegionAlignment: take(bytes) returns the next
+// region's offset; `end` is the bytes taken so far.
+struct RegionCursor {
+  size_t end = 0;
+  MEGAMOE_HOST_DEVICE constexpr size_t take(size_t bytes) {
+    const size_t offset = end;
+    end = align_up(end + bytes, kRegionAlignment);
+    return offset;
+  }
+};
 
 // fp8_tensor's activation scales as the kernels read them, in the workspace: written once when the
 // layer is built (InputScales::from_checkpoint), or each forward by the dynamic-scale kernels
@@ -105,35 +117,30 @@ struct MoeWorkspaceLayout {
     l.dynamic_scales = l.tensor_scales && input_scales == InputScales::dynamic;
     l.pool_rows = worst_case_pool_rows(num_experts, top_k, max_tokens, row_padding);
     const size_t slots = static_cast<size_t>(max_tokens) * top_k;
-    size_t cursor = 0;
-    auto take = [&cursor](size_t bytes) {
-      const size_t offset = cursor;
-      cursor = align_up(cursor + bytes, kRegionAlignment);
-      return offset;
-    };
-    l.expert_counts = take(sizeof(int32_t) * num_experts);
-    l.routing_blocks_done = take(sizeof(uint32_t));
-    l.expert_rows = take(sizeof(int32_t) * num_experts);
-    l.expert_offsets = take(sizeof(int32_t) * (num_experts + 1));
-    l.token_tile_prefix = take(sizeof(int32_t) * (num_experts + 1));
-    l.token_tile_expert = take(sizeof(int32_t) * slots);
-    l.gemm_tiles_claimed = take(sizeof(uint32_t) * 2);
-    l.fc1_tiles_done = take(sizeof(uint32_t) * (num_experts + 1));
-    l.routed_ids = take(sizeof(int32_t) * slots);
-    l.routed_weights = take(sizeof(float) * slots);
-    l.slot_rank = take(sizeof(int32_t) * slots);
-    l.pool_slot = take(sizeof(int32_t) * l.pool_rows);
-    l.activations = take(l.pool_rows * hidden * l.element_bytes);
-    l.activation_scales = take(l.has_scales ? l.pool_rows * (hidden / 128) * sizeof(float) : 0);
-    l.fc1_output = take(l.pool_rows * intermediate * l.element_bytes);
-    l.fc1_output_bf16 = take(l.dynamic_scales ? l.pool_rows * intermediate * sizeof(uint16_t) : 0);
-    l.fc1_scales = take(l.has_scales ? l.pool_rows * (intermediate / 128) * sizeof(float) : 0);
-    l.slot_outputs = take(slots * hidden * sizeof(uint16_t));
-    l.y_accumulator = take(static_cast<size_t>(max_tokens) * hidden * sizeof(float));
-    l.error_flags = take(sizeof(int32_t) * 4);
-    l.forward_counters = take(sizeof(uint32_t) * kForwardCounterSlots);
-    l.tensor_scale_slots = take(l.tensor_scales ? sizeof(TensorScaleSlots) : 0);
-    l.total_bytes = cursor;
+    RegionCursor regions;
+    l.expert_counts = regions.take(sizeof(int32_t) * num_experts);
+    l.routing_blocks_done = regions.take(sizeof(uint32_t));
+    l.expert_rows = regions.take(sizeof(int32_t) * num_experts);
+    l.expert_offsets = regions.take(sizeof(int32_t) * (num_experts + 1));
+    l.token_tile_prefix = regions.take(sizeof(int32_t) * (num_experts + 1));
+    l.token_tile_expert = regions.take(sizeof(int32_t) * slots);
+    l.gemm_tiles_claimed = regions.take(sizeof(uint32_t) * 2);
+    l.fc1_tiles_done = regions.take(sizeof(uint32_t) * (num_experts + 1));
+    l.routed_ids = regions.take(sizeof(int32_t) * slots);
+    l.routed_weights = regions.take(sizeof(float) * slots);
+    l.slot_rank = regions.take(sizeof(int32_t) * slots);
+    l.pool_slot = regions.take(sizeof(int32_t) * l.pool_rows);
+    l.activations = regions.take(l.pool_rows * hidden * l.element_bytes);
+    l.activation_scales = regions.take(l.has_scales ? l.pool_rows * (hidden / 128) * sizeof(float) : 0);
+    l.fc1_output = regions.take(l.pool_rows * intermediate * l.element_bytes);
+    l.fc1_output_bf16 = regions.take(l.dynamic_scales ? l.pool_rows * intermediate * sizeof(uint16_t) : 0);
+    l.fc1_scales = regions.take(l.has_scales ? l.pool_rows * (intermediate / 128) * sizeof(float) : 0);
+    l.slot_outputs = regions.take(slots * hidden * sizeof(uint16_t));
+    l.y_accumulator = regions.take(static_cast<size_t>(max_tokens) * hidden * sizeof(float));
+    l.error_flags = regions.take(sizeof(int32_t) * 4);
+    l.forward_counters = regions.take(sizeof(uint32_t) * kForwardCounterSlots);
+    l.tensor_scale_slots = regions.take(l.tensor_scales ? sizeof(TensorScaleSlots) : 0);
+    l.total_bytes = regions.end;
     return l;
   }
 };

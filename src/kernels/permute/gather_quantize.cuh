@@ -127,6 +127,30 @@ __device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int
   __syncthreads();  // the next token rewrites slot_rows
 }
 
+// A row already in the pool's encoding (`vectors` 16-byte vectors of E4M3 codes or of bf16 values)
+// into the pool row of each used slot of slot_rows, with kScales its per-128-channel scales (channel
+// block b's at scales[b * scale_stride]). Every thread of a block of kThreads, once slot_rows is
+// written and visible to it.
+template <int kThreads, bool kScales>
+__device__ __forceinline__ void copy_row_to_slots(const GatherParams& p, const int32_t* slot_rows, const uint4* row,
+                                                  int vectors, const float* scales, size_t scale_stride) {
+  uint4* pool = static_cast<uint4*>(p.activations);
+  for (int v = threadIdx.x; v < vectors; v += kThreads) {
+    const uint4 value = row[v];
+    for (int j = 0; j < p.top_k; ++j) {
+      if (slot_rows[j] >= 0) pool[static_cast<size_t>(slot_rows[j]) * vectors + v] = value;
+    }
+  }
+  if constexpr (kScales) {
+    for (int block = threadIdx.x; block < p.hidden / 128; block += kThreads) {
+      const float scale = scales[static_cast<size_t>(block) * scale_stride];
+      for (int j = 0; j < p.top_k; ++j) {
+        if (slot_rows[j] >= 0) p.activation_scales[static_cast<size_t>(block) * p.pool_rows + slot_rows[j]] = scale;
+      }
+    }
+  }
+}
+
 // One token of a caller's quantized x (GatherParams::x_scales) by a whole block: its pool slots,
 // then, unless FC1 copies its rows from x itself (rows_by_token), its codes and scales into the
 // pool row of each slot unchanged.
@@ -138,20 +162,8 @@ __device__ __forceinline__ void gather_quantized_token_by_block(const GatherPara
   if (p.rows_by_token) return;
   __syncthreads();
   const int vectors = p.hidden / 16;  // 16 codes each
-  const uint4* source = reinterpret_cast<const uint4*>(p.x) + static_cast<size_t>(token) * vectors;
-  uint4* pool = static_cast<uint4*>(p.activations);
-  for (int v = threadIdx.x; v < vectors; v += kThreads) {
-    const uint4 codes = source[v];
-    for (int j = 0; j < p.top_k; ++j) {
-      if (slot_rows[j] >= 0) pool[static_cast<size_t>(slot_rows[j]) * vectors + v] = codes;
-    }
-  }
-  for (int block = threadIdx.x; block < p.hidden / 128; block += kThreads) {
-    const float scale = p.x_scales[static_cast<size_t>(block) * p.x_scale_stride + token];
-    for (int j = 0; j < p.top_k; ++j) {
-      if (slot_rows[j] >= 0) p.activation_scales[static_cast<size_t>(block) * p.pool_rows + slot_rows[j]] = scale;
-    }
-  }
+  copy_row_to_slots<kThreads, true>(p, slot_rows, reinterpret_cast<const uint4*>(p.x) + static_cast<size_t>(token) * vectors,
+                              vectors, p.x_scales + token, p.x_scale_stride);
 }
 
 template <Precision kPrecision>

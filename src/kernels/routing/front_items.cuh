@@ -44,6 +44,15 @@ struct FrontParams {
 
 namespace front_detail {
 
+// Every thread: the next front item's ticket, the same in every thread.
+__device__ __forceinline__ int claim_ticket(const ForwardItems& items, FrontScratch& s) {
+  if (threadIdx.x == 0) s.ticket = static_cast<int>(atomicAdd(items.counter(kFrontTickets), 1u));
+  __syncthreads();
+  const int ticket = s.ticket;
+  __syncthreads();
+  return ticket;
+}
+
 // Every thread of the CTA, after a barrier that follows the writes (the scan's tables, the
 // gather's rows): thread 0 publishes them with a release.
 __device__ __forceinline__ void publish(uint32_t* counter) {
@@ -56,16 +65,37 @@ __device__ __forceinline__ void wait_for(const ForwardItems& items, ForwardCount
   __syncthreads();
 }
 
-// Tokens [first, end) into the pool, one after another by the whole CTA, then published.
-template <Precision kPrecision>
-__device__ __forceinline__ void gather_tokens(const FrontParams& p, FrontScratch& s, int first, int end) {
-  for (int token = first; token < end; ++token) {
-    gather_token_by_block<kPrecision, kFrontThreads>(p.gather, token, s.slot_rows, [] { return true; });
-  }
+// Tokens [first, end) into the pool, one after another by the whole CTA (gather_one(token)), then
+// published.
+template <class GatherOne>
+__device__ __forceinline__ void gather_and_publish(const FrontParams& p, int first, int end, GatherOne gather_one) {
+  for (int token = first; token < end; ++token) gather_one(token);
   ptx::fence_proxy_async_global();  // FC1 reads the rows by TMA
   __syncthreads();
   publish(p.items.counter(kGatheredItems));
   p.timeline.mark(layout::kGatherItemDone);
+}
+
+// The caller's tokens [first, end), quantized into the pool.
+template <Precision kPrecision>
+__device__ __forceinline__ void gather_tokens(const FrontParams& p, FrontScratch& s, int first, int end) {
+  gather_and_publish(p, first, end, [&](int token) {
+    gather_token_by_block<kPrecision, kFrontThreads>(p.gather, token, s.slot_rows, [] { return true; });
+  });
+}
+
+// The route item that finished last, every thread: the expert segments from the global counts.
+__device__ __forceinline__ void scan_global_counts(const FrontParams& p, FrontScratch& s) {
+  scan_expert_segments<kFrontThreads>(p.routing.expert_counts, p.routing.num_experts, p.routing.token_tile_rows,
+                                      p.routing.expert_rows, p.routing.expert_offsets, p.routing.token_tile_prefix,
+                                      p.routing.token_tile_expert, p.routing.gemm, s.scan_sums);
+}
+
+// Every thread, once the segments are written: they are published for the GEMMs' tile claims.
+__device__ __forceinline__ void publish_routing(const FrontParams& p) {
+  __syncthreads();
+  publish(p.items.counter(kRoutingReady));
+  p.timeline.mark(layout::kRoutingPublished);
 }
 
 // Returns whether this CTA published the routing.
@@ -93,14 +123,9 @@ __device__ __forceinline__ bool route_item(const FrontParams& p, FrontScratch& s
                                               p.routing.gemm, s.scan_sums);
   } else {
     if (!last_to_finish(p.items.counter(kRoutedItems), p.items.route_items, &s.last)) return false;
-    scan_expert_segments<kFrontThreads>(p.routing.expert_counts, p.routing.num_experts, p.routing.token_tile_rows,
-                                        p.routing.expert_rows, p.routing.expert_offsets,
-                                        p.routing.token_tile_prefix, p.routing.token_tile_expert, p.routing.gemm,
-                                        s.scan_sums);
+    scan_global_counts(p, s);
   }
-  __syncthreads();
-  publish(p.items.counter(kRoutingReady));
-  p.timeline.mark(layout::kRoutingPublished);
+  publish_routing(p);
   if (p.items.gather_items == 0) gather_tokens<kPrecision>(p, s, 0, valid);  // only a lone item has none
   return true;
 }
@@ -121,10 +146,7 @@ __device__ __forceinline__ void front_items(const FrontParams& p, FrontScratch& 
   const ForwardItems& items = p.items;
   bool routing_seen = false;
   for (;;) {
-    if (threadIdx.x == 0) s.ticket = static_cast<int>(atomicAdd(items.counter(kFrontTickets), 1u));
-    __syncthreads();
-    const int ticket = s.ticket;
-    __syncthreads();
+    const int ticket = front_detail::claim_ticket(items, s);
     if (ticket >= items.route_items + items.gather_items) break;
     if (ticket < items.route_items) {
       routing_seen |= front_detail::route_item<kPrecision>(p, s, ticket);

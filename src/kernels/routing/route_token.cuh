@@ -115,6 +115,17 @@ __device__ __forceinline__ float group_score(const float* values, int first, int
 
 }  // namespace routing_detail
 
+// Whether lane's slot id equals the id of an earlier slot of the token (slot j in lane j < k): every
+// lane of the warp calls it.
+__device__ __forceinline__ bool repeats_an_earlier_slot(int id, int lane, int k) {
+  bool duplicate = false;
+  for (int j = 0; j < k; ++j) {
+    const int other = __shfl_sync(0xffffffffu, id, j);
+    duplicate |= (j < lane) && other == id;
+  }
+  return duplicate;
+}
+
 // One token, by one warp (`value` and `score` are the warp's shared-memory rows; `counts` the
 // per-expert row counters, global or this block's shared memory).
 __device__ __forceinline__ void route_token(const RoutingParams& p, int token, int lane, float* value, float* score,
@@ -135,11 +146,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
       my_weight = p.topk_weights[static_cast<size_t>(token) * k + lane];
     }
     // Duplicates: an id equal to the id of any earlier slot is invalid.
-    bool duplicate = false;
-    for (int j = 0; j < k; ++j) {
-      const int other = __shfl_sync(0xffffffffu, my_id, j);
-      duplicate |= (j < lane) && other == my_id;
-    }
+    const bool duplicate = repeats_an_earlier_slot(my_id, lane, k);
     if (lane < k && my_id != -1 && (my_id < 0 || my_id >= E || duplicate)) {
       atomicAdd(&p.error_flags[0], 1);
       my_id = -1;

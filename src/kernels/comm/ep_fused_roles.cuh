@@ -1,0 +1,394 @@
+// Expert parallelism inside the persistent kernel: the roles the single-kernel forward runs before
+// and after its GEMMs when it is one rank's whole expert-parallel forward
+// (docs/design.md#expert-parallelism-inside-the-persistent-kernel). Each rank publishes its tokens
+// in its own symmetric buffer (layout/ep_fused_buffers.hpp) and the owners pull what they need:
+//   publish items  (claimed first) this rank's rows quantized once (or copied) with their ids and
+//                  weights into its `source` regions; the last to finish arrives at every rank
+//   route items    an owner's virtual tokens v = (source s, token t), a warp each: s's arrival
+//                  acquired, its count and the token's ids read over NVLink, the slots of this
+//                  rank's experts counted as local ids; the last scans the expert segments as the
+//                  single-GPU front does and lays out the combine's chunks per source
+//   gather items   each routed virtual token's row copied from its source into the pool
+//   FC1, FC2       the single kernel's GEMMs, unchanged
+//   combine chunks (claimed) a chunk of a source's tokens: each token's weighted sum over this
+//                  rank's experts stored into the source's `returned` region over NVLink; the CTA
+//                  that completes the last chunk arrives at every source
+//   reduce chunks  (claimed) this rank's own tokens: every owner's arrival acquired, then the
+//                  owners' partial sums added in rank order (fp32, rounded once: the staged
+//                  reduce's arithmetic) into y
+// Work that other work waits for is always claimed (never a fixed share), so CTAs that are not
+// resident slow the forward down and cannot hang it. The cross-rank waits end in a RankFault after
+// the layer's timeout, without printing (a printf in a kernel that issues wgmma serializes its
+// wgmma); from then on the rank reads and writes no peer's memory and y is NaN.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/combine/combine_share.cuh"
+#include "kernels/combine/combine_slots.cuh"
+#include "kernels/comm/ep_rows.cuh"
+#include "kernels/comm/peer_wait.cuh"
+#include "kernels/epilogue/gemm_op.hpp"
+#include "kernels/layout/ep_buffers.hpp"
+#include "kernels/layout/ep_fused_buffers.hpp"
+#include "kernels/pipeline/last_block.cuh"
+#include "kernels/ptx/memory.cuh"
+#include "kernels/ptx/sync.cuh"
+#include "kernels/routing/front_items.cuh"
+#include "kernels/routing/route_token.cuh"
+
+namespace megamoe::kernels {
+
+// Counters of the fused forward beyond the single kernel's: the same workspace slots, zeroed by the
+// last CTA to finish.
+enum EpForwardCounter : int {
+  kPublishItemsDone = kForwardCounters,  // publish items finished
+  kCombineChunksClaimed,
+  kCombineChunksDone,
+  kReduceChunksClaimed,
+  kEpForwardCounters,
+};
+static_assert(kEpForwardCounters <= layout::kForwardCounterSlots, "the workspace holds every counter");
+
+// Tokens of one source in a combine chunk, and of this rank in a reduce chunk: a CTA's math
+// threads take ~kEpChunkTokens * H / 8 / 256 vectors each between two claims.
+inline constexpr int kEpChunkTokens = 16;
+
+struct EpFusedParams {
+  void* const* peer_bases;  // [world] every rank's symmetric buffer
+  layout::EpFusedLayout layout;
+  int rank;
+  int num_experts;          // the whole layer's
+  int num_tokens;           // this rank's tokens in this call
+  const int32_t* topk_ids;  // [T, k] this rank's routing, global expert ids
+  const float* topk_weights;
+  const uint4* x;           // [T, H] bf16
+  bool ue8m0;               // FP8 rows: power-of-two scales (the layer's ScaleFormat)
+  __nv_bfloat16* y;         // [T, H]
+  int32_t* error_flags;     // [0] += invalid ids among this rank's tokens
+  uint64_t* calls;          // this rank only: forwards run so far (the next one's arrivals count to it + 1)
+  RankFault* fault;         // this rank only
+  long long timeout_ns;     // each cross-rank wait's
+  int publish_items;
+  int publish_tokens;       // tokens per publish item
+};
+
+namespace ep_fused_detail {
+
+template <class T>
+__device__ __forceinline__ T* region_of(const EpFusedParams& p, int rank, size_t offset) {
+  return ep_detail::region<T>(p.peer_bases[rank], offset);
+}
+
+// This rank's slot of `rank`'s arrival counters at `offset` (published or returned_from).
+__device__ __forceinline__ uint64_t* arrival_slot(const EpFusedParams& p, int rank, size_t offset) {
+  return region_of<uint64_t>(p, rank, offset) + p.rank;
+}
+
+// The calls' number this forward's arrivals count to (read after the previous forward's end).
+__device__ __forceinline__ uint64_t this_call(const EpFusedParams& p) { return *p.calls + 1; }
+
+// One thread: adds one arrival to this rank's slot at `offset` of every rank (release, system
+// scope), after the writes the caller ordered before it; none after a fault.
+__device__ __forceinline__ void arrive_everywhere(const EpFusedParams& p, size_t offset) {
+  for (int peer = 0; peer < p.layout.world_size; ++peer) {
+    if (rank_fault_seen(p.fault)) return;
+    ptx::red_add_release_sys(arrival_slot(p, peer, offset), 1);
+  }
+}
+
+// One thread: whether every rank arrived at this rank's slots at `offset` for this call (false
+// once a wait gave up).
+__device__ __forceinline__ bool all_arrived(const EpFusedParams& p, size_t offset) {
+  const uint64_t call = this_call(p);
+  const uint64_t* slots = region_of<const uint64_t>(p, p.rank, offset);
+  for (int peer = 0; peer < p.layout.world_size; ++peer) {
+    if (wait_for_peer(slots + peer, peer, call, p.timeout_ns, p.fault) != PeerWait::arrived) return false;
+  }
+  return true;
+}
+
+// Publish item `item`, the whole CTA: its tokens' rows (FP8 codes and scales by the gather's rule,
+// or bf16 as given), ids and weights into this rank's source regions; the last item to finish
+// writes the count and arrives at every rank.
+__device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratch& s, const ForwardItems& items,
+                                             int item) {
+  const layout::EpFusedLayout& l = p.layout;
+  const int first = item * p.publish_tokens, end = min(p.num_tokens, first + p.publish_tokens);
+  const int k = l.top_k;
+  for (int t = first; t < end; ++t) {
+    const uint4* row = p.x + static_cast<size_t>(t) * (l.hidden / 8);
+    if (l.fp8_rows) {
+      uint4* codes = region_of<uint4>(p, p.rank, l.rows) + static_cast<size_t>(t) * (l.hidden / 16);
+      float* scales = region_of<float>(p, p.rank, l.row_scales) + t;
+      ep_detail::block_quantize_row(row, &codes, &scales, 1, l.hidden, static_cast<size_t>(l.max_tokens_per_rank),
+                                    p.ue8m0);
+    } else {
+      uint4* copy = region_of<uint4>(p, p.rank, l.rows) + static_cast<size_t>(t) * (l.hidden / 8);
+      ep_detail::block_copy_row(row, &copy, 1, l.hidden / 8);
+    }
+    if (threadIdx.x < k) {
+      const size_t slot = static_cast<size_t>(t) * k + threadIdx.x;
+      region_of<int32_t>(p, p.rank, l.ids)[slot] = p.topk_ids[slot];
+      region_of<float>(p, p.rank, l.weights)[slot] = p.topk_weights[slot];
+    }
+    if (threadIdx.x == 32) {  // another warp than the copies': invalid ids are counted here, once
+      int invalid = 0;
+      layout::ep_token_destinations(p.topk_ids, k, p.num_experts, l.experts_per_rank, t, &invalid);
+      if (invalid > 0) atomicAdd(p.error_flags, invalid);
+    }
+  }
+  if (!last_to_finish(items.counter(static_cast<ForwardCounter>(kPublishItemsDone)),
+                      static_cast<uint32_t>(p.publish_items), &s.last)) {
+    return;
+  }
+  if (threadIdx.x == 0) *region_of<int32_t>(p, p.rank, l.token_count) = p.num_tokens;
+  __syncthreads();
+  __threadfence_system();
+  if (threadIdx.x == 0) arrive_everywhere(p, l.published);
+}
+
+// Virtual token v by one warp: its source's publication acquired (lane 0), its slots as this
+// rank's local experts written into the routing's tables and counted.
+__device__ __forceinline__ void route_virtual_token(const RoutingParams& r, const EpFusedParams& p, long v, int lane) {
+  const layout::EpFusedLayout& l = p.layout;
+  const int source = static_cast<int>(v / l.max_tokens_per_rank);
+  const int t = static_cast<int>(v % l.max_tokens_per_rank);
+  int count = 0;
+  if (lane == 0) {
+    const uint64_t* arrivals = region_of<const uint64_t>(p, p.rank, l.published) + source;
+    if (wait_for_peer(arrivals, source, this_call(p), p.timeout_ns, p.fault) == PeerWait::arrived) {
+      count = *region_of<const int32_t>(p, source, l.token_count);
+    }
+  }
+  __syncwarp();  // the other lanes' loads of the source's ids come after lane 0's acquire
+  count = __shfl_sync(0xffffffffu, count, 0);
+  const int k = l.top_k;
+  int id = -1;
+  float weight = 0.0f;
+  if (t < count && lane < k) {
+    id = region_of<const int32_t>(p, source, l.ids)[static_cast<size_t>(t) * k + lane];
+    weight = region_of<const float>(p, source, l.weights)[static_cast<size_t>(t) * k + lane];
+  }
+  // Invalid ids (counted by their source) and slots of other ranks' experts route nowhere here.
+  const bool duplicate = repeats_an_earlier_slot(id, lane, k);
+  const bool mine = id >= 0 && id < p.num_experts && !duplicate && id / l.experts_per_rank == p.rank;
+  const int local = mine ? id % l.experts_per_rank : -1;
+  if (lane < k) {
+    const size_t slot = static_cast<size_t>(v) * k + lane;
+    r.routed_ids[slot] = local;
+    r.routed_weights[slot] = weight;
+    r.slot_rank[slot] = local >= 0 ? atomicAdd(&r.expert_counts[local], 1) : -1;
+  }
+}
+
+// The combine's chunks per source, from every source's count (the last route item, after every
+// publication was acquired or given up on): this rank's source_counts and chunk_prefix.
+__device__ __forceinline__ void lay_out_combine_chunks(const EpFusedParams& p) {
+  if (threadIdx.x != 0) return;
+  const layout::EpFusedLayout& l = p.layout;
+  int32_t* counts = region_of<int32_t>(p, p.rank, l.source_counts);
+  int32_t* prefix = region_of<int32_t>(p, p.rank, l.chunk_prefix);
+  int chunks = 0;
+  for (int source = 0; source < l.world_size; ++source) {
+    prefix[source] = chunks;
+    counts[source] = rank_fault_seen(p.fault) ? 0 : *region_of<const int32_t>(p, source, l.token_count);
+    chunks += (counts[source] + kEpChunkTokens - 1) / kEpChunkTokens;
+  }
+  prefix[l.world_size] = chunks;
+}
+
+// Route item `item`, the whole CTA: a virtual token per warp; returns whether this CTA published
+// the routing (the last item to finish scans the segments).
+__device__ __forceinline__ bool route_item(const FrontParams& f, const EpFusedParams& p, FrontScratch& s, int item) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long v = static_cast<long>(item) * kFrontWarps + warp;
+  if (v < p.layout.virtual_tokens()) route_virtual_token(f.routing, p, v, lane);
+  if (!last_to_finish(f.items.counter(kRoutedItems), f.items.route_items, &s.last)) return false;
+  front_detail::scan_global_counts(f, s);
+  lay_out_combine_chunks(p);
+  front_detail::publish_routing(f);
+  return true;
+}
+
+// Virtual token v, the whole CTA: its pool slots, then its row from its source into each.
+__device__ __forceinline__ void gather_virtual_token(const GatherParams& g, const EpFusedParams& p, FrontScratch& s,
+                                                     int v) {
+  const layout::EpFusedLayout& l = p.layout;
+  if (threadIdx.x < g.top_k) s.slot_rows[threadIdx.x] = place_slot(g, v, threadIdx.x);
+  __syncthreads();
+  bool used = false;
+  for (int j = 0; j < g.top_k; ++j) used |= s.slot_rows[j] >= 0;
+  if (used && !rank_fault_seen(p.fault)) {
+    const int source = v / l.max_tokens_per_rank;
+    const size_t t = static_cast<size_t>(v % l.max_tokens_per_rank);
+    const uint4* row = reinterpret_cast<const uint4*>(region_of<const char>(p, source, l.rows) + t * l.row_bytes());
+    if (l.fp8_rows) {
+      copy_row_to_slots<kFrontThreads, true>(g, s.slot_rows, row, l.hidden / 16,
+                                             region_of<const float>(p, source, l.row_scales) + t,
+                                             static_cast<size_t>(l.max_tokens_per_rank));
+    } else {
+      copy_row_to_slots<kFrontThreads, false>(g, s.slot_rows, row, l.hidden / 8, nullptr, 0);
+    }
+  }
+  __syncthreads();  // slot_rows is rewritten by the next token
+}
+
+}  // namespace ep_fused_detail
+
+// The front role, every thread of the CTA: publish, route and gather items until none is left;
+// returns once the expert segments are published.
+__device__ __forceinline__ void ep_front_items(const FrontParams& f, const EpFusedParams& p, FrontScratch& s) {
+  const ForwardItems& items = f.items;
+  const int publish = p.publish_items, routes = publish + items.route_items;
+  bool routing_seen = false;
+  for (;;) {
+    const int ticket = front_detail::claim_ticket(items, s);
+    if (ticket >= routes + items.gather_items) break;
+    if (ticket < publish) {
+      ep_fused_detail::publish_item(p, s, items, ticket);
+      continue;
+    }
+    if (ticket < routes) {
+      routing_seen |= ep_fused_detail::route_item(f, p, s, ticket - publish);
+      continue;
+    }
+    if (!routing_seen) front_detail::wait_for(items, kRoutingReady, 1);
+    routing_seen = true;
+    const int first = (ticket - routes) * items.gather_tokens;
+    const int end = static_cast<int>(min(static_cast<long>(first + items.gather_tokens), p.layout.virtual_tokens()));
+    front_detail::gather_and_publish(f, first, end,
+                                     [&](int v) { ep_fused_detail::gather_virtual_token(f.gather, p, s, v); });
+  }
+  if (!routing_seen) front_detail::wait_for(items, kRoutingReady, 1);
+  f.timeline.mark(layout::kFrontDone);
+}
+
+// Where a virtual token's partial sum goes: its source's `returned` region, at this rank's row of
+// the token; only tokens with a slot here are stored, and nothing after a fault.
+struct EpPartialSumRows {
+  static constexpr bool kRoutedOnly = true;
+  const EpFusedParams* p;
+  __device__ __forceinline__ __nv_bfloat16* row(const CombineParams&, int v) const {
+    if (rank_fault_seen(p->fault)) return nullptr;
+    const layout::EpFusedLayout& l = p->layout;
+    const int source = v / l.max_tokens_per_rank, t = v % l.max_tokens_per_rank;
+    return ep_fused_detail::region_of<__nv_bfloat16>(*p, source, l.returned) +
+           (static_cast<size_t>(p->rank) * l.max_tokens_per_rank + t) * l.hidden;
+  }
+};
+
+namespace ep_fused_detail {
+
+// The math threads' next chunk from `claimed` (the same in every math thread), or -1 past `chunks`.
+__device__ __forceinline__ int claim_chunk(uint32_t* claimed, int chunks, int math_thread, int math_threads,
+                                           int* shared_chunk) {
+  if (math_thread == 0) {
+    const int chunk = static_cast<int>(atomicAdd(claimed, 1u));
+    *shared_chunk = chunk < chunks ? chunk : -1;
+  }
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpChunkClaimed), static_cast<uint32_t>(math_threads));
+  // Rewritten by the next claim only after every math thread passed a barrier past this read.
+  return *shared_chunk;
+}
+
+// Combine chunk `chunk`: the virtual tokens of kEpChunkTokens tokens of one source (none after a
+// fault: a lost peer's buffer may be gone).
+__device__ __forceinline__ void combine_chunk(const CombineParams& c, const EpFusedParams& p, int chunk,
+                                              int math_thread, int math_threads) {
+  if (rank_fault_seen(p.fault)) return;
+  const int32_t* prefix = region_of<const int32_t>(p, p.rank, p.layout.chunk_prefix);
+  int source = 0;
+  while (prefix[source + 1] <= chunk) ++source;
+  const int vectors_per_token = c.hidden / Bf16x8Sum::kChannels;
+  const long source_first = static_cast<long>(source) * p.layout.max_tokens_per_rank;
+  const long first_token = source_first + static_cast<long>(chunk - prefix[source]) * kEpChunkTokens;
+  const int count = region_of<const int32_t>(p, p.rank, p.layout.source_counts)[source];
+  const long end_token = min(first_token + kEpChunkTokens, source_first + count);
+  const EpPartialSumRows output{&p};
+  for (long first = first_token * vectors_per_token + math_thread; first < end_token * vectors_per_token;
+       first += static_cast<long>(kCombineBatch) * math_threads) {
+    combine_vectors<true, kCombineBatch>(c, first, math_threads, static_cast<int>(end_token), output);
+  }
+}
+
+// Reduce chunk `chunk`: this rank's tokens [chunk, chunk + 1) * kEpChunkTokens, each owner's
+// partial sum (the owners its ids name) in rank order into y; NaN after a fault.
+__device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, int chunk, int math_thread, int math_threads) {
+  const layout::EpFusedLayout& l = p.layout;
+  const int vectors_per_token = l.hidden / Bf16x8Sum::kChannels;
+  const int first_token = chunk * kEpChunkTokens, end_token = min(p.num_tokens, first_token + kEpChunkTokens);
+  const bool lost = rank_fault_seen(p.fault);
+  for (long index = static_cast<long>(first_token) * vectors_per_token + math_thread;
+       index < static_cast<long>(end_token) * vectors_per_token; index += math_threads) {
+    const int t = static_cast<int>(index / vectors_per_token), vector = static_cast<int>(index % vectors_per_token);
+    uint4* out = reinterpret_cast<uint4*>(p.y) + index;
+    if (lost) {
+      *out = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);  // never a plausible output
+      continue;
+    }
+    int invalid = 0;
+    const uint64_t owners =
+        layout::ep_token_destinations(p.topk_ids, l.top_k, p.num_experts, l.experts_per_rank, t, &invalid);
+    Bf16x8Sum sum;
+    sum.add_rows<8>(l.world_size, [&](int owner, const uint4*& row, float& weight) {
+      if (!((owners >> owner) & 1u)) return;
+      row = reinterpret_cast<const uint4*>(region_of<const __nv_bfloat16>(p, p.rank, l.returned) +
+                                           (static_cast<size_t>(owner) * l.max_tokens_per_rank + t) * l.hidden) +
+            vector;
+      weight = 1.0f;
+    });
+    *out = sum.rounded();
+  }
+}
+
+}  // namespace ep_fused_detail
+
+// The role after the GEMMs, by the math threads: claimed combine chunks once every FC2 tile is
+// stored (the CTA that completes the last one arrives at every source), then claimed reduce chunks
+// once every owner has arrived here. `shared_chunk` is one int of the CTA's shared memory.
+__device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFusedParams& p, const ForwardItems& items,
+                                             uint32_t fc2_tiles, int math_thread, int math_threads,
+                                             int* shared_chunk) {
+  using namespace ep_fused_detail;
+  const auto stored = static_cast<uint32_t>(NamedBarrier::kEpChunkStored);
+  if (math_thread == 0) {
+    ptx::wait_until([&] { return ptx::ld_acquire_gpu(items.counter(kFc2TilesStored)) >= fc2_tiles; }, 64);
+  }
+  const int combine_chunks = region_of<const int32_t>(p, p.rank, p.layout.chunk_prefix)[p.layout.world_size];
+  for (;;) {
+    const int chunk = claim_chunk(items.counter(static_cast<ForwardCounter>(kCombineChunksClaimed)), combine_chunks,
+                                  math_thread, math_threads, shared_chunk);
+    if (chunk < 0) break;
+    combine_chunk(c, p, chunk, math_thread, math_threads);
+    __threadfence_system();  // this thread's stores into the sources' buffers, before the count
+    ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
+    if (math_thread == 0 &&
+        atomicAdd(items.counter(static_cast<ForwardCounter>(kCombineChunksDone)), 1u) + 1 ==
+            static_cast<uint32_t>(combine_chunks)) {
+      __threadfence_system();
+      arrive_everywhere(p, p.layout.returned_from);
+    }
+  }
+  // A rank with no token to combine here still arrives, once (the claim that found none first).
+  if (combine_chunks == 0 && math_thread == 0 &&
+      atomicAdd(items.counter(static_cast<ForwardCounter>(kCombineChunksDone)), 1u) == 0) {
+    arrive_everywhere(p, p.layout.returned_from);
+  }
+  // Every math thread has read the last claim before the next one rewrites the word; the owners'
+  // partial sums are acquired (or given up on) by the first math thread.
+  if (math_thread == 0) all_arrived(p, p.layout.returned_from);
+  ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
+  const int reduce_chunks = (p.num_tokens + kEpChunkTokens - 1) / kEpChunkTokens;
+  for (;;) {
+    const int chunk = claim_chunk(items.counter(static_cast<ForwardCounter>(kReduceChunksClaimed)), reduce_chunks,
+                                  math_thread, math_threads, shared_chunk);
+    if (chunk < 0) break;
+    reduce_chunk(p, chunk, math_thread, math_threads);
+    ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
+  }
+}
+
+}  // namespace megamoe::kernels

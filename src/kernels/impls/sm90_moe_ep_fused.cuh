@@ -1,0 +1,37 @@
+// The single-kernel forward as one rank's whole expert-parallel forward: the same kernel
+// (impls/sm90_moe_single_kernel.cuh) with expert parallelism's roles before and after the GEMMs
+// (comm/ep_fused_roles.cuh), chosen by the type of its parameters.
+#pragma once
+
+#include "kernels/comm/ep_fused_roles.cuh"
+#include "kernels/impls/sm90_moe_single_kernel.cuh"
+
+namespace megamoe::kernels {
+
+template <class Fc1Params, class Fc2Params>
+struct EpFusedKernelParams : SingleKernelParams<Fc1Params, Fc2Params> {
+  static constexpr int kCounters = kEpForwardCounters;
+  EpFusedParams ep;
+};
+
+template <Precision kPrecision, class Fc1Params, class Fc2Params>
+__device__ __forceinline__ void run_front_role(const EpFusedKernelParams<Fc1Params, Fc2Params>& p, FrontScratch& s) {
+  ep_front_items(p.front, p.ep, s);
+}
+
+template <bool kDeterministic, class Fc1Params, class Fc2Params>
+__device__ __forceinline__ void run_back_role(const EpFusedKernelParams<Fc1Params, Fc2Params>& p, FrontScratch& s,
+                                              int math_thread, int math_threads) {
+  static_assert(kDeterministic, "the fused expert-parallel forward stores slot rows (its partial sums need them)");
+  ep_back_role(p.combine, p.ep, p.front.items, static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread,
+               math_threads, &s.ticket);
+}
+
+// The last CTA to finish, after zeroing the counters: this rank's calls, which the next forward's
+// arrivals count to.
+template <class Fc1Params, class Fc2Params>
+__device__ __forceinline__ void finish_forward(const EpFusedKernelParams<Fc1Params, Fc2Params>& p) {
+  *p.ep.calls += 1;
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,78 @@
+// The symmetric buffer of the fused expert-parallel forward
+// (docs/design.md#expert-parallelism-inside-the-persistent-kernel): every rank allocates the same
+// layout; a rank writes its own tokens into its `source` regions, its owners read them over NVLink
+// and store their partial sums into its `returned` region.
+//
+//   token_count    int32 [1]                       this call's tokens of this rank
+//   ids            int32 [max_tokens][k]           their routing (global expert ids)
+//   weights        fp32 [max_tokens][k]
+//   rows           e4m3 or bf16 [max_tokens][H]    their rows: quantized once here for fp8_block
+//                                                  layers (the gather's rule), bf16 otherwise
+//   row_scales     fp32 [H/128][max_tokens]        FP8 rows: token t's scale of channel block b at
+//                                                  [b][t] (the layout of MoeInputs::x_scales)
+//   returned       bf16 [world][max_tokens][H]     owner o's weighted sum over its experts of this
+//                                                  rank's token t, at [o][t]
+//   published      uint64 [kSignalSlots]           arrivals of each source's publication: slot s
+//                                                  counts the calls whose rows source s published
+//   returned_from  uint64 [kSignalSlots]           arrivals of each owner's partial sums, likewise
+//   signals        uint64 [kSignalSlots]           the cross-rank barrier's (EpLayer::synchronize_ranks)
+//   source_counts  int32 [kSignalSlots]            this rank's own bookkeeping (no peer reads it):
+//   chunk_prefix   int32 [kSignalSlots + 1]        each source's count as its owner saw it, and the
+//                                                  combine's chunks of the sources before it
+//
+// Counters only grow, so call n waits for n arrivals: nothing is reset across ranks. An owner sees
+// its work as virtual tokens v = s * max_tokens + t (source rank s, token t), the single kernel's
+// items over world * max_tokens rows.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/layout/ep_buffers.hpp"
+#include "kernels/layout/moe_workspace.hpp"
+
+namespace megamoe::layout {
+
+struct EpFusedLayout : EpShape {
+  static constexpr int kSignalSlots = EpBufferLayout::kSignalSlots;
+
+  size_t token_count = 0;
+  size_t ids = 0;
+  size_t weights = 0;
+  size_t rows = 0;
+  size_t row_scales = 0;  // FP8 rows only (0 bytes otherwise)
+  size_t returned = 0;
+  size_t published = 0;
+  size_t returned_from = 0;
+  size_t signals = 0;
+  size_t source_counts = 0;
+  size_t chunk_prefix = 0;
+  size_t total_bytes = 0;
+
+  // The rows an owner's local pass sees: every source's slots, real or not.
+  MEGAMOE_HOST_DEVICE long virtual_tokens() const { return static_cast<long>(world_size) * max_tokens_per_rank; }
+  MEGAMOE_HOST_DEVICE size_t row_bytes() const { return static_cast<size_t>(hidden) * (fp8_rows ? 1 : 2); }
+
+  MEGAMOE_HOST_DEVICE static constexpr EpFusedLayout make(int world_size, int num_experts, int top_k, int hidden,
+                                                          int max_tokens_per_rank, bool fp8_rows) {
+    EpFusedLayout l;
+    static_cast<EpShape&>(l) = EpShape::of(world_size, num_experts, top_k, hidden, max_tokens_per_rank, fp8_rows);
+    const size_t tokens = static_cast<size_t>(max_tokens_per_rank);
+    RegionCursor regions;
+    l.token_count = regions.take(sizeof(int32_t));
+    l.ids = regions.take(sizeof(int32_t) * top_k * tokens);
+    l.weights = regions.take(sizeof(float) * top_k * tokens);
+    l.rows = regions.take(tokens * hidden * (fp8_rows ? 1 : 2));
+    l.row_scales = regions.take(fp8_rows ? sizeof(float) * (hidden / 128) * tokens : 0);
+    l.returned = regions.take(static_cast<size_t>(world_size) * tokens * hidden * 2);
+    l.published = regions.take(sizeof(uint64_t) * kSignalSlots);
+    l.returned_from = regions.take(sizeof(uint64_t) * kSignalSlots);
+    l.signals = regions.take(sizeof(uint64_t) * kSignalSlots);
+    l.source_counts = regions.take(sizeof(int32_t) * kSignalSlots);
+    l.chunk_prefix = regions.take(sizeof(int32_t) * (kSignalSlots + 1));
+    l.total_bytes = regions.end;
+    return l;
+  }
+};
+
+}  // namespace megamoe::layout

@@ -1,0 +1,53 @@
+#include "kernels/layout/ep_fused_buffers.hpp"
+
+#include <gtest/gtest.h>
+
+#include <utility>
+#include <vector>
+
+#include "common/layout_checks.hpp"
+
+namespace megamoe::layout {
+namespace {
+
+// A source's own tokens (count, ids, weights, rows: FP8 codes with scales [H / 128][tokens], or
+// bf16), every owner's partial sums of them [world][tokens][H], the arrival counters and the
+// barrier's slots, and the owner's bookkeeping: aligned, disjoint, each of its size.
+TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
+  for (bool fp8_rows : {false, true}) {
+    const EpFusedLayout l = EpFusedLayout::make(4, 256, 8, 7168, 4096, fp8_rows);
+    EXPECT_EQ(l.experts_per_rank, 64);
+    EXPECT_EQ(l.fp8_rows, fp8_rows);
+    EXPECT_EQ(l.virtual_tokens(), 4 * 4096);
+    EXPECT_EQ(l.row_bytes(), fp8_rows ? 7168u : 2u * 7168);
+    const size_t tokens = 4096, slots = EpFusedLayout::kSignalSlots;
+    std::vector<std::pair<size_t, size_t>> regions = {
+        {l.token_count, 4},
+        {l.ids, 4 * 8 * tokens},
+        {l.weights, 4 * 8 * tokens},
+        {l.rows, tokens * l.row_bytes()},
+        {l.returned, 4 * tokens * 7168 * 2},
+        {l.published, 8 * slots},
+        {l.returned_from, 8 * slots},
+        {l.signals, 8 * slots},
+        {l.source_counts, 4 * slots},
+        {l.chunk_prefix, 4 * (slots + 1)}};
+    if (fp8_rows) regions.insert(regions.begin() + 4, {l.row_scales, 4 * (7168 / 128) * tokens});
+    test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
+  }
+}
+
+// Both expert-parallel buffers are laid out for the same shape from the same arguments.
+TEST(EpFusedLayout, SharesTheStagedLayoutsShape) {
+  const EpShape staged = EpBufferLayout::make(2, 16, 4, 256, 64, true, false);
+  const EpShape fused = EpFusedLayout::make(2, 16, 4, 256, 64, true);
+  EXPECT_EQ(fused.world_size, staged.world_size);
+  EXPECT_EQ(fused.experts_per_rank, staged.experts_per_rank);
+  EXPECT_EQ(fused.top_k, staged.top_k);
+  EXPECT_EQ(fused.hidden, staged.hidden);
+  EXPECT_EQ(fused.max_tokens_per_rank, staged.max_tokens_per_rank);
+  EXPECT_EQ(fused.fp8_rows, staged.fp8_rows);
+}
+
+}  // namespace
+}  // namespace megamoe::layout
