@@ -213,10 +213,15 @@ __device__ __forceinline__ bool route_item(const FrontParams& f, const EpFusedPa
   return true;
 }
 
-// Virtual token v, the whole CTA: its pool slots, then its row from its source into each.
+// Virtual token v, the whole CTA: its pool slots, then its row from its source into each. Slots
+// past their source's count (most of them, below max_tokens_per_rank tokens) route nowhere: they
+// return at once, every thread alike (the counts were laid out before the routing was published).
 __device__ __forceinline__ void gather_virtual_token(const GatherParams& g, const EpFusedParams& p, FrontScratch& s,
                                                      int v) {
   const layout::EpFusedLayout& l = p.layout;
+  if (v % l.max_tokens_per_rank >= region_of<const int32_t>(p, p.rank, l.source_counts)[v / l.max_tokens_per_rank]) {
+    return;
+  }
   if (threadIdx.x < g.top_k) s.slot_rows[threadIdx.x] = place_slot(g, v, threadIdx.x);
   __syncthreads();
   bool used = false;
@@ -315,17 +320,18 @@ __device__ __forceinline__ void combine_chunk(const CombineParams& c, const EpFu
 }
 
 // Reduce chunk `chunk`: this rank's tokens [chunk, chunk + 1) * kEpChunkTokens, each owner's
-// partial sum (the owners its ids name) in rank order into y; NaN after a fault.
-__device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, int chunk, int math_thread, int math_threads) {
+// partial sum (the owners its ids name) in rank order into y; NaN where not every owner arrived
+// when this CTA waited (`arrived`): a vector is its sum or NaN, never a sum of what did not arrive.
+__device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, int chunk, bool arrived, int math_thread,
+                                             int math_threads) {
   const layout::EpFusedLayout& l = p.layout;
   const int vectors_per_token = l.hidden / Bf16x8Sum::kChannels;
   const int first_token = chunk * kEpChunkTokens, end_token = min(p.num_tokens, first_token + kEpChunkTokens);
-  const bool lost = rank_fault_seen(p.fault);
   for (long index = static_cast<long>(first_token) * vectors_per_token + math_thread;
        index < static_cast<long>(end_token) * vectors_per_token; index += math_threads) {
     const int t = static_cast<int>(index / vectors_per_token), vector = static_cast<int>(index % vectors_per_token);
     uint4* out = reinterpret_cast<uint4*>(p.y) + index;
-    if (lost) {
+    if (!arrived) {
       *out = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);  // never a plausible output
       continue;
     }
@@ -348,11 +354,12 @@ __device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, int chunk, 
 
 // The role after the GEMMs, by the math threads: claimed combine chunks once every FC2 tile is
 // stored (the CTA that completes the last one arrives at every source), then claimed reduce chunks
-// once every owner has arrived here. `shared_chunk` is one int of the CTA's shared memory.
+// once every owner has arrived here. `s` is the front role's scratch, idle again: its ticket holds
+// the claimed chunk, `last` whether every owner arrived.
 __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFusedParams& p, const ForwardItems& items,
-                                             uint32_t fc2_tiles, int math_thread, int math_threads,
-                                             int* shared_chunk) {
+                                             uint32_t fc2_tiles, int math_thread, int math_threads, FrontScratch& s) {
   using namespace ep_fused_detail;
+  int* shared_chunk = &s.ticket;
   const auto stored = static_cast<uint32_t>(NamedBarrier::kEpChunkStored);
   if (math_thread == 0) {
     ptx::wait_until([&] { return ptx::ld_acquire_gpu(items.counter(kFc2TilesStored)) >= fc2_tiles; }, 64);
@@ -379,14 +386,15 @@ __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFus
   }
   // Every math thread has read the last claim before the next one rewrites the word; the owners'
   // partial sums are acquired (or given up on) by the first math thread.
-  if (math_thread == 0) all_arrived(p, p.layout.returned_from);
+  if (math_thread == 0) s.last = all_arrived(p, p.layout.returned_from);
   ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
+  const bool arrived = s.last;
   const int reduce_chunks = (p.num_tokens + kEpChunkTokens - 1) / kEpChunkTokens;
   for (;;) {
     const int chunk = claim_chunk(items.counter(static_cast<ForwardCounter>(kReduceChunksClaimed)), reduce_chunks,
                                   math_thread, math_threads, shared_chunk);
     if (chunk < 0) break;
-    reduce_chunk(p, chunk, math_thread, math_threads);
+    reduce_chunk(p, chunk, arrived, math_thread, math_threads);
     ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
   }
 }
