@@ -5,7 +5,7 @@
 //   publish items  (claimed first) this rank's rows quantized once (or copied) with their ids and
 //                  weights into its `source` regions; the last to finish arrives at every rank
 //   route items    an owner's virtual tokens v = (source s, token t), a warp each: s's arrival
-//                  acquired, its count and the token's ids read over NVLink, the slots of this
+//                  and count acquired, the token's ids read over NVLink, the slots of this
 //                  rank's experts counted as local ids; the last scans the expert segments as the
 //                  single-GPU front does and lays out the combine's chunks per source
 //   gather items   each routed virtual token's row copied from its source into the pool
@@ -111,8 +111,8 @@ __device__ __forceinline__ bool all_arrived(const EpFusedParams& p, size_t offse
 }
 
 // Publish item `item`, the whole CTA: its tokens' rows (FP8 codes and scales by the gather's rule,
-// or bf16 as given), ids and weights into this rank's source regions; the last item to finish
-// writes the count and arrives at every rank.
+// or bf16 as given), ids and weights into this rank's buffer; the last item to finish writes the
+// count into every rank and arrives there.
 __device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratch& s, const ForwardItems& items,
                                              int item) {
   const layout::EpFusedLayout& l = p.layout;
@@ -144,14 +144,17 @@ __device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratc
                       static_cast<uint32_t>(p.publish_items), &s.last)) {
     return;
   }
-  if (threadIdx.x == 0) *region_of<int32_t>(p, p.rank, l.token_count) = p.num_tokens;
+  if (threadIdx.x < l.world_size && !rank_fault_seen(p.fault)) {
+    region_of<int32_t>(p, threadIdx.x, l.counts_in)[p.rank] = p.num_tokens;
+  }
   __syncthreads();
   __threadfence_system();
   if (threadIdx.x == 0) arrive_everywhere(p, l.published);
 }
 
 // Virtual token v by one warp: its source's publication acquired (lane 0), its slots as this
-// rank's local experts written into the routing's tables and counted.
+// rank's local experts written into the routing's tables and counted. A slot past its source's
+// count is left as it is: the gather and the combine never read it.
 __device__ __forceinline__ void route_virtual_token(const RoutingParams& r, const EpFusedParams& p, long v, int lane) {
   const layout::EpFusedLayout& l = p.layout;
   const int source = static_cast<int>(v / l.max_tokens_per_rank);
@@ -160,15 +163,16 @@ __device__ __forceinline__ void route_virtual_token(const RoutingParams& r, cons
   if (lane == 0) {
     const uint64_t* arrivals = region_of<const uint64_t>(p, p.rank, l.published) + source;
     if (wait_for_peer(arrivals, source, this_call(p), p.timeout_ns, p.fault) == PeerWait::arrived) {
-      count = *region_of<const int32_t>(p, source, l.token_count);
+      count = region_of<const int32_t>(p, p.rank, l.counts_in)[source];
     }
   }
   __syncwarp();  // the other lanes' loads of the source's ids come after lane 0's acquire
   count = __shfl_sync(0xffffffffu, count, 0);
+  if (t >= count) return;
   const int k = l.top_k;
   int id = -1;
   float weight = 0.0f;
-  if (t < count && lane < k) {
+  if (lane < k) {
     id = region_of<const int32_t>(p, source, l.ids)[static_cast<size_t>(t) * k + lane];
     weight = region_of<const float>(p, source, l.weights)[static_cast<size_t>(t) * k + lane];
   }
@@ -194,7 +198,7 @@ __device__ __forceinline__ void lay_out_combine_chunks(const EpFusedParams& p) {
   int chunks = 0;
   for (int source = 0; source < l.world_size; ++source) {
     prefix[source] = chunks;
-    counts[source] = rank_fault_seen(p.fault) ? 0 : *region_of<const int32_t>(p, source, l.token_count);
+    counts[source] = rank_fault_seen(p.fault) ? 0 : region_of<const int32_t>(p, p.rank, l.counts_in)[source];
     chunks += (counts[source] + kEpChunkTokens - 1) / kEpChunkTokens;
   }
   prefix[l.world_size] = chunks;

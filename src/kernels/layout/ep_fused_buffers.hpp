@@ -1,9 +1,10 @@
 // The symmetric buffer of the fused expert-parallel forward
 // (docs/design.md#expert-parallelism-inside-the-persistent-kernel): every rank allocates the same
-// layout; a rank writes its own tokens into its `source` regions, its owners read them over NVLink
-// and store their partial sums into its `returned` region.
+// layout; a rank writes its own tokens into its ids, weights and rows regions, its owners read them
+// over NVLink and store their partial sums into its `returned` region.
 //
-//   token_count    int32 [1]                       this call's tokens of this rank
+//   counts_in      int32 [kSignalSlots]            each source's tokens in this call, written by the
+//                                                  source into every rank before it arrives
 //   ids            int32 [max_tokens][k]           their routing (global expert ids)
 //   weights        fp32 [max_tokens][k]
 //   rows           e4m3 or bf16 [max_tokens][H]    their rows: quantized once here for fp8_block
@@ -36,7 +37,7 @@ namespace megamoe::layout {
 struct EpFusedLayout : EpShape {
   static constexpr int kSignalSlots = EpBufferLayout::kSignalSlots;
 
-  size_t token_count = 0;
+  size_t counts_in = 0;
   size_t ids = 0;
   size_t weights = 0;
   size_t rows = 0;
@@ -59,7 +60,7 @@ struct EpFusedLayout : EpShape {
     static_cast<EpShape&>(l) = EpShape::of(world_size, num_experts, top_k, hidden, max_tokens_per_rank, fp8_rows);
     const size_t tokens = static_cast<size_t>(max_tokens_per_rank);
     RegionCursor regions;
-    l.token_count = regions.take(sizeof(int32_t));
+    l.counts_in = regions.take(sizeof(int32_t) * kSignalSlots);
     l.ids = regions.take(sizeof(int32_t) * top_k * tokens);
     l.weights = regions.take(sizeof(float) * top_k * tokens);
     l.rows = regions.take(tokens * hidden * (fp8_rows ? 1 : 2));

@@ -10,8 +10,8 @@
 namespace megamoe::layout {
 namespace {
 
-// A source's own tokens (count, ids, weights, rows: FP8 codes with scales [H / 128][tokens], or
-// bf16), every owner's partial sums of them [world][tokens][H], the arrival counters and the
+// Every source's count, a source's own tokens (ids, weights, rows: FP8 codes with scales
+// [H / 128][tokens], or bf16), every owner's partial sums of them [world][tokens][H], the arrival counters and the
 // barrier's slots, and the owner's bookkeeping: aligned, disjoint, each of its size.
 TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
   for (bool fp8_rows : {false, true}) {
@@ -22,7 +22,7 @@ TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
     EXPECT_EQ(l.row_bytes(), fp8_rows ? 7168u : 2u * 7168);
     const size_t tokens = 4096, slots = EpFusedLayout::kSignalSlots;
     std::vector<std::pair<size_t, size_t>> regions = {
-        {l.token_count, 4},
+        {l.counts_in, 4 * slots},
         {l.ids, 4 * 8 * tokens},
         {l.weights, 4 * 8 * tokens},
         {l.rows, tokens * l.row_bytes()},
