@@ -194,12 +194,18 @@ bounded "compute-sanitizer memcheck, stalled rank" compute-sanitizer --tool memc
   --iterations 1 --hang --barrier-timeout-ms 3000 >"$out/sanitize-ep.log" 2>&1 || status=1
 note "compute-sanitizer memcheck, stalled rank: $(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitize-ep.log") processes clean, $(grep -c 'ok after the stalled peer' "$out/sanitize-ep.log") reported"
 # Two ranks' forwards with every layer variant the rank test builds (FP8 and bf16 token rows, FP8
-# partial sums), every process instrumented.
+# partial sums; with --fused the layer under test runs as one launch a rank), every process
+# instrumented. The fused forward's cross-rank waits give up after 10 s at most: slowed down a
+# hundredfold by the tool, a short call keeps them well inside.
 for tool in memcheck racecheck; do
-  bounded "compute-sanitizer $tool, two ranks" compute-sanitizer --tool "$tool" --target-processes all \
-    --error-exitcode 3 "$build/megamoe-run" -n 2 --one-gpu --timeout 600 -- "$build/tests/comm_ep_layer_rank" \
-    --iterations 2 --tokens 64 >"$out/sanitize-ep-$tool.log" 2>&1 || status=1
-  note "compute-sanitizer $tool, two ranks: $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$out/sanitize-ep-$tool.log" | sort | uniq -c | tr -s ' \n' ' ')($(grep -c 'rank [01] ok' "$out/sanitize-ep-$tool.log") ranks ok)"
+  for fused in "" --fused; do
+    log="$out/sanitize-ep-$tool${fused:+-fused}.log"
+    bounded "compute-sanitizer $tool, two ranks${fused:+, fused}" compute-sanitizer --tool "$tool" \
+      --target-processes all --error-exitcode 3 "$build/megamoe-run" -n 2 --one-gpu --timeout 600 -- \
+      "$build/tests/comm_ep_layer_rank" --iterations 2 --tokens "${fused:+16}${fused:-64}" $fused >"$log" 2>&1 ||
+      status=1
+    note "compute-sanitizer $tool, two ranks${fused:+, fused}: $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$log" | sort | uniq -c | tr -s ' \n' ' ')($(grep -c 'rank [01] ok' "$log") ranks ok)"
+  done
 done
 cat "$out/sanitize-faults.log" "$out/sanitize-ep.log" "$out"/sanitize-ep-*.log >>"$out/sanitize.log" &&
   rm "$out/sanitize-faults.log" "$out/sanitize-ep.log" "$out"/sanitize-ep-*.log
