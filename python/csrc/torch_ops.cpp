@@ -565,7 +565,7 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
                         int64_t top_k, const std::string& precision, const std::string& scale_format,
                         int64_t max_tokens, const std::string& rendezvous_dir, int64_t rank, int64_t world_size,
                         int64_t device_index, const std::string& token_rows, const std::string& partial_sums,
-                        const std::string& symmetric_memory) {
+                        const std::string& symmetric_memory, const std::string& launch) {
   // The kernels' limits apply to the experts of one rank (num_experts / world_size, checked below).
   const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
                                      false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0, "auto", 0)
@@ -589,6 +589,10 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
   options.symmetric_memory = choice_from<comm::SymmetricBackend>(
       symmetric_memory, "symmetric_memory",
       {{"cuda_ipc", comm::SymmetricBackend::cuda_ipc}, {"nvshmem", comm::SymmetricBackend::nvshmem}});
+  options.fused = choice_from<bool>(launch, "launch", {{"staged", false}, {"fused", true}});
+  TORCH_CHECK_NOT_IMPLEMENTED(!options.fused || (options.token_rows == comm::EpTokenRows::automatic &&
+                                                 options.partial_sums == comm::EpPartialSums::bf16),
+                              "megamoe: launch='fused' takes token_rows='automatic' and partial_sums='bf16'");
   checked_int(world_size, "world_size", 1);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
                     ")");
@@ -679,7 +683,7 @@ TORCH_LIBRARY(megamoe, m) {
   m.def("workspace_bytes(int layer) -> int", &workspace_bytes);
   m.def("create_ep_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "
         "int intermediate, int top_k, str precision, str scale_format, int max_tokens, str rendezvous_dir, int rank, "
-        "int world_size, int device_index, str token_rows, str partial_sums, str symmetric_memory) -> int",
+        "int world_size, int device_index, str token_rows, str partial_sums, str symmetric_memory, str launch) -> int",
         &create_ep_layer);
   m.def("destroy_ep_layer(int layer) -> ()", &destroy_ep_layer);
   m.def("ep_forward(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights) -> Tensor");

@@ -149,6 +149,7 @@ def prepare_ep_weights(
     token_rows: str = "automatic",
     partial_sums: str = "bf16",
     symmetric_memory: str = "cuda_ipc",
+    launch: str = "staged",
 ) -> EpMoeWeights:
     """Collective: packs this rank's experts (w13 [E / world, 2I, H], w2 [E / world, H, I], in
     prepare_weights' layouts, dtypes and scales) and joins the other ranks' shares into a layer
@@ -167,7 +168,10 @@ def prepare_ep_weights(
     (one node) or "nvshmem" (NVSHMEM's symmetric heap, a build with NVSHMEM; the same on every
     rank; NVSHMEM allows one job per process, so every NVSHMEM layer of a process must be shared
     by the same ranks, and not beside another user of NVSHMEM such as PyTorch's NVSHMEM symmetric
-    memory).
+    memory). launch: "staged" (dispatch, the local experts and the combine as separate launches) or
+    "fused" (each rank's forward as one launch, the staged output bit for bit; with the default
+    token_rows and partial_sums; not yet run on a GPU: docs/design.md#expert-parallelism-inside-
+    the-persistent-kernel).
     """
     if precision == "fp8_tensor":
         raise NotImplementedError("megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on "
@@ -178,6 +182,11 @@ def prepare_ep_weights(
         raise ValueError(f"megamoe: partial_sums={partial_sums!r} must be 'bf16' or 'fp8'")
     if require_str(symmetric_memory, "symmetric_memory") not in ("cuda_ipc", "nvshmem"):
         raise ValueError(f"megamoe: symmetric_memory={symmetric_memory!r} must be 'cuda_ipc' or 'nvshmem'")
+    if require_str(launch, "launch") not in ("staged", "fused"):
+        raise ValueError(f"megamoe: launch={launch!r} must be 'staged' or 'fused'")
+    if launch == "fused" and (token_rows != "automatic" or partial_sums != "bf16"):
+        raise NotImplementedError(f"megamoe: launch='fused' takes token_rows='automatic' and partial_sums='bf16', "
+                                  f"not {token_rows!r} and {partial_sums!r}")
     if token_rows == "fp8" and precision != "fp8_block":
         raise ValueError(f"megamoe: token_rows='fp8' needs precision 'fp8_block' (the layer's own quantization "
                          f"of x), not {precision!r}")
@@ -216,7 +225,7 @@ def prepare_ep_weights(
     os.makedirs(layer_folder, exist_ok=True)
     handle = ops.create_ep_layer(*packed[:4], num_experts, checked.hidden, checked.intermediate, top_k, precision,
                                  scale_format, max_tokens, layer_folder, rank, world_size, device.index, token_rows,
-                                 partial_sums, symmetric_memory)
+                                 partial_sums, symmetric_memory, launch)
     return EpMoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=checked.hidden,
                         intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
                         max_tokens=max_tokens, rank=rank, world_size=world_size, device=device)

@@ -7,7 +7,9 @@ the single-GPU layer holding every expert; fp8_block's FP8 token rows (the defau
 bits of a second layer sending bf16 rows (token_rows="bf16"), and a third returning FP8 partial sums
 (partial_sums="fp8") must stay within 5e-2 (rel. L2) of them. Then a CUDA graph of the call replays the eager bits,
 an invalid id is counted on the rank that sent it, and bad calls raise before anything collective.
-An argument, "cuda_ipc" (default) or "nvshmem", says where the layers' symmetric buffers live.
+An argument, "cuda_ipc" (default) or "nvshmem", says where the layers' symmetric buffers live; a
+second, "staged" (default) or "fused", how the layer under test launches (fused: its y must be the
+staged bf16-rows layer's bit for bit, in both precisions).
 Prints "rank R ok" last; exits 1 on the first failure."""
 
 import math
@@ -25,6 +27,7 @@ EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, MAX_TOKENS = 32, 4, 512, 256, 256
 BOUNDS = {"fp8_block": 3e-2, "bf16": 1e-2}
 TOKEN_COUNTS = [0, 1, 7, 64, 200, MAX_TOKENS]
 SYMMETRIC_MEMORY = sys.argv[1] if len(sys.argv) > 1 else "cuda_ipc"
+LAUNCH = sys.argv[2] if len(sys.argv) > 2 else "staged"
 
 
 def fail(rank: int, message: str) -> None:
@@ -56,17 +59,18 @@ def main() -> None:
     for precision, bound in BOUNDS.items():
         layer = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
                                            precision=precision, max_tokens=MAX_TOKENS,
-                                           symmetric_memory=SYMMETRIC_MEMORY)
+                                           symmetric_memory=SYMMETRIC_MEMORY, launch=LAUNCH)
         if layer.experts != range(mine.start, mine.stop):
             fail(rank, f"holds experts {layer.experts}, expected {mine}")
-        # fp8_block: the same layer sending its token rows as bf16, for the bits (built in the same
-        # order on every rank, as every collective is).
+        # The same layer staged, sending its token rows as bf16, for the bits (fp8_block, or a fused
+        # layer of either precision; built in the same order on every rank, as every collective is).
         # And one returning FP8 partial sums, within a bound of the bf16 ones.
         bf16_rows = fp8_partials = None
-        if precision == "fp8_block":
+        if precision == "fp8_block" or LAUNCH == "fused":
             bf16_rows = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
                                                    precision=precision, max_tokens=MAX_TOKENS, token_rows="bf16",
                                                    symmetric_memory=SYMMETRIC_MEMORY)
+        if precision == "fp8_block":
             fp8_partials = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
                                                       precision=precision, max_tokens=MAX_TOKENS, partial_sums="fp8",
                                                       symmetric_memory=SYMMETRIC_MEMORY)
@@ -80,7 +84,8 @@ def main() -> None:
             if y.shape != x.shape or y.dtype != torch.bfloat16 or not torch.isfinite(y).all():
                 fail(rank, f"{precision} iteration {iteration}: y {tuple(y.shape)} {y.dtype}, or not finite")
             if bf16_rows is not None and not torch.equal(y, megamoe.ep_fused_moe(x, bf16_rows, ids, weights)):
-                fail(rank, f"{precision} iteration {iteration}, {tokens} tokens: FP8 token rows differ from bf16 rows")
+                fail(rank, f"{precision} iteration {iteration}, {tokens} tokens: the {LAUNCH} layer's y differs from "
+                           f"the staged layer's with bf16 rows")
             if fp8_partials is not None:
                 y_fp8_partials = megamoe.ep_fused_moe(x, fp8_partials, ids, weights)
                 if tokens > 0 and not relative_l2(y_fp8_partials, y) < 5e-2:

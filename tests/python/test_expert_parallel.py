@@ -115,13 +115,13 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
     empty = torch.empty(0, dtype=torch.uint8)
     scales = torch.empty(0)
     good = dict(num_experts=8, hidden=128, top_k=2, precision="bf16", rank=0, world_size=2, token_rows="automatic",
-                partial_sums="bf16", symmetric_memory="cuda_ipc")
+                partial_sums="bf16", symmetric_memory="cuda_ipc", launch="staged")
 
     def create(**changes):
         a = dict(good, **changes)
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, a["num_experts"], a["hidden"], 128, a["top_k"],
                                           a["precision"], "fp32", 16, "/nowhere", a["rank"], a["world_size"], 0,
-                                          a["token_rows"], a["partial_sums"], a["symmetric_memory"])
+                                          a["token_rows"], a["partial_sums"], a["symmetric_memory"], a["launch"])
 
     refusals = [
         (dict(world_size=3), ValueError, "must be a multiple of the world size 3"),
@@ -132,6 +132,11 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
         (dict(partial_sums="fp16"), ValueError, "partial_sums must be 'bf16' or 'fp8', not 'fp16'"),
         (dict(hidden=192, partial_sums="fp8"), NotImplementedError, "hidden=192 is not a multiple of 128"),
         (dict(symmetric_memory="shm"), ValueError, "symmetric_memory must be 'cuda_ipc' or 'nvshmem', not 'shm'"),
+        (dict(launch="single_kernel"), ValueError, "launch must be 'staged' or 'fused', not 'single_kernel'"),
+        (dict(launch="fused", partial_sums="fp8"), NotImplementedError,
+         "launch='fused' takes token_rows='automatic' and partial_sums='bf16'"),
+        (dict(launch="fused", token_rows="bf16"), NotImplementedError,
+         "launch='fused' takes token_rows='automatic' and partial_sums='bf16'"),
         (dict(num_experts=128, top_k=33), NotImplementedError, "top_k=33 exceeds the 32 slots per token"),
     ]
     for changes, error, message in refusals:
@@ -171,6 +176,10 @@ def test_the_layer_limit_is_per_rank(monkeypatch, tmp_path):
      "partial_sums='fp8' quantizes per 128 channels: hidden=192 is not a multiple of 128"),
     (dict(w2=torch.cat([W2[:3], torch.full((1, 128, 128), float("nan"), dtype=torch.bfloat16)])), ValueError,
      r"w2\[3, 0, 0\] = nan: weights must be finite"),
+    (dict(launch="one_kernel"), ValueError, "launch='one_kernel' must be 'staged' or 'fused'"),
+    (dict(launch=True), TypeError, "launch must be a str"),
+    (dict(launch="fused", token_rows="bf16"), NotImplementedError,
+     "launch='fused' takes token_rows='automatic' and partial_sums='bf16', not 'bf16' and 'bf16'"),
 ])
 def test_prepare_ep_weights_refuses_before_the_device(tmp_path, changes, error, message):
     arguments = dict(w13=W13, w2=W2, num_experts=8, top_k=2, rank=1, world_size=2, rendezvous_dir=str(tmp_path))

@@ -330,7 +330,7 @@ def test_expert_parallelism_refuses_fp8_tensor():
     w13_codes, w13_scales, w2_codes, w2_scales, _ = packed_fp8_tensor()
     with pytest.raises(NotImplementedError, match="expert parallelism takes precision bf16 or fp8_block"):
         OPS.create_ep_layer(w13_codes, w13_scales, w2_codes, w2_scales, 2 * E, H, I, 2, "fp8_tensor", "fp32", 16,
-                            "/nowhere", 0, 2, 0, "automatic", "bf16", "cuda_ipc")
+                            "/nowhere", 0, 2, 0, "automatic", "bf16", "cuda_ipc", "staged")
 
 
 def test_weights_show_their_precision_and_input_scales():
