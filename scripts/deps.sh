@@ -216,6 +216,7 @@ deps_packages=()
 command -v cmake >/dev/null || deps_packages+=(cmake)
 command -v ninja >/dev/null || deps_packages+=(ninja-build)
 command -v g++ >/dev/null || deps_packages+=(g++)
+command -v xz >/dev/null || deps_packages+=(xz-utils)  # the GPU scripts' prebuilt packs (and their test)
 if ((!deps_cpu_only)) && [ ! -f "$deps_dir/googletest/CMakeLists.txt" ] && [ ! -f /usr/src/googletest/CMakeLists.txt ]; then
   deps_packages+=(googletest)
 fi

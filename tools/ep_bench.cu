@@ -133,8 +133,8 @@ void print_usage() {
       "               per 128 channels: half the bytes, not bf16's bits; the table's last column says how far from the baseline)\n"
       "  --symmetric-memory where the expert-parallel buffer lives: cuda_ipc (default) or nvshmem (NVSHMEM's\n"
       "               symmetric heap; a build with MEGAMOE_NVSHMEM)\n"
-      "  --fused      also time a fused layer (EpLayerOptions::fused: the forward as one launch) in the same\n"
-      "               run, its y checked against the staged layer's bit for bit\n"
+      "  --fused      also time a fused layer (EpLayerOptions::fused: the forward as one launch; not yet run\n"
+      "               on a GPU) in the same run, after checking its y against the staged layer's bit for bit\n"
       "  --json PATH  rank 0 also writes the measured figures as JSON (one record per token count)\n"
       "  --timeline   also print when each rank's blocks reached each point of a call\n");
 }
@@ -455,8 +455,8 @@ int run(const Options& o) {
           .set("gpu", gpu_name);
       if (fused) {
         record.set("fused_forward_us", f_us);
-        std::printf("  %6s   fused: %.1f us a forward (one launch a rank; staged %.1f), y the staged layer's bit for bit\n",
-                    "", f_us, t_us);
+        std::printf("  %6s   fused: %.1f us a forward (one launch a rank; staged %.1f), y the staged layer's "
+                    "bit for bit\n", "", f_us, t_us);
       }
       records.push(std::move(bench::set_provenance(record, o.provenance)));
     }

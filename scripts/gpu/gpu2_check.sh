@@ -3,7 +3,8 @@
 # .gpu-prebuilt (scripts/gpu/prebuild.sh) or .deps carried: builds (or unpacks), then runs the
 # expert-parallel suites (CTest label gpu2) under megamoe-run, the single-GPU layer on every GPU of
 # one process, and megamoe-ep-bench on dsv3 from decode to prefill (8 to 4096 tokens per rank) with
-# each rank's timeline of one call, then again with the fused layer beside the staged one.
+# each rank's timeline of one call, then again with the fused layer (not yet run on a GPU) beside
+# the staged one.
 # NVLink multicast stays off (megamoe-run sets NCCL_NVLS_ENABLE=0 and friends in every rank).
 # shellcheck source-path=SCRIPTDIR
 set -uo pipefail

@@ -16,10 +16,16 @@ mkdir -p "$out"
 export PATH="$PATH:/usr/local/cuda/bin"
 
 # What the binaries are built from: every file of the source folders (and of the ops library's), by
-# path and content.
+# path and content; Python's caches aside, which do not travel to the GPU machine.
 source_hash() {
   (cd "$1" && find CMakeLists.txt cmake include src tools tests examples python/CMakeLists.txt python/csrc \
-    -type f 2>/dev/null | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-40)
+    -name __pycache__ -prune -o -type f ! -name '*.pyc' -print 2>/dev/null | LC_ALL=C sort | xargs sha1sum |
+    sha1sum | cut -c1-40)
+}
+
+# The PyTorch version of the python3 on PATH ("none" without one).
+torch_version() {
+  python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none
 }
 
 # Where the prebuilt tree's binaries look for what they load on this machine: CUDA's runtime (their
@@ -27,43 +33,69 @@ source_hash() {
 # path recorded at build time is not here), from the python3 that holds PyTorch.
 prebuilt_library_path() {
   local nvshmem
-  nvshmem=$(python3 -c 'import os, nvidia.nvshmem as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null)
+  nvshmem=$(python3 -c 'import os, nvidia.nvshmem as n; print(os.path.join(list(n.__path__)[0], "lib"))' \
+    2>/dev/null)
   export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/lib${nvshmem:+:$nvshmem}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
-# Unpacks $root/.gpu-prebuilt/build-gpu.tar.xz into the build folder (once per source hash) and returns 0
-# where it holds binaries of these sources that load here; otherwise says why in LOG and returns 1.
-# CTest's files name the interpreter the building machine's ops library was built against: they get
-# this machine's python3 instead.
+# Says in LOG why the prebuilt tree is not taken, removes what was unpacked of it, returns 1.
+refuse_prebuilt_tree() {
+  echo "prebuilt tree: $2; building here (carry .deps, or rerun scripts/gpu/prebuild.sh where it was made)" |
+    tee -a "$1"
+  [ -f "$build/.prebuilt_pack" ] && rm -rf "$build"
+  return 1
+}
+
+# Unpacks $root/.gpu-prebuilt/build-gpu.tar.xz into the build folder (once per pack) and returns 0
+# where it holds binaries of these sources, built against this machine's PyTorch, that all load
+# here; otherwise says why in LOG and returns 1. CTest's files name the interpreter the ops library
+# was built against on the building machine: they get this machine's python3 instead.
 take_prebuilt_tree() {
-  local log=$1 prebuilt_tree=$root/.gpu-prebuilt hash
+  local log=$1 prebuilt_tree=$root/.gpu-prebuilt pack hash
   [ -f "$prebuilt_tree/build-gpu.tar.xz" ] || return 1
   hash=$(source_hash "$root")
   if [ "$hash" != "$(cat "$prebuilt_tree/source_hash" 2>/dev/null)" ]; then
-    echo "prebuilt tree: built from other sources; building here" | tee -a "$log"
+    refuse_prebuilt_tree "$log" "built from other sources than these (stale)"
     return 1
   fi
-  if [ "$(cat "$build/.prebuilt_source_hash" 2>/dev/null)" != "$hash" ]; then
-    rm -rf "$build" && mkdir -p "$build" && tar -xJf "$prebuilt_tree/build-gpu.tar.xz" -C "$build" || {
-      echo "prebuilt tree: does not unpack; building here" | tee -a "$log"
+  if [ "$(torch_version)" != "$(cat "$prebuilt_tree/torch" 2>/dev/null)" ]; then
+    refuse_prebuilt_tree "$log" "built against PyTorch $(cat "$prebuilt_tree/torch" 2>/dev/null), here $(torch_version)"
+    return 1
+  fi
+  pack=$(sha1sum "$prebuilt_tree/build-gpu.tar.xz" | cut -c1-40)
+  if [ "$(cat "$build/.prebuilt_pack" 2>/dev/null)" != "$pack" ]; then
+    rm -rf "$build" && mkdir -p "$build"
+    if ! tar -xJf "$prebuilt_tree/build-gpu.tar.xz" -C "$build"; then
       rm -rf "$build"
+      refuse_prebuilt_tree "$log" "does not unpack"
       return 1
-    }
+    fi
+    echo "$pack" >"$build/.prebuilt_pack"
     local recorded here
     recorded=$(cat "$prebuilt_tree/python" 2>/dev/null) here=$(command -v python3)
     if [ -n "$recorded" ] && [ -n "$here" ] && [ "$recorded" != "$here" ]; then
-      find "$build" -name CTestTestfile.cmake -exec sed -i "s|$recorded|$here|g" {} +
+      # As literal text (the recorded path's dots are no pattern).
+      find "$build" -name CTestTestfile.cmake -exec python3 -c '
+import sys
+recorded, here = sys.argv[1:3]
+for name in sys.argv[3:]:
+    with open(name) as f:
+        text = f.read()
+    with open(name, "w") as f:
+        f.write(text.replace(recorded, here))
+' "$recorded" "$here" {} +
     fi
-    echo "$hash" >"$build/.prebuilt_source_hash"
   fi
   prebuilt_library_path
   local binary
-  for binary in "$build"/megamoe-bench "$build"/tests/test_api_moe_layer; do
-    if [ ! -x "$binary" ] || ldd "$binary" | grep -q "not found"; then
-      echo "prebuilt tree: $(basename "$binary") missing or does not load here; building here" | tee -a "$log"
-      rm -rf "$build"
+  while IFS= read -r binary; do
+    if ldd "$binary" 2>/dev/null | grep -q "not found"; then
+      refuse_prebuilt_tree "$log" "${binary#"$build"/} does not load here"
       return 1
     fi
+  done < <(find "$build" -type f \( -perm -u+x -o -name '*.so' \) ! -name '*.cmake')
+  for binary in megamoe-bench tests/test_api_moe_layer tests/comm_ep_layer_rank megamoe-run; do
+    [ -x "$build/$binary" ] || { refuse_prebuilt_tree "$log" "$binary is missing"; return 1; }
   done
   echo "build: prebuilt ($(cat "$prebuilt_tree/build_report" 2>/dev/null), sources $hash)" | tee -a "$log"
 }
@@ -72,8 +104,6 @@ gpu_build() {
   local log=$1
   shift
   take_prebuilt_tree "$log" && return 0
-  # An unpacked tree holds no build state of this machine's: configure afresh.
-  [ -f "$build/.prebuilt_source_hash" ] && rm -rf "$build"
   local targets=()
   [ $# -gt 0 ] && targets=(--target "$@")
   if [ ! -f "$root/.deps/cutlass/include/cute/tensor.hpp" ]; then

@@ -2,9 +2,9 @@
 # Run on the GPU machine (device tool), from the repository root, with .gpu-prebuilt (the build
 # done beforehand on a machine without a GPU: scripts/gpu/prebuild.sh) or .deps carried along:
 # unpacks that build, or builds from the carried CUTLASS and GoogleTest copies (that machine has no
-# network), runs every test suite with the GPU suites required (the expert-parallel ones with their ranks sharing this
-# GPU), checks the SASS of the kernels, runs compute-sanitizer over the GPU suites, and prints a
-# short summary last. Logs go to $OUT (or ./gpu-logs).
+# network), runs every test suite with the GPU suites required (the expert-parallel ones with their
+# ranks sharing this GPU), checks the SASS of the kernels, runs compute-sanitizer over the GPU
+# suites, and prints a short summary last. Logs go to $OUT (or ./gpu-logs).
 #
 # The whole check takes longer than one device call may (the sanitizers are most of it), so it
 # runs within a time budget, MEGAMOE_CHECK_BUDGET_S seconds from its start (default 540: the call's
@@ -194,16 +194,17 @@ bounded "compute-sanitizer memcheck, stalled rank" compute-sanitizer --tool memc
   --iterations 1 --hang --barrier-timeout-ms 3000 >"$out/sanitize-ep.log" 2>&1 || status=1
 note "compute-sanitizer memcheck, stalled rank: $(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitize-ep.log") processes clean, $(grep -c 'ok after the stalled peer' "$out/sanitize-ep.log") reported"
 # Two ranks' forwards with every layer variant the rank test builds (FP8 and bf16 token rows, FP8
-# partial sums; with --fused the layer under test runs as one launch a rank), every process
-# instrumented. The fused forward's cross-rank waits give up after 10 s at most: slowed down a
-# hundredfold by the tool, a short call keeps them well inside.
+# partial sums; with --fused the layer under test runs as one launch a rank: not yet run on a GPU),
+# every process instrumented. The fused forward's cross-rank waits give up after 10 s at most:
+# slowed down a hundredfold by the tool, a short call keeps them well inside.
 for tool in memcheck racecheck; do
   for fused in "" --fused; do
     log="$out/sanitize-ep-$tool${fused:+-fused}.log"
+    tokens=64
+    [ -n "$fused" ] && tokens=16
     bounded "compute-sanitizer $tool, two ranks${fused:+, fused}" compute-sanitizer --tool "$tool" \
       --target-processes all --error-exitcode 3 "$build/megamoe-run" -n 2 --one-gpu --timeout 600 -- \
-      "$build/tests/comm_ep_layer_rank" --iterations 2 --tokens "${fused:+16}${fused:-64}" $fused >"$log" 2>&1 ||
-      status=1
+      "$build/tests/comm_ep_layer_rank" --iterations 2 --tokens "$tokens" $fused >"$log" 2>&1 || status=1
     note "compute-sanitizer $tool, two ranks${fused:+, fused}: $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$log" | sort | uniq -c | tr -s ' \n' ' ')($(grep -c 'rank [01] ok' "$log") ranks ok)"
   done
 done

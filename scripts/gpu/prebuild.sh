@@ -30,13 +30,15 @@ ctest --test-dir "$build" -N >>"$log" 2>&1 || { echo "prebuild: ctest could not 
 # Everything but what only a further build would read: objects, CMake's and ninja's state, the
 # fetched sources of the dependencies.
 mapfile -t files < <(cd "$build" && find . -type f ! -name '*.o' ! -name '*.o.d' ! -name '.ninja_*' \
-  ! -name build.ninja ! -name CMakeCache.txt ! -path '*/CMakeFiles/*' ! -path './_deps/*-src/*' ! -path './_deps/*-subbuild/*' |
-  LC_ALL=C sort)
+  ! -name build.ninja ! -name CMakeCache.txt ! -path '*/CMakeFiles/*' ! -path './_deps/*-src/*' \
+  ! -path './_deps/*-subbuild/*' | LC_ALL=C sort)
 mkdir -p "$prebuilt"
 tar -cJf "$prebuilt/build-gpu.tar.xz" -C "$build" "${files[@]}" || exit 1
 echo "$hash" >"$prebuilt/source_hash"
 echo "$python" >"$prebuilt/python"
+torch_version >"$prebuilt/torch"  # the ops library's: the GPU machine's must be the same
 # What the compiler said, for the GPU scripts' summaries (there the build log has no compile).
 echo "$(grep -c 'warning' "$log") warnings, spills: $(grep -ci 'spill' "$log")" >"$prebuilt/build_report"
-echo "$(du -h "$prebuilt/build-gpu.tar.xz" | cut -f1) in $prebuilt (${#files[@]} files, sources $(cat "$prebuilt/source_hash"));" \
-  "carry \".gpu-prebuilt\" (instead of .deps) and the GPU scripts take it while the sources hash the same" | tee -a "$log"
+echo "$(du -h "$prebuilt/build-gpu.tar.xz" | cut -f1) in $prebuilt (${#files[@]} files, sources $hash);" \
+  "carry \".gpu-prebuilt\" (instead of .deps): the GPU scripts take it while the sources hash the same" |
+  tee -a "$log"

@@ -6,7 +6,7 @@
 #include "api/single_kernel_launch.hpp"
 #include "kernels/comm/ep_combine.cuh"
 #include "kernels/comm/ep_dispatch.cuh"
-#include "kernels/comm/ep_fused_roles.cuh"
+#include "kernels/comm/ep_fused_params.hpp"
 #include "kernels/comm/rank_barrier.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/launch.hpp"

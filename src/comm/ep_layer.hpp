@@ -63,8 +63,9 @@ struct EpLayerOptions {
   // rendezvous need names of their own (every rank builds them in the same order).
   std::string buffer_name = "ep";
   // One launch per forward: dispatch, the local experts and the combine as roles of the
-  // single-kernel forward (docs/design.md#expert-parallelism-inside-the-persistent-kernel), the
-  // staged layer's y bit for bit. Off by default until measured against the staged layer. Needs
+  // single-kernel forward (docs/design.md#expert-parallelism-inside-the-persistent-kernel),
+  // designed to give the staged layer's y bit for bit. Not yet run on a GPU: off by default until
+  // its tests have passed and it has been measured against the staged layer. Needs
   // FP8 token rows with fp8_block (bf16 rows with bf16), bf16 partial sums and a barrier timeout of
   // at most kMaxFusedBarrierTimeout; every rank must choose the same. The phases (dispatch,
   // compute, combine) and last_delivered are the staged layer's only.

@@ -399,7 +399,8 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
     const SourceMatrix w13{"w13", e, weights.w13, weights.dtype,
                            expert_scales(weights.w13_scales, weights.w13_scale_layout, 2 * I, H),
                            weights.w13_scale_layout, e * w13_count, 2 * I, H};
-    const SourceMatrix w2{"w2", e, weights.w2, weights.dtype, expert_scales(weights.w2_scales, weights.w2_scale_layout, H, I),
+    const SourceMatrix w2{"w2", e, weights.w2, weights.dtype,
+                          expert_scales(weights.w2_scales, weights.w2_scale_layout, H, I),
                           weights.w2_scale_layout, e * w2_count, H, I};
     const auto w13_packed_row = [I](int row) { return layout::packed_w13_row(row, I); };
     const auto w2_packed_row = [](int row) { return row; };

@@ -382,18 +382,22 @@ int run(int argc, char** argv) {
     }
     // Combine: this rank's outputs against the single-GPU fp64 reference with all experts, and the
     // bf16 rows' (staged) bit for bit.
-    const std::vector<bf16_t> y_fp8_rows = call.output(spec), y_bf16_rows = call_bf16_rows.output(spec);
-    if (std::memcmp(y_fp8_rows.data(), y_bf16_rows.data(), y_fp8_rows.size() * sizeof(bf16_t)) != 0) {
-      std::fprintf(stderr, "FAILED: iteration %d: rank %d y of the layer under test (%s rows%s) differs from the staged "
-                   "layer's with bf16 rows\n", it, rank, comm::to_string(layer.token_rows()), fused ? ", fused" : "");
+    const std::vector<bf16_t> y_under_test = call.output(spec), y_bf16_rows = call_bf16_rows.output(spec);
+    if (std::memcmp(y_under_test.data(), y_bf16_rows.data(), y_under_test.size() * sizeof(bf16_t)) != 0) {
+      std::fprintf(stderr,
+                   "FAILED: iteration %d: rank %d y of the layer under test (%s rows%s) differs from the staged "
+                   "layer's with bf16 rows\n",
+                   it, rank, comm::to_string(layer.token_rows()), fused ? ", fused" : "");
       return 1;
     }
     if (T > 0) {
       // FP8 partial sums: each remote owner's partial sum re-rounded to E4M3 (3 mantissa bits) per
       // 128 channels, about 3.6% RMS of that share; the source's own share stays bf16.
       const std::vector<bf16_t> y_fp8_partials = call_fp8_partials.output(spec);
-      std::vector<double> exact(y_fp8_rows.size()), approx(y_fp8_rows.size());
-      for (size_t i = 0; i < exact.size(); ++i) exact[i] = y_fp8_rows[i].to_float(), approx[i] = y_fp8_partials[i].to_float();
+      std::vector<double> exact(y_under_test.size()), approx(y_under_test.size());
+      for (size_t i = 0; i < exact.size(); ++i) {
+        exact[i] = y_under_test[i].to_float(), approx[i] = y_fp8_partials[i].to_float();
+      }
       const double partials_err = ref::relative_l2(approx, exact);
       worst_fp8_partials = std::max(worst_fp8_partials, partials_err);
       fp8_partials_differ = fp8_partials_differ || partials_err > 0.0;

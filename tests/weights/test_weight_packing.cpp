@@ -280,7 +280,8 @@ TEST(PrepareWeights, RefusesWeightsThatAreNotFinite) {
     std::vector<float> w13(w13_count, 0.01f), w2(w2_count, 0.01f);
     w2[w2_place] = bad;
     const std::string value = bad != bad ? "nan" : bad > 0 ? "inf" : "-inf";
-    expect_refused(WeightsView{w13.data(), w2.data(), DType::fp32}, Precision::fp8_block, "weights.w2[1, 3, 5] = " + value);
+    expect_refused(WeightsView{w13.data(), w2.data(), DType::fp32}, Precision::fp8_block,
+                   "weights.w2[1, 3, 5] = " + value);
     std::vector<bf16_t> w13_bf16(w13_count, bf16_t::from_float(0.01f)), w2_bf16(w2_count, bf16_t::from_float(0.01f));
     w13_bf16[(2ull * 2 * I + 7) * H + 9] = bf16_t::from_float(bad);  // w13[2, 7, 9]
     expect_refused(WeightsView{w13_bf16.data(), w2_bf16.data(), DType::bf16}, Precision::bf16,

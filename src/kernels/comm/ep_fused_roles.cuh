@@ -1,9 +1,11 @@
 // Expert parallelism inside the persistent kernel: the roles the single-kernel forward runs before
 // and after its GEMMs when it is one rank's whole expert-parallel forward
-// (docs/design.md#expert-parallelism-inside-the-persistent-kernel). Each rank publishes its tokens
-// in its own symmetric buffer (layout/ep_fused_buffers.hpp) and the owners pull what they need:
+// (docs/design.md#expert-parallelism-inside-the-persistent-kernel; written and compiled, not yet
+// run on a GPU). Each rank publishes its tokens in its own symmetric buffer
+// (layout/ep_fused_buffers.hpp) and the owners pull what they need:
 //   publish items  (claimed first) this rank's rows quantized once (or copied) with their ids and
-//                  weights into its `source` regions; the last to finish arrives at every rank
+//                  weights into its ids, weights and rows regions; the last to finish writes its
+//                  count into every rank and arrives there
 //   route items    an owner's virtual tokens v = (source s, token t), a warp each: s's arrival
 //                  and count acquired, the token's ids read over NVLink, the slots of this
 //                  rank's experts counted as local ids; the last scans the expert segments as the
@@ -28,6 +30,7 @@
 
 #include "kernels/combine/combine_share.cuh"
 #include "kernels/combine/combine_slots.cuh"
+#include "kernels/comm/ep_fused_params.hpp"
 #include "kernels/comm/ep_rows.cuh"
 #include "kernels/comm/peer_wait.cuh"
 #include "kernels/epilogue/gemm_op.hpp"
@@ -52,28 +55,14 @@ enum EpForwardCounter : int {
 };
 static_assert(kEpForwardCounters <= layout::kForwardCounterSlots, "the workspace holds every counter");
 
+__device__ __forceinline__ uint32_t* ep_counter(const ForwardItems& items, EpForwardCounter c) {
+  return items.counters + c;
+}
+
 // Tokens of one source in a combine chunk, and of this rank in a reduce chunk: a CTA's math
 // threads take ~kEpChunkTokens * H / 8 / 256 vectors each between two claims.
 inline constexpr int kEpChunkTokens = 16;
 
-struct EpFusedParams {
-  void* const* peer_bases;  // [world] every rank's symmetric buffer
-  layout::EpFusedLayout layout;
-  int rank;
-  int num_experts;          // the whole layer's
-  int num_tokens;           // this rank's tokens in this call
-  const int32_t* topk_ids;  // [T, k] this rank's routing, global expert ids
-  const float* topk_weights;
-  const uint4* x;           // [T, H] bf16
-  bool ue8m0;               // FP8 rows: power-of-two scales (the layer's ScaleFormat)
-  __nv_bfloat16* y;         // [T, H]
-  int32_t* error_flags;     // [0] += invalid ids among this rank's tokens
-  uint64_t* calls;          // this rank only: forwards run so far (the next one's arrivals count to it + 1)
-  RankFault* fault;         // this rank only
-  long long timeout_ns;     // each cross-rank wait's
-  int publish_items;
-  int publish_tokens;       // tokens per publish item
-};
 
 namespace ep_fused_detail {
 
@@ -140,8 +129,7 @@ __device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratc
       if (invalid > 0) atomicAdd(p.error_flags, invalid);
     }
   }
-  if (!last_to_finish(items.counter(static_cast<ForwardCounter>(kPublishItemsDone)),
-                      static_cast<uint32_t>(p.publish_items), &s.last)) {
+  if (!last_to_finish(ep_counter(items, kPublishItemsDone), static_cast<uint32_t>(p.publish_items), &s.last)) {
     return;
   }
   if (threadIdx.x < l.world_size && !rank_fault_seen(p.fault)) {
@@ -370,22 +358,20 @@ __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFus
   }
   const int combine_chunks = region_of<const int32_t>(p, p.rank, p.layout.chunk_prefix)[p.layout.world_size];
   for (;;) {
-    const int chunk = claim_chunk(items.counter(static_cast<ForwardCounter>(kCombineChunksClaimed)), combine_chunks,
-                                  math_thread, math_threads, shared_chunk);
+    const int chunk =
+        claim_chunk(ep_counter(items, kCombineChunksClaimed), combine_chunks, math_thread, math_threads, shared_chunk);
     if (chunk < 0) break;
     combine_chunk(c, p, chunk, math_thread, math_threads);
     __threadfence_system();  // this thread's stores into the sources' buffers, before the count
     ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
     if (math_thread == 0 &&
-        atomicAdd(items.counter(static_cast<ForwardCounter>(kCombineChunksDone)), 1u) + 1 ==
-            static_cast<uint32_t>(combine_chunks)) {
+        atomicAdd(ep_counter(items, kCombineChunksDone), 1u) + 1 == static_cast<uint32_t>(combine_chunks)) {
       __threadfence_system();
       arrive_everywhere(p, p.layout.returned_from);
     }
   }
   // A rank with no token to combine here still arrives, once (the claim that found none first).
-  if (combine_chunks == 0 && math_thread == 0 &&
-      atomicAdd(items.counter(static_cast<ForwardCounter>(kCombineChunksDone)), 1u) == 0) {
+  if (combine_chunks == 0 && math_thread == 0 && atomicAdd(ep_counter(items, kCombineChunksDone), 1u) == 0) {
     arrive_everywhere(p, p.layout.returned_from);
   }
   // Every math thread has read the last claim before the next one rewrites the word; the owners'
@@ -395,8 +381,8 @@ __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFus
   const bool arrived = s.last;
   const int reduce_chunks = (p.num_tokens + kEpChunkTokens - 1) / kEpChunkTokens;
   for (;;) {
-    const int chunk = claim_chunk(items.counter(static_cast<ForwardCounter>(kReduceChunksClaimed)), reduce_chunks,
-                                  math_thread, math_threads, shared_chunk);
+    const int chunk =
+        claim_chunk(ep_counter(items, kReduceChunksClaimed), reduce_chunks, math_thread, math_threads, shared_chunk);
     if (chunk < 0) break;
     reduce_chunk(p, chunk, arrived, math_thread, math_threads);
     ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));

@@ -162,8 +162,8 @@ __device__ __forceinline__ void gather_quantized_token_by_block(const GatherPara
   if (p.rows_by_token) return;
   __syncthreads();
   const int vectors = p.hidden / 16;  // 16 codes each
-  copy_row_to_slots<kThreads, true>(p, slot_rows, reinterpret_cast<const uint4*>(p.x) + static_cast<size_t>(token) * vectors,
-                              vectors, p.x_scales + token, p.x_scale_stride);
+  const uint4* codes = reinterpret_cast<const uint4*>(p.x) + static_cast<size_t>(token) * vectors;
+  copy_row_to_slots<kThreads, true>(p, slot_rows, codes, vectors, p.x_scales + token, p.x_scale_stride);
 }
 
 template <Precision kPrecision>
