@@ -214,10 +214,8 @@ void EpLayer::require_staged(const char* what) const {
 
 void EpLayer::forward_fused(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
   if (!peer_lost_.empty()) throw Error(ErrorCode::timeout, peer_lost_);
-  const int world = rendezvous_.world_size();
-  const auto launch = detail::SingleKernelLaunch::of(
-      *local_experts_, static_cast<int>(std::min<long>(fused_layout_.virtual_tokens(),
-                                                       static_cast<long>(world) * inputs.num_tokens)));
+  dispatched_tokens_ = inputs.num_tokens;
+  const auto launch = detail::SingleKernelLaunch::of(*local_experts_, static_cast<int>(expected_recv_rows()));
   kernels::EpFusedParams ep{};
   ep.peer_bases = buffer_->device_peer_table();
   ep.layout = fused_layout_;

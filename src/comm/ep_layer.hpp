@@ -160,7 +160,7 @@ class EpLayer {
   // The rows that arrive when every rank's batch is like this rank's last dispatch (at most the
   // buffer's): what the launches after it are planned for, the count itself staying on the device.
   long expected_recv_rows() const;
-  int dispatched_tokens_ = 0;             // this rank's batch in the last dispatch (plans the local tiles)
+  int dispatched_tokens_ = 0;             // this rank's batch in the last dispatch or fused forward (plans the tiles)
   uint64_t* barriers_passed_ = nullptr;   // device [1]: barriers run so far, the same count on every rank
   uint64_t* fused_calls_ = nullptr;       // device [1]: fused forwards run so far, likewise
   int32_t* token_dest_ = nullptr;         // [max_tokens, world] position of each token's row per owner

@@ -51,8 +51,10 @@ struct EpFusedLayout : EpShape {
   size_t total_bytes = 0;
 
   // The rows an owner's local pass sees: every source's slots, real or not.
-  MEGAMOE_HOST_DEVICE long virtual_tokens() const { return static_cast<long>(world_size) * max_tokens_per_rank; }
-  MEGAMOE_HOST_DEVICE size_t row_bytes() const { return static_cast<size_t>(hidden) * (fp8_rows ? 1 : 2); }
+  MEGAMOE_HOST_DEVICE constexpr long virtual_tokens() const {
+    return static_cast<long>(world_size) * max_tokens_per_rank;
+  }
+  MEGAMOE_HOST_DEVICE constexpr size_t row_bytes() const { return static_cast<size_t>(hidden) * (fp8_rows ? 1 : 2); }
 
   MEGAMOE_HOST_DEVICE static constexpr EpFusedLayout make(int world_size, int num_experts, int top_k, int hidden,
                                                           int max_tokens_per_rank, bool fp8_rows) {
@@ -63,7 +65,7 @@ struct EpFusedLayout : EpShape {
     l.counts_in = regions.take(sizeof(int32_t) * kSignalSlots);
     l.ids = regions.take(sizeof(int32_t) * top_k * tokens);
     l.weights = regions.take(sizeof(float) * top_k * tokens);
-    l.rows = regions.take(tokens * hidden * (fp8_rows ? 1 : 2));
+    l.rows = regions.take(tokens * l.row_bytes());
     l.row_scales = regions.take(fp8_rows ? sizeof(float) * (hidden / 128) * tokens : 0);
     l.returned = regions.take(static_cast<size_t>(world_size) * tokens * hidden * 2);
     l.published = regions.take(sizeof(uint64_t) * kSignalSlots);
