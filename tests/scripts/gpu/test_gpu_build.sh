@@ -3,7 +3,8 @@
 # instead of a build where the sources hash as when it was packed (Python's caches aside), with
 # CTest's interpreter made this machine's python3, unpacked once per pack; built as usual
 # (configured afresh, the unpacked folder gone) where the sources changed, a binary the scripts run
-# is missing, or the pack was built against another PyTorch.
+# is missing, or the pack was built against another PyTorch; PyTorch's libraries are looked up in
+# this machine's.
 # shellcheck source-path=SCRIPTDIR
 set -uo pipefail
 script=$1
@@ -17,6 +18,9 @@ root=$dir/tree build=$dir/tree/build-gpu log=$dir/build.log
 mkdir -p "$root/src" "$root/.deps/cutlass/include/cute" && echo 'int x;' >"$root/src/a.cpp"
 touch "$root/.deps/cutlass/include/cute/tensor.hpp"
 cmake() { echo "cmake $*" >>"$dir/cmake_calls"; }  # stands in for the build
+# A stand-in PyTorch for python3 (whether or not this machine has one): its version and its folder.
+mkdir -p "$dir/site/torch" && echo '__version__ = "0.1-stand-in"' >"$dir/site/torch/__init__.py"
+export PYTHONPATH=$dir/site${PYTHONPATH:+:$PYTHONPATH}
 
 # A pack as prebuild.sh leaves it: the binaries the scripts run (ones that load anywhere), CTest's
 # file naming the interpreter of the machine that built it (a path whose dots are no pattern), the
@@ -44,6 +48,10 @@ grep -q "\"$(command -v python3)\" \"-m\"" "$build/tests/CTestTestfile.cmake" &&
   grep -q "python3x11" "$build/tests/CTestTestfile.cmake" ||
   fail "CTest's interpreter: $(cat "$build/tests/CTestTestfile.cmake")"
 grep -q "build: prebuilt" "$log" || fail "no note of the prebuilt tree: $(cat "$log")"
+# The ops library's run path names the building machine's PyTorch: its libraries are looked up in
+# this machine's, or the pack is refused as not loading.
+[[ ":$LD_LIBRARY_PATH:" == *":$dir/site/torch/lib:"* ]] ||
+  fail "PyTorch's libraries ($dir/site/torch/lib) not on the library path: $LD_LIBRARY_PATH"
 # Unpacked once per hash: a second call keeps what is there.
 echo marker >"$build/kept"
 gpu_build "$log" || fail "a second gpu_build"
