@@ -193,11 +193,12 @@ void EpLayer::synchronize_ranks(cudaStream_t stream) {
 }
 
 void EpLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOutputs& outputs) {
-  validate_forward_args(spec_, layout_.max_tokens_per_rank, inputs, outputs);
+  // Before the general checks, which would refuse x_scales for a bf16 layer with MoeLayer's reason.
   if (inputs.x_scales != nullptr) {
     throw Error(ErrorCode::unsupported, "EpLayer takes a bf16 x (its dispatch quantizes the rows it sends itself: "
                                         "EpLayerOptions::token_rows); x_scales is for MoeLayer");
   }
+  validate_forward_args(spec_, layout_.max_tokens_per_rank, inputs, outputs);
   if (fused_) return forward_fused(stream, inputs, outputs);
   dispatch(stream, inputs);
   compute(stream);
