@@ -10,8 +10,11 @@
 // slowest rank's median; and, in the same run, the one-way peer copy bandwidth and the cost of one
 // cross-rank barrier. Each timed phase starts after a device barrier, so that no rank's timing
 // includes a late peer. The EP output is checked against the baseline's. --timeline also prints,
-// per rank, when the first and the last block reached each point of a call (layout/ep_timeline.hpp),
-// from the global timer, median of the timed calls.
+// per rank, when the first and the last block reached each point of a call (layout/ep_timeline.hpp;
+// with --fused the fused layer's too, layout/forward_timeline.hpp), from the global timer, median of
+// the timed calls. Ranks that share one GPU (megamoe-run --one-gpu) run everything but the NCCL
+// baseline (NCCL takes one GPU a rank): their figures are of time-sliced ranks, not of NVLink, and
+// the table and the JSON say so.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -36,6 +39,7 @@
 #include "device_timing.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/layout/ep_timeline.hpp"
+#include "kernels/layout/forward_timeline.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/options.hpp"
 #include "plan/workloads.hpp"
@@ -85,18 +89,24 @@ struct Events {
 };
 
 // Runs `call` kTimed times with the EP timeline on and prints, for each point, the median time
-// from the first count block's start to the first and the last block reaching it.
+// from the first block's start (the count launch's; a fused layer's one launch) to the first and
+// the last block reaching it.
 template <class Call>
 void print_timeline(comm::EpLayer& ep, cudaStream_t stream, int rank, int tokens, Call&& call) {
-  StampTimeline timeline(layout::kEpTimelineEvents, layout::kEpTimelineEventNames);
+  const bool fused = ep.fused();
+  const int events = fused ? static_cast<int>(layout::kForwardTimelineEvents) : static_cast<int>(layout::kEpTimelineEvents);
+  StampTimeline timeline(events, fused ? layout::kForwardTimelineEventNames : layout::kEpTimelineEventNames);
   ep.set_timeline(timeline.stamps());
   for (int i = 0; i < kTimed; ++i) {
     timeline.preset(stream);
     call();
-    timeline.collect(stream, layout::kCountStart);
+    timeline.collect(stream, fused ? static_cast<int>(layout::kForwardStart) : static_cast<int>(layout::kCountStart));
   }
   ep.set_timeline(nullptr);
-  std::fputs(timeline.lines("timeline rank " + std::to_string(rank) + ", " + std::to_string(tokens) + " tokens: ").c_str(),
+  std::fputs(timeline
+                 .lines("timeline rank " + std::to_string(rank) + ", " + std::to_string(tokens) + " tokens" +
+                        (fused ? ", fused: " : ": "))
+                 .c_str(),
              stdout);
   std::fflush(stdout);
 }
@@ -116,6 +126,50 @@ double max_over_ranks(const comm::FileRendezvous& rendezvous, const std::string&
   return worst;
 }
 
+// Whether any two ranks run on the same GPU (megamoe-run --one-gpu), by the devices' PCI bus ids.
+bool ranks_share_a_gpu(const comm::FileRendezvous& rendezvous, int device) {
+  char bus_id[32] = {};
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, device));
+  const std::vector<std::vector<uint8_t>> ids =
+      rendezvous.exchange("pci-bus-id", std::vector<uint8_t>(bus_id, bus_id + std::strlen(bus_id)), 60000ms);
+  std::vector<std::vector<uint8_t>> sorted = ids;
+  std::sort(sorted.begin(), sorted.end());
+  return std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end();
+}
+
+// The staged NCCL baseline, kWarmup + kTimed calls (ms of the timed ones): all-gather x, ids and
+// weights -> the local experts (MoeLayer) over every rank's tokens -> reduce-scatter into y_base.
+std::vector<float> time_nccl_baseline(ncclComm_t nccl, MoeLayer& experts, cudaStream_t stream, Events& ev, int tokens,
+                                      int H, int k, int rank, int world, int local_experts, const bf16_t* x_dev,
+                                      const int32_t* ids_dev, const float* w_dev, bf16_t* y_base) {
+  bf16_t* x_all = cuda_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
+  int32_t* ids_all = cuda_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
+  int32_t* local_ids = cuda_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
+  float* w_all = cuda_alloc<float>(static_cast<size_t>(world) * tokens * k);
+  bf16_t* y_partial = cuda_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
+  std::vector<float> times;
+  for (int i = 0; i < kWarmup + kTimed; ++i) {
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
+    nccl_check(ncclAllGather(x_dev, x_all, static_cast<size_t>(tokens) * H, ncclBfloat16, nccl, stream), "all-gather x");
+    nccl_check(ncclAllGather(ids_dev, ids_all, static_cast<size_t>(tokens) * k, ncclInt32, nccl, stream), "all-gather ids");
+    nccl_check(ncclAllGather(w_dev, w_all, static_cast<size_t>(tokens) * k, ncclFloat32, nccl, stream), "all-gather w");
+    to_local_ids_kernel<<<256, 256, 0, stream>>>(ids_all, static_cast<long>(world) * tokens * k, rank * local_experts,
+                                                 local_experts, local_ids);
+    MEGAMOE_CHECK_LAUNCH("to_local_ids_kernel");
+    experts.forward(stream, MoeInputs{world * tokens, x_all, nullptr, local_ids, w_all}, MoeOutputs{y_partial});
+    nccl_check(ncclReduceScatter(y_partial, y_base, static_cast<size_t>(tokens) * H, ncclBfloat16, ncclSum, nccl, stream),
+               "reduce-scatter y");
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
+    MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (i >= kWarmup) times.push_back(ev.ms(0, 1));
+  }
+  for (void* p : {static_cast<void*>(x_all), static_cast<void*>(ids_all), static_cast<void*>(local_ids),
+                  static_cast<void*>(w_all), static_cast<void*>(y_partial)}) {
+    cudaFree(p);
+  }
+  return times;
+}
+
 void print_usage() {
   std::printf(
       "usage: megamoe-run -n RANKS -- megamoe-ep-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3]\n"
@@ -133,10 +187,11 @@ void print_usage() {
       "               per 128 channels: half the bytes, not bf16's bits; the table's last column says how far from the baseline)\n"
       "  --symmetric-memory where the expert-parallel buffer lives: cuda_ipc (default) or nvshmem (NVSHMEM's\n"
       "               symmetric heap; a build with MEGAMOE_NVSHMEM)\n"
-      "  --fused      also time a fused layer (EpLayerOptions::fused: the forward as one launch; not yet run\n"
-      "               on a GPU) in the same run, after checking its y against the staged layer's bit for bit\n"
+      "  --fused      also time a fused layer (EpLayerOptions::fused: the forward as one launch) in the same\n"
+      "               run, after checking its y against the staged layer's bit for bit\n"
       "  --json PATH  rank 0 also writes the measured figures as JSON (one record per token count)\n"
-      "  --timeline   also print when each rank's blocks reached each point of a call\n");
+      "  --timeline   also print when each rank's blocks reached each point of a call\n"
+      "Ranks sharing one GPU (megamoe-run --one-gpu) skip the NCCL baseline (NCCL takes one GPU a rank).\n");
 }
 
 struct Options {
@@ -209,8 +264,11 @@ int run(const Options& o) {
   const std::string& json_path = o.json_path;
   const auto rendezvous = comm::FileRendezvous::from_environment();
   const int rank = rendezvous.rank(), world = rendezvous.world_size();
+  // Rank r takes visible device r mod their count: one each, or (megamoe-run --one-gpu) all one.
   const char* local_rank = std::getenv("LOCAL_RANK");
-  MEGAMOE_CUDA_CHECK(cudaSetDevice(local_rank ? std::atoi(local_rank) : rank));
+  int devices = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  MEGAMOE_CUDA_CHECK(cudaSetDevice((local_rank ? std::atoi(local_rank) : rank) % devices));
   int device = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   cudaDeviceProp prop{};
@@ -238,18 +296,23 @@ int run(const Options& o) {
     ep_options.buffer_name = "ep-fused";
     fused = std::make_unique<comm::EpLayer>(spec, weights, max_tokens, rendezvous, ep_options);
   }
-  MoeLayer baseline_experts(local, weights, world * max_tokens);
-
-  ncclUniqueId id;
-  if (rank == 0) {
-    nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
-    rendezvous.publish("nccl-id", std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id),
-                                                       reinterpret_cast<uint8_t*>(&id) + sizeof id));
+  // Ranks on one GPU (megamoe-run --one-gpu) time-slice it: no NCCL baseline (NCCL refuses two
+  // ranks on one device), and every figure says that it is not NVLink's.
+  const bool shared_gpu = ranks_share_a_gpu(rendezvous, device);
+  std::unique_ptr<MoeLayer> baseline_experts;
+  ncclComm_t nccl = nullptr;
+  if (!shared_gpu) {
+    baseline_experts = std::make_unique<MoeLayer>(local, weights, world * max_tokens);
+    ncclUniqueId id;
+    if (rank == 0) {
+      nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+      rendezvous.publish("nccl-id", std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id),
+                                                         reinterpret_cast<uint8_t*>(&id) + sizeof id));
+    }
+    const std::vector<uint8_t> id_bytes = rendezvous.wait("nccl-id", 60000ms);
+    std::memcpy(&id, id_bytes.data(), sizeof id);
+    nccl_check(ncclCommInitRank(&nccl, world, id, rank), "ncclCommInitRank");
   }
-  const std::vector<uint8_t> id_bytes = rendezvous.wait("nccl-id", 60000ms);
-  std::memcpy(&id, id_bytes.data(), sizeof id);
-  ncclComm_t nccl;
-  nccl_check(ncclCommInitRank(&nccl, world, id, rank), "ncclCommInitRank");
 
   // One-way peer copy bandwidth, every rank writing to the next at the same time.
   double peer_gbps = 0;
@@ -282,9 +345,10 @@ int run(const Options& o) {
       [&] { ep.synchronize_ranks(stream); });
   const double barrier_us = 1e3 * max_over_ranks(rendezvous, "barrier-ms", barrier_ms / kBarriers);
   if (rank == 0) {
-    std::printf("megamoe-ep-bench: %s %s on %d ranks; peer copy %.0f GB/s one way, cross-rank barrier %.1f us "
+    std::printf("megamoe-ep-bench: %s %s on %d ranks%s; peer copy %.0f GB/s one way, cross-rank barrier %.1f us "
                 "(measured now)\n",
-                workload_name.c_str(), to_string(precision), world, peer_gbps, barrier_us);
+                workload_name.c_str(), to_string(precision), world,
+                shared_gpu ? " sharing one GPU (time-sliced, no NVLink; no NCCL baseline)" : "", peer_gbps, barrier_us);
     std::printf("  %6s | %11s | %10s | %11s | %10s | %9s | %13s | %11s | %11s | %10s | %9s\n", "tokens", "dispatch us",
                 "disp GB/s", "combine us", "comb GB/s", "% of peer", "round trip us", "EP total us", "baseline us",
                 "EP/base", "EP vs base");
@@ -376,6 +440,9 @@ int run(const Options& o) {
       fused_ms = bench::median_ms(
           stream, bench::Replays{kWarmup, kTimed}, [&] { fused->forward(stream, inputs, MoeOutputs{y_fused}); },
           [&] { fused->synchronize_ranks(stream); });
+      if (timeline) {
+        print_timeline(*fused, stream, rank, tokens, [&] { fused->forward(stream, inputs, MoeOutputs{y_fused}); });
+      }
       cudaFree(y_fused);
     }
     // Bytes that crossed NVLink: token rows other ranks pushed here (codes and a scale per 128
@@ -388,47 +455,37 @@ int run(const Options& o) {
     const double remote_row_bytes = static_cast<double>(remote_rows) * (fp8_rows ? H + H / 128 * 4 : H * 2);
 
     // Baseline: all-gather -> local experts over every rank's tokens -> reduce-scatter.
-    bf16_t* x_all = cuda_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
-    int32_t* ids_all = cuda_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
-    int32_t* local_ids = cuda_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
-    float* w_all = cuda_alloc<float>(static_cast<size_t>(world) * tokens * k);
-    bf16_t* y_partial = cuda_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
     std::vector<float> baseline_ms;
-    for (int i = 0; i < kWarmup + kTimed; ++i) {
-      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
-      nccl_check(ncclAllGather(x_dev, x_all, static_cast<size_t>(tokens) * H, ncclBfloat16, nccl, stream), "all-gather x");
-      nccl_check(ncclAllGather(ids_dev, ids_all, static_cast<size_t>(tokens) * k, ncclInt32, nccl, stream), "all-gather ids");
-      nccl_check(ncclAllGather(w_dev, w_all, static_cast<size_t>(tokens) * k, ncclFloat32, nccl, stream), "all-gather w");
-      to_local_ids_kernel<<<256, 256, 0, stream>>>(ids_all, static_cast<long>(world) * tokens * k, rank * local.num_experts,
-                                                   local.num_experts, local_ids);
-      MEGAMOE_CHECK_LAUNCH("to_local_ids_kernel");
-      baseline_experts.forward(stream, MoeInputs{world * tokens, x_all, nullptr, local_ids, w_all}, MoeOutputs{y_partial});
-      nccl_check(ncclReduceScatter(y_partial, y_base, static_cast<size_t>(tokens) * H, ncclBfloat16, ncclSum, nccl, stream),
-                 "reduce-scatter y");
-      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
-      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-      if (i >= kWarmup) baseline_ms.push_back(ev.ms(0, 1));
+    double rel_diff = 0.0;
+    if (!shared_gpu) {
+      baseline_ms = time_nccl_baseline(nccl, *baseline_experts, stream, ev, tokens, H, k, rank, world,
+                                       local.num_experts, x_dev, ids_dev, w_dev, y_base);
+      std::vector<bf16_t> a(x.size()), b(x.size());
+      MEGAMOE_CUDA_CHECK(cudaMemcpy(a.data(), y_ep, a.size() * 2, cudaMemcpyDeviceToHost));
+      MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), y_base, b.size() * 2, cudaMemcpyDeviceToHost));
+      std::vector<double> da(a.size()), db(b.size());
+      for (size_t i = 0; i < a.size(); ++i) da[i] = a[i].to_float(), db[i] = b[i].to_float();
+      rel_diff = ref::relative_l2(da, db);
     }
-    std::vector<bf16_t> a(x.size()), b(x.size());
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(a.data(), y_ep, a.size() * 2, cudaMemcpyDeviceToHost));
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), y_base, b.size() * 2, cudaMemcpyDeviceToHost));
-    std::vector<double> da(a.size()), db(b.size());
-    for (size_t i = 0; i < a.size(); ++i) da[i] = a[i].to_float(), db[i] = b[i].to_float();
     const std::string key = "T" + std::to_string(tokens);
-    const double agreement = max_over_ranks(rendezvous, key + "-agree", ref::relative_l2(da, db));
+    const double agreement = max_over_ranks(rendezvous, key + "-agree", rel_diff);
     const double d_us = 1e3 * max_over_ranks(rendezvous, key + "-dispatch", median(dispatch_ms));
     const double c_us = 1e3 * max_over_ranks(rendezvous, key + "-combine", median(combine_ms));
     const double t_us = 1e3 * max_over_ranks(rendezvous, key + "-total", total_ms);
     const double f_us = 1e3 * max_over_ranks(rendezvous, key + "-fused", fused_ms);
-    const double b_us = 1e3 * max_over_ranks(rendezvous, key + "-baseline", median(baseline_ms));
+    const double b_us = shared_gpu ? 0.0 : 1e3 * max_over_ranks(rendezvous, key + "-baseline", median(baseline_ms));
     const double rt_us = 1e3 * max_over_ranks(rendezvous, key + "-round-trip", round_trips_ms / kRoundTrips);
     const double bytes = max_over_ranks(rendezvous, key + "-bytes", remote_bytes);
     const double row_bytes = max_over_ranks(rendezvous, key + "-row-bytes", remote_row_bytes);
     const double d_gbps = row_bytes / (d_us * 1e-6) / 1e9, c_gbps = bytes / (c_us * 1e-6) / 1e9;
     if (rank == 0) {
-      std::printf("  %6d | %11.1f | %10.1f | %11.1f | %10.1f | %8.0f%% | %13.1f | %11.1f | %11.1f | %10.2f | %9.2e\n",
-                  tokens, d_us, d_gbps, c_us, c_gbps, 100.0 * (row_bytes + bytes) / ((d_us + c_us) * 1e-6) / 1e9 / peer_gbps,
-                  rt_us, t_us, b_us, t_us / b_us, agreement);
+      std::printf("  %6d | %11.1f | %10.1f | %11.1f | %10.1f | %8.0f%% | %13.1f | %11.1f | ", tokens, d_us, d_gbps,
+                  c_us, c_gbps, 100.0 * (row_bytes + bytes) / ((d_us + c_us) * 1e-6) / 1e9 / peer_gbps, rt_us, t_us);
+      if (shared_gpu) {
+        std::printf("%11s | %10s | %9s\n", "-", "-", "-");
+      } else {
+        std::printf("%11.1f | %10.2f | %9.2e\n", b_us, t_us / b_us, agreement);
+      }
       bench::Json record = bench::Json::object();
       record.set("workload", workload_name)
           .set("precision", to_string(precision))
@@ -449,10 +506,15 @@ int run(const Options& o) {
           .set("combine_gbps", c_gbps)
           .set("peer_copy_gbps", peer_gbps)
           .set("barrier_us", barrier_us)
-          .set("baseline_us", b_us)
-          .set("baseline", "NCCL all-gather -> local experts (MoeLayer) -> reduce-scatter")
-          .set("rel_diff_ep_vs_baseline", agreement)
+          .set("ranks_share_one_gpu", shared_gpu)
           .set("gpu", gpu_name);
+      if (shared_gpu) {
+        record.set("baseline", "not run: the ranks share one GPU (NCCL takes one GPU a rank)");
+      } else {
+        record.set("baseline_us", b_us)
+            .set("baseline", "NCCL all-gather -> local experts (MoeLayer) -> reduce-scatter")
+            .set("rel_diff_ep_vs_baseline", agreement);
+      }
       if (fused) {
         record.set("fused_forward_us", f_us);
         std::printf("  %6s   fused: %.1f us a forward (one launch a rank; staged %.1f), y the staged layer's "
@@ -461,13 +523,11 @@ int run(const Options& o) {
       records.push(std::move(bench::set_provenance(record, o.provenance)));
     }
     for (void* p : {static_cast<void*>(x_dev), static_cast<void*>(ids_dev), static_cast<void*>(w_dev),
-                    static_cast<void*>(y_ep), static_cast<void*>(y_base), static_cast<void*>(x_all),
-                    static_cast<void*>(ids_all), static_cast<void*>(local_ids), static_cast<void*>(w_all),
-                    static_cast<void*>(y_partial)}) {
+                    static_cast<void*>(y_ep), static_cast<void*>(y_base)}) {
       cudaFree(p);
     }
   }
-  ncclCommDestroy(nccl);
+  if (nccl != nullptr) ncclCommDestroy(nccl);
   if (rank == 0 && !json_path.empty()) {
     bench::write_json_file(json_path, records);
     std::printf("wrote %s\n", json_path.c_str());

@@ -127,7 +127,7 @@ fi
 # Expert parallelism with the ranks sharing this GPU (megamoe-run --one-gpu), and a stalled rank.
 if wanted ep; then
   start=$(date +%s)
-  bounded "expert parallelism on one GPU" ctest --test-dir "$build" -R '^(comm\.ep_layer\..*one_gpu|python\.ep_.*one_gpu)$' \
+  bounded "expert parallelism on one GPU" ctest --test-dir "$build" -R '^(comm\.ep_layer\..*one_gpu|python\.ep_.*one_gpu|tools\.megamoe_ep_bench\..*one_gpu)$' \
     --output-on-failure >"$out/ep.log" 2>&1 || status=1
   # The NVSHMEM backend's tests exist only where CMake found NVSHMEM (MEGAMOE_NVSHMEM=AUTO): say so.
   nvshmem_tests=$(ctest --test-dir "$build" -N -R 'nvshmem' | grep -c 'Test *#')

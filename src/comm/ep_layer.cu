@@ -237,6 +237,7 @@ void EpLayer::forward_fused(cudaStream_t stream, const MoeInputs& inputs, const 
   ep.publish_items = std::max(1, (inputs.num_tokens + ep.publish_tokens - 1) / ep.publish_tokens);
   kernels::MoeCall call{};
   call.num_tokens = static_cast<int>(fused_layout_.virtual_tokens());
+  call.timeline_stamps = timeline_stamps_;
   kernels::launch_ep_fused_forward(launch.params, launch.choices, call, ep, stream);
 }
 

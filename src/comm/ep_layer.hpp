@@ -139,7 +139,8 @@ class EpLayer {
 
   // Diagnosis (megamoe-ep-bench --timeline): later calls fold the global timer at the points of
   // layout/ep_timeline.hpp into `stamps` (device, [kEpTimelineEvents][2]: earliest, latest ns;
-  // the caller resets them); null turns it off.
+  // the caller resets them), or a fused layer's at those of layout/forward_timeline.hpp
+  // ([kForwardTimelineEvents][2]); null turns it off.
   void set_timeline(unsigned long long* stamps) { timeline_stamps_ = stamps; }
 
  private:

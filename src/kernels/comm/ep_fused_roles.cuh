@@ -36,7 +36,9 @@
 #include "kernels/epilogue/gemm_op.hpp"
 #include "kernels/layout/ep_buffers.hpp"
 #include "kernels/layout/ep_fused_buffers.hpp"
+#include "kernels/layout/forward_timeline.hpp"
 #include "kernels/pipeline/last_block.cuh"
+#include "kernels/pipeline/timeline.cuh"
 #include "kernels/ptx/memory.cuh"
 #include "kernels/ptx/sync.cuh"
 #include "kernels/routing/front_items.cuh"
@@ -103,7 +105,7 @@ __device__ __forceinline__ bool all_arrived(const EpFusedParams& p, size_t offse
 // or bf16 as given), ids and weights into this rank's buffer; the last item to finish writes the
 // count into every rank and arrives there.
 __device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratch& s, const ForwardItems& items,
-                                             int item) {
+                                             const Timeline& timeline, int item) {
   const layout::EpFusedLayout& l = p.layout;
   const int first = item * p.publish_tokens, end = min(p.num_tokens, first + p.publish_tokens);
   const int k = l.top_k;
@@ -138,6 +140,7 @@ __device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratc
   __syncthreads();
   __threadfence_system();
   if (threadIdx.x == 0) arrive_everywhere(p, l.published);
+  timeline.mark(layout::kEpPublished);
 }
 
 // Virtual token v by one warp: its source's publication acquired (lane 0), its slots as this
@@ -245,7 +248,7 @@ __device__ __forceinline__ void ep_front_items(const FrontParams& f, const EpFus
     const int ticket = front_detail::claim_ticket(items, s);
     if (ticket >= routes + items.gather_items) break;
     if (ticket < publish) {
-      ep_fused_detail::publish_item(p, s, items, ticket);
+      ep_fused_detail::publish_item(p, s, items, f.timeline, ticket);
       continue;
     }
     if (ticket < routes) {
@@ -349,13 +352,16 @@ __device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, int chunk, 
 // once every owner has arrived here. `s` is the front role's scratch, idle again: its ticket holds
 // the claimed chunk, `last` whether every owner arrived.
 __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFusedParams& p, const ForwardItems& items,
-                                             uint32_t fc2_tiles, int math_thread, int math_threads, FrontScratch& s) {
+                                             const Timeline& timeline, uint32_t fc2_tiles, int math_thread,
+                                             int math_threads, FrontScratch& s) {
   using namespace ep_fused_detail;
   int* shared_chunk = &s.ticket;
   const auto stored = static_cast<uint32_t>(NamedBarrier::kEpChunkStored);
+  const int lead = static_cast<int>(threadIdx.x) - math_thread;  // the timeline's marking thread
   if (math_thread == 0) {
     ptx::wait_until([&] { return ptx::ld_acquire_gpu(items.counter(kFc2TilesStored)) >= fc2_tiles; }, 64);
   }
+  timeline.mark(layout::kCombineStarted, lead);
   const int combine_chunks = region_of<const int32_t>(p, p.rank, p.layout.chunk_prefix)[p.layout.world_size];
   for (;;) {
     const int chunk =
@@ -368,15 +374,18 @@ __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFus
         atomicAdd(ep_counter(items, kCombineChunksDone), 1u) + 1 == static_cast<uint32_t>(combine_chunks)) {
       __threadfence_system();
       arrive_everywhere(p, p.layout.returned_from);
+      timeline.mark(layout::kEpPartialSumsSent, lead);
     }
   }
   // A rank with no token to combine here still arrives, once (the claim that found none first).
   if (combine_chunks == 0 && math_thread == 0 && atomicAdd(ep_counter(items, kCombineChunksDone), 1u) == 0) {
     arrive_everywhere(p, p.layout.returned_from);
+    timeline.mark(layout::kEpPartialSumsSent, lead);
   }
   // Every math thread has read the last claim before the next one rewrites the word; the owners'
   // partial sums are acquired (or given up on) by the first math thread.
   if (math_thread == 0) s.last = all_arrived(p, p.layout.returned_from);
+  timeline.mark(layout::kEpOwnersArrived, lead);
   ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
   const bool arrived = s.last;
   const int reduce_chunks = (p.num_tokens + kEpChunkTokens - 1) / kEpChunkTokens;

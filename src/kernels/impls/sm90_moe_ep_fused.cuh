@@ -24,8 +24,8 @@ template <bool kDeterministic, class Fc1Params, class Fc2Params>
 __device__ __forceinline__ void run_back_role(const EpFusedKernelParams<Fc1Params, Fc2Params>& p, FrontScratch& s,
                                               int math_thread, int math_threads) {
   static_assert(kDeterministic, "the fused expert-parallel forward stores slot rows (its partial sums need them)");
-  ep_back_role(p.combine, p.ep, p.front.items, static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread,
-               math_threads, s);
+  ep_back_role(p.combine, p.ep, p.front.items, p.front.timeline, static_cast<uint32_t>(p.fc2.scheduler.num_tiles()),
+               math_thread, math_threads, s);
 }
 
 // The last CTA to finish, after zeroing the counters: this rank's calls, which the next forward's

@@ -1,12 +1,14 @@
 // The points of a single-kernel forward (impls/sm90_moe_single_kernel.cuh) that the diagnostic
 // timeline marks (kernels/pipeline/timeline.cuh), in the order a CTA passes them; the host tools
-// print them by these names (megamoe-bench --breakdown).
+// print them by these names (megamoe-bench --breakdown; megamoe-ep-bench --fused --timeline, where
+// the kernel is one rank's expert-parallel forward and passes the "ep" points too).
 #pragma once
 
 namespace megamoe::layout {
 
 enum ForwardTimelineEvent : int {
   kForwardStart,      // every CTA, after the previous kernel
+  kEpPublished,       // expert parallelism: the last publish item, this rank's count and arrival sent
   kRouteItemClaimed,  // each route item, its ticket back
   kRouteItemDone,     // each route item, thread 0's token routed and counted
   kRoutingPublished,  // the scanning CTA, the expert segments published
@@ -18,14 +20,17 @@ enum ForwardTimelineEvent : int {
   kFc2Streamed,       // every CTA's weight producer, its last FC2 stage issued
   kFc2Done,           // every CTA's math warpgroups, their last FC2 tile stored
   kCombineStarted,    // every CTA's math warpgroups, every FC2 tile seen stored
+  kEpPartialSumsSent, // expert parallelism: the last combine chunk's CTA, its arrival at every source
+  kEpOwnersArrived,   // expert parallelism: every CTA's math warpgroups, every owner's arrival acquired
   kCombineDone,       // every CTA's math warpgroups, their share of the combine stored
   kForwardTimelineEvents
 };
 
 inline constexpr const char* kForwardTimelineEventNames[] = {
-    "forward start", "route item claimed", "route item done", "routing published",
+    "forward start", "ep published", "route item claimed", "route item done", "routing published",
     "gather item done", "front done", "fc1 streamed", "fc1 done",
-    "fc2 started", "fc2 streamed", "fc2 done", "combine started", "combine done"};
+    "fc2 started", "fc2 streamed", "fc2 done", "combine started", "ep partial sums sent",
+    "ep owners arrived", "combine done"};
 static_assert(sizeof(kForwardTimelineEventNames) / sizeof(kForwardTimelineEventNames[0]) == kForwardTimelineEvents,
               "a name for every point");
 
