@@ -61,12 +61,13 @@ using test::take_rows;
 // fp8_tensor's FC1 output is requantized with one fixed scale, so the same fp32-vs-fp64 noise
 // moves values across E4M3 boundaries the same way (but no block amax): fp8_block's bounds.
 // fp8_tensor also accumulates the code products of the whole of K in the tensor cores, whose FP8
-// sums keep fewer bits than fp32 (fp8_block promotes every 128): its error grows with K, 0.9-1.4e-2
-// seen at H = 2048 and 7168 (bench/NOTES.md, thirty-third session), 2.2e-2 on dsv3 at 7 tokens.
+// sums keep fewer bits than fp32 (fp8_block promotes every 128): its error grows with K and has a
+// long tail (docs/decisions.md#fp8-tensor-error-bound: median 1.0e-2, one draw in a few hundred
+// past 3e-2), hence 4e-2.
 void expect_tight(Precision precision, const Comparison& c) {
   const bool fp8 = precision != Precision::bf16;
-  const double fp8_bound = precision == Precision::fp8_tensor ? 3e-2 : 2e-2;
-  EXPECT_LT(c.rel_l2, fp8 ? (c.values < 1024 ? 3e-2 : fp8_bound) : 4e-3);
+  const double fp8_bound = precision == Precision::fp8_tensor ? 4e-2 : 2e-2;
+  EXPECT_LT(c.rel_l2, fp8 ? (c.values < 1024 ? std::max(3e-2, fp8_bound) : fp8_bound) : 4e-3);
   EXPECT_LT(c.max_normalized, fp8 ? 0.15 : 2e-2);
 }
 

@@ -16,6 +16,11 @@ def pytest_report_header(config):
     return f"MEGAMOE_TEST_SEED={SEED}"
 
 
+def pytest_terminal_summary(terminalreporter):
+    # Also under -q (CTest's runs), which leaves out the header.
+    terminalreporter.write_line(f"MEGAMOE_TEST_SEED={SEED} replays this run's random data")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a Hopper GPU (sm_90)")
 

@@ -23,10 +23,10 @@ from moe_reference import (calibrated_input_scales, moe_reference, quantize_rows
 # seen on H200; fp8_block: the device's fp32 FC1 output moves a few values and block amaxes
 # across E4M3 rounding steps; fp8_tensor: the same through one scale per tensor, and its
 # mainloops accumulate over the whole K without per-block promotion, which Hopper's FP8 tensor
-# cores do with fewer bits than fp32). Loose: against unquantized math (fp8_block quantizes
-# weights, x and FC1's output: ~6.3% seen; fp8_tensor with one scale per tensor, static ones
-# calibrated on other tokens: the C++ suite's 0.12).
-TIGHT = {"bf16": 4e-3, "fp8_block": 2e-2, "fp8_tensor": 3e-2}
+# cores do with fewer bits than fp32: a long tail, docs/decisions.md#fp8-tensor-error-bound).
+# Loose: against unquantized math (fp8_block quantizes weights, x and FC1's output: ~6.3% seen;
+# fp8_tensor with one scale per tensor, static ones calibrated on other tokens: the C++ suite's 0.12).
+TIGHT = {"bf16": 4e-3, "fp8_block": 2e-2, "fp8_tensor": 4e-2}
 LOOSE = {"bf16": 1e-2, "fp8_block": 0.1, "fp8_tensor": 0.12}
 # The seed of the tokens fp8_tensor's static activation scales are calibrated on (no test's own).
 CALIBRATION_SEED = 4242
@@ -46,11 +46,14 @@ class Problem:
 
         def draw(*shape):  # standard deviation 1 / sqrt(fan-in); "uniform" as the C++ suite draws
             fan_in = shape[-1]
-            if weights == "uniform":
-                values = (torch.rand(*shape, device=device, generator=generator) * 2 - 1) * math.sqrt(3.0)
-            else:
-                values = torch.randn(*shape, device=device, generator=generator)
-            return (values / math.sqrt(fan_in)).to(torch.bfloat16)
+            drawn = torch.empty(*shape, dtype=torch.bfloat16, device=device)
+            for expert in range(shape[0]):  # in fp32 an expert at a time: dsv3's whole w13 is 28 GiB
+                if weights == "uniform":
+                    values = (torch.rand(*shape[1:], device=device, generator=generator) * 2 - 1) * math.sqrt(3.0)
+                else:
+                    values = torch.randn(*shape[1:], device=device, generator=generator)
+                drawn[expert] = values / math.sqrt(fan_in)
+            return drawn
 
         self.w13 = draw(experts, 2 * intermediate, hidden)
         self.w2 = draw(experts, hidden, intermediate)
