@@ -170,8 +170,8 @@ def prepare_ep_weights(
     by the same ranks, and not beside another user of NVSHMEM such as PyTorch's NVSHMEM symmetric
     memory). launch: "staged" (dispatch, the local experts and the combine as separate launches) or
     "fused" (each rank's forward as one launch, designed to give the staged output bit for bit;
-    with the default token_rows and partial_sums; not yet run on a GPU, see
-    docs/design.md#expert-parallelism-inside-the-persistent-kernel).
+    with the default token_rows and partial_sums; correct on one GPU with ranks sharing it, not yet
+    measured on two: docs/design.md#expert-parallelism-inside-the-persistent-kernel).
     """
     if precision == "fp8_tensor":
         raise NotImplementedError("megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on "

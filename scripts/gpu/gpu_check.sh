@@ -194,7 +194,7 @@ bounded "compute-sanitizer memcheck, stalled rank" compute-sanitizer --tool memc
   --iterations 1 --hang --barrier-timeout-ms 3000 >"$out/sanitize-ep.log" 2>&1 || status=1
 note "compute-sanitizer memcheck, stalled rank: $(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitize-ep.log") processes clean, $(grep -c 'ok after the stalled peer' "$out/sanitize-ep.log") reported"
 # Two ranks' forwards with every layer variant the rank test builds (FP8 and bf16 token rows, FP8
-# partial sums; with --fused the layer under test runs as one launch a rank: not yet run on a GPU),
+# partial sums; with --fused the layer under test runs as one launch a rank),
 # every process instrumented. The fused forward's cross-rank waits give up after 10 s at most:
 # slowed down a hundredfold by the tool, a short call keeps them well inside.
 for tool in memcheck racecheck; do

@@ -1,8 +1,7 @@
 // Expert parallelism inside the persistent kernel: the roles the single-kernel forward runs before
 // and after its GEMMs when it is one rank's whole expert-parallel forward
-// (docs/design.md#expert-parallelism-inside-the-persistent-kernel; written and compiled, not yet
-// run on a GPU). Each rank publishes its tokens in its own symmetric buffer
-// (layout/ep_fused_buffers.hpp) and the owners pull what they need:
+// (docs/design.md#expert-parallelism-inside-the-persistent-kernel). Each rank publishes its tokens
+// in its own symmetric buffer (layout/ep_fused_buffers.hpp) and the owners pull what they need:
 //   publish items  (claimed first) this rank's rows quantized once (or copied) with their ids and
 //                  weights into its ids, weights and rows regions; the last to finish writes its
 //                  count into every rank and arrives there

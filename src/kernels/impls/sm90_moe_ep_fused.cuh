@@ -1,6 +1,6 @@
 // The single-kernel forward as one rank's whole expert-parallel forward: the same kernel
 // (impls/sm90_moe_single_kernel.cuh) with expert parallelism's roles before and after the GEMMs
-// (comm/ep_fused_roles.cuh), chosen by the type of its parameters. Not yet run on a GPU
+// (comm/ep_fused_roles.cuh), chosen by the type of its parameters
 // (docs/design.md#expert-parallelism-inside-the-persistent-kernel).
 #pragma once
 
