@@ -1,20 +1,21 @@
-// megamoe-ep-bench: expert parallelism across the GPUs of one node, one process per GPU:
-//   megamoe-run -n 2 -- megamoe-ep-bench [--workload dsv3] [--tokens 128,4096]
+// megamoe-ep-bench: expert parallelism across the GPUs of one node, one process per rank:
+//   megamoe-run -n 2 [--one-gpu] -- megamoe-ep-bench [--workload dsv3] [--tokens 128,4096]
 //                                        [--precision fp8_block|bf16] [--token-rows automatic|bf16|fp8]
 //                                        [--partial-sums bf16|fp8] [--symmetric-memory cuda_ipc|nvshmem]
-//                                        [--json PATH] [--timeline]
+//                                        [--fused] [--json PATH] [--timeline]
 // Measures, per token count per rank: dispatch and combine time and their NVLink GB/s (rows that
 // cross to another rank: token rows of H x 2 bytes, or H + H / 32 as FP8 with their scales, and
 // partial sums back the same way, by --partial-sums), the whole staged EP forward, and the staged NCCL
 // baseline (all-gather tokens -> local experts over all tokens -> reduce-scatter), each the
 // slowest rank's median; and, in the same run, the one-way peer copy bandwidth and the cost of one
 // cross-rank barrier. Each timed phase starts after a device barrier, so that no rank's timing
-// includes a late peer. The EP output is checked against the baseline's. --timeline also prints,
+// includes a late peer. The EP output is checked against the baseline's (where it runs), a fused
+// layer's (--fused) against the staged layer's bit for bit. --timeline also prints,
 // per rank, when the first and the last block reached each point of a call (layout/ep_timeline.hpp;
 // with --fused the fused layer's too, layout/forward_timeline.hpp), from the global timer, median of
-// the timed calls. Ranks that share one GPU (megamoe-run --one-gpu) run everything but the NCCL
-// baseline (NCCL takes one GPU a rank): their figures are of time-sliced ranks, not of NVLink, and
-// the table and the JSON say so.
+// the timed calls. Where ranks share a GPU (megamoe-run --one-gpu) everything but the NCCL
+// baseline runs (NCCL takes one GPU a rank): the figures are of time-sliced ranks, not of NVLink,
+// and the header line and the JSON (ranks_share_one_gpu) say so.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -94,7 +95,8 @@ struct Events {
 template <class Call>
 void print_timeline(comm::EpLayer& ep, cudaStream_t stream, int rank, int tokens, Call&& call) {
   const bool fused = ep.fused();
-  const int events = fused ? static_cast<int>(layout::kForwardTimelineEvents) : static_cast<int>(layout::kEpTimelineEvents);
+  const int events =
+      fused ? static_cast<int>(layout::kForwardTimelineEvents) : static_cast<int>(layout::kEpTimelineEvents);
   StampTimeline timeline(events, fused ? layout::kForwardTimelineEventNames : layout::kEpTimelineEventNames);
   ep.set_timeline(timeline.stamps());
   for (int i = 0; i < kTimed; ++i) {
@@ -138,10 +140,13 @@ bool ranks_share_a_gpu(const comm::FileRendezvous& rendezvous, int device) {
 }
 
 // The staged NCCL baseline, kWarmup + kTimed calls (ms of the timed ones): all-gather x, ids and
-// weights -> the local experts (MoeLayer) over every rank's tokens -> reduce-scatter into y_base.
-std::vector<float> time_nccl_baseline(ncclComm_t nccl, MoeLayer& experts, cudaStream_t stream, Events& ev, int tokens,
-                                      int H, int k, int rank, int world, int local_experts, const bf16_t* x_dev,
-                                      const int32_t* ids_dev, const float* w_dev, bf16_t* y_base) {
+// weights of `inputs` -> the local experts (MoeLayer, this rank's share of `spec`'s) over every
+// rank's tokens -> reduce-scatter into y_base.
+std::vector<float> time_nccl_baseline(ncclComm_t nccl, MoeLayer& experts, const MoeSpec& spec,
+                                      const comm::FileRendezvous& ranks, cudaStream_t stream, Events& ev,
+                                      const MoeInputs& inputs, bf16_t* y_base) {
+  const int tokens = inputs.num_tokens, H = spec.hidden, k = spec.top_k, world = ranks.world_size();
+  const int local_experts = spec.num_experts / world;
   bf16_t* x_all = cuda_alloc<bf16_t>(static_cast<size_t>(world) * tokens * H);
   int32_t* ids_all = cuda_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
   int32_t* local_ids = cuda_alloc<int32_t>(static_cast<size_t>(world) * tokens * k);
@@ -150,15 +155,19 @@ std::vector<float> time_nccl_baseline(ncclComm_t nccl, MoeLayer& experts, cudaSt
   std::vector<float> times;
   for (int i = 0; i < kWarmup + kTimed; ++i) {
     MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
-    nccl_check(ncclAllGather(x_dev, x_all, static_cast<size_t>(tokens) * H, ncclBfloat16, nccl, stream), "all-gather x");
-    nccl_check(ncclAllGather(ids_dev, ids_all, static_cast<size_t>(tokens) * k, ncclInt32, nccl, stream), "all-gather ids");
-    nccl_check(ncclAllGather(w_dev, w_all, static_cast<size_t>(tokens) * k, ncclFloat32, nccl, stream), "all-gather w");
-    to_local_ids_kernel<<<256, 256, 0, stream>>>(ids_all, static_cast<long>(world) * tokens * k, rank * local_experts,
-                                                 local_experts, local_ids);
+    nccl_check(ncclAllGather(inputs.x, x_all, static_cast<size_t>(tokens) * H, ncclBfloat16, nccl, stream),
+               "all-gather x");
+    nccl_check(ncclAllGather(inputs.topk_ids, ids_all, static_cast<size_t>(tokens) * k, ncclInt32, nccl, stream),
+               "all-gather ids");
+    nccl_check(ncclAllGather(inputs.topk_weights, w_all, static_cast<size_t>(tokens) * k, ncclFloat32, nccl, stream),
+               "all-gather w");
+    to_local_ids_kernel<<<256, 256, 0, stream>>>(ids_all, static_cast<long>(world) * tokens * k,
+                                                 ranks.rank() * local_experts, local_experts, local_ids);
     MEGAMOE_CHECK_LAUNCH("to_local_ids_kernel");
     experts.forward(stream, MoeInputs{world * tokens, x_all, nullptr, local_ids, w_all}, MoeOutputs{y_partial});
-    nccl_check(ncclReduceScatter(y_partial, y_base, static_cast<size_t>(tokens) * H, ncclBfloat16, ncclSum, nccl, stream),
-               "reduce-scatter y");
+    nccl_check(
+        ncclReduceScatter(y_partial, y_base, static_cast<size_t>(tokens) * H, ncclBfloat16, ncclSum, nccl, stream),
+        "reduce-scatter y");
     MEGAMOE_CUDA_CHECK(cudaEventRecord(ev.e[1], stream));
     MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     if (i >= kWarmup) times.push_back(ev.ms(0, 1));
@@ -296,8 +305,8 @@ int run(const Options& o) {
     ep_options.buffer_name = "ep-fused";
     fused = std::make_unique<comm::EpLayer>(spec, weights, max_tokens, rendezvous, ep_options);
   }
-  // Ranks on one GPU (megamoe-run --one-gpu) time-slice it: no NCCL baseline (NCCL refuses two
-  // ranks on one device), and every figure says that it is not NVLink's.
+  // Ranks sharing a GPU (megamoe-run --one-gpu) time-slice it: no NCCL baseline (NCCL refuses two
+  // ranks on one device), and the header line and the JSON say that the figures are not NVLink's.
   const bool shared_gpu = ranks_share_a_gpu(rendezvous, device);
   std::unique_ptr<MoeLayer> baseline_experts;
   ncclComm_t nccl = nullptr;
@@ -348,7 +357,8 @@ int run(const Options& o) {
     std::printf("megamoe-ep-bench: %s %s on %d ranks%s; peer copy %.0f GB/s one way, cross-rank barrier %.1f us "
                 "(measured now)\n",
                 workload_name.c_str(), to_string(precision), world,
-                shared_gpu ? " sharing one GPU (time-sliced, no NVLink; no NCCL baseline)" : "", peer_gbps, barrier_us);
+                shared_gpu ? " sharing a GPU (time-sliced, not NVLink's figures; no NCCL baseline)" : "", peer_gbps,
+                barrier_us);
     std::printf("  %6s | %11s | %10s | %11s | %10s | %9s | %13s | %11s | %11s | %10s | %9s\n", "tokens", "dispatch us",
                 "disp GB/s", "combine us", "comb GB/s", "% of peer", "round trip us", "EP total us", "baseline us",
                 "EP/base", "EP vs base");
@@ -441,7 +451,12 @@ int run(const Options& o) {
           stream, bench::Replays{kWarmup, kTimed}, [&] { fused->forward(stream, inputs, MoeOutputs{y_fused}); },
           [&] { fused->synchronize_ranks(stream); });
       if (timeline) {
-        print_timeline(*fused, stream, rank, tokens, [&] { fused->forward(stream, inputs, MoeOutputs{y_fused}); });
+        // Each call after a device barrier, as the staged timeline's: a rank's host lag after the
+        // previous call's collection is not the peers' wait.
+        print_timeline(*fused, stream, rank, tokens, [&] {
+          fused->synchronize_ranks(stream);
+          fused->forward(stream, inputs, MoeOutputs{y_fused});
+        });
       }
       cudaFree(y_fused);
     }
@@ -458,8 +473,7 @@ int run(const Options& o) {
     std::vector<float> baseline_ms;
     double rel_diff = 0.0;
     if (!shared_gpu) {
-      baseline_ms = time_nccl_baseline(nccl, *baseline_experts, stream, ev, tokens, H, k, rank, world,
-                                       local.num_experts, x_dev, ids_dev, w_dev, y_base);
+      baseline_ms = time_nccl_baseline(nccl, *baseline_experts, spec, rendezvous, stream, ev, inputs, y_base);
       std::vector<bf16_t> a(x.size()), b(x.size());
       MEGAMOE_CUDA_CHECK(cudaMemcpy(a.data(), y_ep, a.size() * 2, cudaMemcpyDeviceToHost));
       MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), y_base, b.size() * 2, cudaMemcpyDeviceToHost));

@@ -29,16 +29,17 @@ torch_version() {
 }
 
 # Where the prebuilt tree's binaries look for what they load on this machine: CUDA's runtime (their
-# run path names the building machine's folder) and NVSHMEM's host library (opened by name when the
-# path recorded at build time is not here), from the python3 that holds PyTorch.
+# run path names the building machine's folder), NVSHMEM's host library (opened by name when the
+# path recorded at build time is not here), from the python3 that holds PyTorch, and PyTorch's own
+# libraries (the ops library's run path names the building machine's .venv), after the caller's.
 prebuilt_library_path() {
   local nvshmem torch_lib
   nvshmem=$(python3 -c 'import os, nvidia.nvshmem as n; print(os.path.join(list(n.__path__)[0], "lib"))' \
     2>/dev/null)
-  # The ops library's run path names the building machine's PyTorch; here python3's is the one
-  # `import torch` loads before it.
+  # python3's PyTorch is the one `import torch` loads before the ops library: last, so that it
+  # shadows nothing the caller put first.
   torch_lib=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null)
-  export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/lib${nvshmem:+:$nvshmem}${torch_lib:+:$torch_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/lib${nvshmem:+:$nvshmem}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}${torch_lib:+:$torch_lib}"
 }
 
 # Says in LOG why the prebuilt tree is not taken, removes what was unpacked of it, returns 1.

@@ -199,7 +199,9 @@ __device__ __forceinline__ void lay_out_combine_chunks(const EpFusedParams& p) {
 __device__ __forceinline__ bool route_item(const FrontParams& f, const EpFusedParams& p, FrontScratch& s, int item) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long v = static_cast<long>(item) * kFrontWarps + warp;
+  f.timeline.mark(layout::kRouteItemClaimed);
   if (v < p.layout.virtual_tokens()) route_virtual_token(f.routing, p, v, lane);
+  f.timeline.mark(layout::kRouteItemDone);  // thread 0's virtual token
   if (!last_to_finish(f.items.counter(kRoutedItems), f.items.route_items, &s.last)) return false;
   front_detail::scan_global_counts(f, s);
   lay_out_combine_chunks(p);

@@ -7,22 +7,25 @@
 namespace megamoe::layout {
 
 enum ForwardTimelineEvent : int {
-  kForwardStart,      // every CTA, after the previous kernel
-  kEpPublished,       // expert parallelism: the last publish item, this rank's count and arrival sent
-  kRouteItemClaimed,  // each route item, its ticket back
-  kRouteItemDone,     // each route item, thread 0's token routed and counted
-  kRoutingPublished,  // the scanning CTA, the expert segments published
-  kGatherItemDone,    // each gather item (or the lone route item's gather), its rows published
-  kFrontDone,         // every CTA, leaving the front role: the routing published
-  kFc1Streamed,       // every CTA's weight producer, its last FC1 stage issued
-  kFc1Done,           // every CTA's math warpgroups, their last FC1 tile stored
-  kFc2Started,        // every CTA, its stage ring set up for FC2
-  kFc2Streamed,       // every CTA's weight producer, its last FC2 stage issued
-  kFc2Done,           // every CTA's math warpgroups, their last FC2 tile stored
-  kCombineStarted,    // every CTA's math warpgroups, every FC2 tile seen stored
-  kEpPartialSumsSent, // expert parallelism: the last combine chunk's CTA, its arrival at every source
-  kEpOwnersArrived,   // expert parallelism: every CTA's math warpgroups, every owner's arrival acquired
-  kCombineDone,       // every CTA's math warpgroups, their share of the combine stored
+  kForwardStart,       // every CTA, after the previous kernel
+  kEpPublished,        // expert parallelism: the last publish item, its count and arrivals sent (or
+                       // given up on after a fault)
+  kRouteItemClaimed,   // each route item, its ticket back
+  kRouteItemDone,      // each route item, thread 0's token routed and counted
+  kRoutingPublished,   // the scanning CTA, the expert segments published
+  kGatherItemDone,     // each gather item (or the lone route item's gather), its rows published
+  kFrontDone,          // every CTA, leaving the front role: the routing published
+  kFc1Streamed,        // every CTA's weight producer, its last FC1 stage issued
+  kFc1Done,            // every CTA's math warpgroups, their last FC1 tile stored
+  kFc2Started,         // every CTA, its stage ring set up for FC2
+  kFc2Streamed,        // every CTA's weight producer, its last FC2 stage issued
+  kFc2Done,            // every CTA's math warpgroups, their last FC2 tile stored
+  kCombineStarted,     // every CTA's math warpgroups, every FC2 tile seen stored
+  kEpPartialSumsSent,  // expert parallelism: the last combine chunk's CTA, its arrivals at every
+                       // source sent (or given up on after a fault)
+  kEpOwnersArrived,    // expert parallelism: every CTA's math warpgroups, every owner's arrival
+                       // acquired (or given up on after a fault)
+  kCombineDone,        // every CTA's math warpgroups, their share of the combine stored
   kForwardTimelineEvents
 };
 

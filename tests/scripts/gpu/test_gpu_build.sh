@@ -3,8 +3,8 @@
 # instead of a build where the sources hash as when it was packed (Python's caches aside), with
 # CTest's interpreter made this machine's python3, unpacked once per pack; built as usual
 # (configured afresh, the unpacked folder gone) where the sources changed, a binary the scripts run
-# is missing, or the pack was built against another PyTorch; PyTorch's libraries are looked up in
-# this machine's.
+# is missing, a library does not load (the ops library's PyTorch libraries are looked up in this
+# machine's PyTorch), or the pack was built against another PyTorch.
 # shellcheck source-path=SCRIPTDIR
 set -uo pipefail
 script=$1
@@ -18,16 +18,23 @@ root=$dir/tree build=$dir/tree/build-gpu log=$dir/build.log
 mkdir -p "$root/src" "$root/.deps/cutlass/include/cute" && echo 'int x;' >"$root/src/a.cpp"
 touch "$root/.deps/cutlass/include/cute/tensor.hpp"
 cmake() { echo "cmake $*" >>"$dir/cmake_calls"; }  # stands in for the build
-# A stand-in PyTorch for python3 (whether or not this machine has one): its version and its folder.
-mkdir -p "$dir/site/torch" && echo '__version__ = "0.1-stand-in"' >"$dir/site/torch/__init__.py"
+# A stand-in PyTorch for python3 (whether or not this machine has one): its version, its folder, and
+# a library in it that the packed ops library links without a run path to it (as the real one's
+# names the building machine's PyTorch), so that it loads here only through that folder.
+mkdir -p "$dir/site/torch/lib" && echo '__version__ = "0.1-stand-in"' >"$dir/site/torch/__init__.py"
 export PYTHONPATH=$dir/site${PYTHONPATH:+:$PYTHONPATH}
+c++ -shared -fPIC -o "$dir/site/torch/lib/libstandin.so" -x c++ - <<<'int standin() { return 1; }' ||
+  fail "building the stand-in library"
+c++ -shared -fPIC -o "$dir/ops.so" -x c++ - -L"$dir/site/torch/lib" -lstandin <<<'int standin(); int ops() { return standin(); }' ||
+  fail "building the stand-in ops library"
 
 # A pack as prebuild.sh leaves it: the binaries the scripts run (ones that load anywhere), CTest's
 # file naming the interpreter of the machine that built it (a path whose dots are no pattern), the
 # PyTorch version of this machine's python3.
 pack() {
   local staging=$dir/staging binary
-  rm -rf "$staging" "$root/.gpu-prebuilt" && mkdir -p "$staging/tests" "$root/.gpu-prebuilt"
+  rm -rf "$staging" "$root/.gpu-prebuilt" && mkdir -p "$staging/tests" "$staging/python/megamoe" "$root/.gpu-prebuilt"
+  cp "$dir/ops.so" "$staging/python/megamoe/_megamoe_ops.so"
   for binary in megamoe-bench megamoe-run tests/comm_ep_layer_rank tests/test_api_moe_layer; do
     [ "${1:-}" = without_suite ] && [ "$binary" = tests/test_api_moe_layer ] && continue
     cp "$(type -P true)" "$staging/$binary"
@@ -48,10 +55,6 @@ grep -q "\"$(command -v python3)\" \"-m\"" "$build/tests/CTestTestfile.cmake" &&
   grep -q "python3x11" "$build/tests/CTestTestfile.cmake" ||
   fail "CTest's interpreter: $(cat "$build/tests/CTestTestfile.cmake")"
 grep -q "build: prebuilt" "$log" || fail "no note of the prebuilt tree: $(cat "$log")"
-# The ops library's run path names the building machine's PyTorch: its libraries are looked up in
-# this machine's, or the pack is refused as not loading.
-[[ ":$LD_LIBRARY_PATH:" == *":$dir/site/torch/lib:"* ]] ||
-  fail "PyTorch's libraries ($dir/site/torch/lib) not on the library path: $LD_LIBRARY_PATH"
 # Unpacked once per hash: a second call keeps what is there.
 echo marker >"$build/kept"
 gpu_build "$log" || fail "a second gpu_build"
@@ -75,6 +78,15 @@ gpu_build "$log" || fail "gpu_build with an incomplete pack"
 grep -q "tests/test_api_moe_layer is missing" "$log" || fail "no note of the missing binary: $(cat "$log")"
 [ -s "$dir/cmake_calls" ] || fail "not built after an incomplete pack"
 [ ! -e "$build/.prebuilt_pack" ] || fail "the incomplete pack stayed in the build folder"
+
+# A pack whose ops library needs what this machine's PyTorch lacks: refused, built as usual.
+rm -rf "$build" "$dir/cmake_calls"
+pack
+mv "$dir/site/torch/lib/libstandin.so" "$dir/standin.so.away"
+gpu_build "$log" || fail "gpu_build with a pack that does not load"
+grep -q "python/megamoe/_megamoe_ops.so does not load here" "$log" && [ -s "$dir/cmake_calls" ] ||
+  fail "taken although the ops library does not load: $(cat "$log")"
+mv "$dir/standin.so.away" "$dir/site/torch/lib/libstandin.so"
 
 # A pack built against another PyTorch: built as usual.
 rm -rf "$build" "$dir/cmake_calls"
