@@ -41,6 +41,7 @@ class Results:
     def __init__(self):
         self.bench = {}
         self.ep = {}
+        self.ep_python = {}
         self.torch = {}
         self.paths = {}
 
@@ -59,8 +60,15 @@ def load(results_dir=RESULTS):
             results.torch[data["workload"]] = data
             results.paths[("torch", data["workload"])] = shown
         elif isinstance(data, list) and data and all("tokens_per_rank" in r for r in data):
-            results.ep[path.stem] = sorted(data, key=lambda r: r["tokens_per_rank"])
-            results.paths[("ep", path.stem)] = shown
+            if any(r.get("ranks_share_one_gpu") for r in data):
+                sys.exit(f"{path}: taken by ranks sharing a GPU (megamoe-run --one-gpu): time-sliced ranks, not "
+                         "NVLink's figures; they do not belong in bench/results")
+            if all("launch" in r and "forward_us" in r for r in data):  # python -m megamoe.ep_bench
+                results.ep_python[path.stem] = sorted(data, key=lambda r: (r["tokens_per_rank"], r["launch"]))
+                results.paths[("ep_python", path.stem)] = shown
+            else:
+                results.ep[path.stem] = sorted(data, key=lambda r: r["tokens_per_rank"])
+                results.paths[("ep", path.stem)] = shown
         elif isinstance(data, list) and data and all("tokens" in r and "median_us" in r for r in data):
             # fp8_tensor with dynamic activation scales is a section of its own.
             keys = {(r["workload"], r["precision"] + (" (dynamic activation scales)"
@@ -74,8 +82,8 @@ def load(results_dir=RESULTS):
             results.bench[key] = sorted(data, key=lambda r: r["tokens"])
             results.paths[("bench",) + key] = shown
         else:
-            sys.exit(f"{path}: not a shape this tool knows (megamoe-bench, megamoe-ep-bench or "
-                     "python -m megamoe.bench JSON); teach tools/readme_table.py to render it")
+            sys.exit(f"{path}: not a shape this tool knows (megamoe-bench, megamoe-ep-bench, python -m "
+                     "megamoe.bench or python -m megamoe.ep_bench JSON); teach tools/readme_table.py to render it")
     return results
 
 
@@ -240,22 +248,50 @@ def ep_section(name, records, path):
         moved = out_bytes(r) + back_bytes(r)
         return moved / ((r["dispatch_us"] + r["combine_us"]) * 1e-6) / (r["peer_copy_gbps"] * 1e9)
     first = records[0]
+    # megamoe-ep-bench --fused: the fused layer's forward beside the staged one, in every record.
+    fused = all("fused_forward_us" in r for r in records)
     lines = [f"### {first['workload']}, {first['precision']}, {first['ranks']} ranks", "",
              provenance(records, "megamoe-run -n RANKS -- megamoe-ep-bench --json", path) +
              f" Measured in the same run: NVLink peer copy {rate([r['peer_copy_gbps'] for r in records], 'GB/s', 1)} "
              f"one way, {rate([r['barrier_us'] for r in records], 'µs', 1, 1)} per cross-rank barrier. Round trip: "
              f"{recorded(records, 'round_trip_graph')}. Baseline: {recorded(records, 'baseline')}.", "",
              "| tokens per rank | round trip µs (one graph) | dispatch µs | combine µs | share of peer bandwidth "
-             "(phases) | NVLink MB out / back | EP forward µs | baseline µs | × baseline |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(phases) | NVLink MB out / back | EP forward µs |" + (" fused forward µs |" if fused else "") +
+             " baseline µs | × baseline |",
+             "|---|---|---|---|---|---|---|" + ("---|" if fused else "") + "---|---|"]
     for r in records:
+        fused_cell = f" {us(r['fused_forward_us'])} |" if fused else ""
         lines.append(f"| {r['tokens_per_rank']} | {us(r['round_trip_graph_us'])} | {us(r['dispatch_us'])} | "
                      f"{us(r['combine_us'])} | {share_of_peer(r) * 100:.0f}% | "
                      f"{out_bytes(r) / 1e6:.1f} / {back_bytes(r) / 1e6:.1f} | "
-                     f"{us(r['ep_forward_us'])} | {us(r['baseline_us'])} | {r['ep_forward_us'] / r['baseline_us']:.2f} |")
+                     f"{us(r['ep_forward_us'])} |{fused_cell} {us(r['baseline_us'])} | "
+                     f"{r['ep_forward_us'] / r['baseline_us']:.2f} |")
     lines += ["", "Dispatch and combine are timed phase by phase (a device barrier and an event before each, which "
               "adds launch and drain time outside the kernels); the round trip as a serving engine replays it, both "
               "phases in one CUDA graph, slowest rank."]
+    return lines
+
+
+def ep_python_section(records, path):
+    """python -m megamoe.ep_bench: each launch's forward from PyTorch, the slowest rank's µs."""
+    first = records[0]
+    launches = [launch for launch in ("staged", "fused") if any(r["launch"] == launch for r in records)]
+    by_tokens = {}
+    for r in records:
+        by_tokens.setdefault(r["tokens_per_rank"], {})[r["launch"]] = r["forward_us"]
+    both = launches == ["staged", "fused"]
+    lines = [f"### {first['workload']}, {first['precision']}, {first['ranks']} ranks, from PyTorch", "",
+             provenance(records, "megamoe-run -n RANKS -- python -m megamoe.ep_bench --json", path) +
+             f" Method: {recorded(records, 'method')}.", "",
+             "| tokens per rank |" + "".join(f" {launch} µs |" for launch in launches) +
+             (" fused / staged |" if both else ""),
+             "|---|" + "---|" * (len(launches) + both)]
+    for tokens in sorted(by_tokens):
+        figures = by_tokens[tokens]
+        cells = "".join(f" {us(figures[launch])} |" if launch in figures else " – |" for launch in launches)
+        ratio = (f" {figures['fused'] / figures['staged']:.2f} |" if both and len(figures) == 2 else
+                 " – |" if both else "")
+        lines.append(f"| {tokens} |{cells}{ratio}")
     return lines
 
 
@@ -284,12 +320,15 @@ def performance_page(results, results_dir=RESULTS):
     torch = {w: results.torch[w] for w in ordered(results.torch, WORKLOAD_ORDER)}
     lines += torch_block(torch, "../bench/results/", results_dir, results.paths) + [""]
     lines += ["## Expert parallelism", "",
-              "`megamoe-ep-bench` under `megamoe-run`: the staged expert-parallel layer against a staged NCCL "
-              "baseline measured in the same run.", ""]
+              "`megamoe-ep-bench` under `megamoe-run`: the staged expert-parallel layer (and the fused one where "
+              "a run recorded it) against a staged NCCL baseline measured in the same run; `python -m "
+              "megamoe.ep_bench`: the same layers timed from PyTorch.", ""]
     if not results.ep:
         lines += ["No `megamoe-ep-bench` results yet.", ""]
     for name in sorted(results.ep):
         lines += ep_section(name, results.ep[name], results.paths[("ep", name)]) + [""]
+    for name in sorted(results.ep_python):
+        lines += ep_python_section(results.ep_python[name], results.paths[("ep_python", name)]) + [""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -58,6 +58,15 @@ def ep_records():
                  ep_forward_us=2000.0, baseline_us=2500.0, dispatch_bytes=10e6, combine_bytes=20e6)]
 
 
+def ep_python_records():
+    common = dict(workload="dsv3", precision="fp8_block", ranks=2, method="graphs of ten forwards",
+                  ranks_share_one_gpu=False)
+    return [dict(common, tokens_per_rank=128, launch="fused", forward_us=700.0),
+            dict(common, tokens_per_rank=8, launch="staged", forward_us=600.0),
+            dict(common, tokens_per_rank=128, launch="staged", forward_us=1400.0),
+            dict(common, tokens_per_rank=8, launch="fused", forward_us=450.0)]
+
+
 def write(folder, name, data):
     (folder / name).write_text(json.dumps(data))
 
@@ -131,10 +140,15 @@ def check_performance_page():
                             date="2026-11-30", command="megamoe-bench --workload qwen35-a3b --precision bf16")])
         write(folder, "dsv3-fp8_block.json", bench_results("dsv3"))
         write(folder, "ep-dsv3-fp8_block.json", ep_records())
+        write(folder, "ep-dsv3-fp8_block-fused.json",
+              [dict(r, fused_forward_us=r["ep_forward_us"] / 2, tokens_per_rank=r["tokens_per_rank"] + 1)
+               for r in ep_records()])
+        write(folder, "ep-dsv3-fp8_block-python.json", ep_python_records())
         write(folder, "torch-qwen35-a3b.json", torch_result())
         results = readme_table.load(folder)
         assert sorted(results.bench) == [("dsv3", "fp8_block"), ("qwen35-a3b", "bf16"), ("qwen35-a3b", "fp8_block")]
-        assert list(results.ep) == ["ep-dsv3-fp8_block"] and list(results.torch) == ["qwen35-a3b"]
+        assert sorted(results.ep) == ["ep-dsv3-fp8_block", "ep-dsv3-fp8_block-fused"], results.ep
+        assert list(results.ep_python) == ["ep-dsv3-fp8_block-python"] and list(results.torch) == ["qwen35-a3b"]
         page = readme_table.performance_page(results, folder)
         assert readme_table.performance_page(results, folder) == page, "the page is deterministic"
     lines = page.split("\n")
@@ -142,7 +156,8 @@ def check_performance_page():
     # Sections in the named order: qwen35-a3b (fp8_block, then bf16), then dsv3.
     sections = [line for line in lines if line.startswith("### ")]
     assert sections[:3] == ["### qwen35-a3b, fp8_block", "### qwen35-a3b, bf16", "### dsv3, fp8_block"], sections
-    assert sections[3:] == ["### qwen35-a3b", "### dsv3, fp8_block, 2 ranks"], sections
+    assert sections[3:] == ["### qwen35-a3b", "### dsv3, fp8_block, 2 ranks", "### dsv3, fp8_block, 2 ranks",
+                            "### dsv3, fp8_block, 2 ranks, from PyTorch"], sections
     # A record's cells: µs, × floor, floor (bound), useful TFLOP/s, weight TB/s, baseline, × baseline, error.
     assert "| 16 | 90.0 | 1.25 | 72.0 (hbm) | 0.6 | 0.28 | 300.0 | 0.30 | 2.5e-03 |" in lines, lines
     # Provenance: what the JSON records, and saying so where it records nothing.
@@ -159,7 +174,14 @@ def check_performance_page():
     ep_rows = [line for line in lines if line.startswith(("| 128 |", "| 512 |", "| 4096 |"))]
     assert ep_rows == ["| 128 | 30.0 | 25.0 | 15.0 | 25% | 2.0 / 2.0 | 1400 | 1400 | 1.00 |",
                        "| 512 | 90.0 | 50.0 | 50.0 | 75% | 10.0 / 20.0 | 2000 | 2500 | 0.80 |",
-                       "| 4096 | 380.0 | 200.0 | 200.0 | 80% | 64.0 / 64.0 | 5000 | 5000 | 1.00 |"], ep_rows
+                       "| 4096 | 380.0 | 200.0 | 200.0 | 80% | 64.0 / 64.0 | 5000 | 5000 | 1.00 |",
+                       "| 128 | 1400 | 700.0 | 0.50 |"], ep_rows
+    # A run with the fused layer: its forward in a column of its own, beside the staged one's.
+    assert "| 129 | 30.0 | 25.0 | 15.0 | 25% | 2.0 / 2.0 | 1400 | 700.0 | 1400 | 1.00 |" in lines, lines
+    # From PyTorch: one row per token count, each launch's µs and their ratio.
+    assert "| tokens per rank | staged µs | fused µs | fused / staged |" in lines, lines
+    assert "| 8 | 600.0 | 450.0 | 0.75 |" in lines, lines
+    assert any("Method: graphs of ten forwards." in line for line in lines), lines
     # The PyTorch plot is linked only where it exists, relative to docs/.
     assert not any("torch-qwen35-a3b.png" in line for line in lines), "no PNG was written"
 
@@ -172,6 +194,15 @@ def check_performance_page():
             assert "not a shape this tool knows" in str(e), e
         else:
             raise AssertionError("a file of an unknown shape must be refused, not skipped")
+    with tempfile.TemporaryDirectory() as name:
+        folder = pathlib.Path(name)
+        write(folder, "ep-dsv3-fp8_block.json", [dict(r, ranks_share_one_gpu=True) for r in ep_records()])
+        try:
+            readme_table.load(folder)
+        except SystemExit as e:
+            assert "ranks sharing a GPU" in str(e), e
+        else:
+            raise AssertionError("figures of ranks sharing a GPU must be refused: they are not NVLink's")
 
 
 def check_the_repository():
