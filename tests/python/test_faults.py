@@ -91,7 +91,7 @@ def test_a_failed_allocation_leaves_the_process_as_it_was(hopper):
         return torch.cuda.mem_get_info()[0]
 
     free_before = free_memory()
-    for _ in range(3):
+    for _ in range(8):  # a leak per refusal adds up past the tolerance below
         with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
             megamoe.prepare_weights(w13, w2, top_k=4, max_tokens=2**24)  # a workspace of ~1.9 TB
     # The next unrelated operation works, and the failed layers hold no device memory.

@@ -44,7 +44,9 @@ class Problem:
         experts, top_k, hidden, intermediate = w.experts, w.top_k, w.hidden, w.intermediate
         generator = torch.Generator(device=device).manual_seed(SEED + sum(map(ord, workload + precision + weights)))
 
-        def draw(*shape):  # standard deviation 1 / sqrt(fan-in); "uniform" as the C++ suite draws
+        def draw(*shape):
+            # Standard deviation 1 / sqrt(fan-in); "uniform" as the C++ suite draws; "graded" scales
+            # expert e by 2^(e mod 4), so that a scale taken from the wrong expert costs O(1).
             fan_in = shape[-1]
             drawn = torch.empty(*shape, dtype=torch.bfloat16, device=device)
             for expert in range(shape[0]):  # in fp32 an expert at a time: dsv3's whole w13 is 28 GiB
@@ -52,7 +54,8 @@ class Problem:
                     values = (torch.rand(*shape[1:], device=device, generator=generator) * 2 - 1) * math.sqrt(3.0)
                 else:
                     values = torch.randn(*shape[1:], device=device, generator=generator)
-                drawn[expert] = values / math.sqrt(fan_in)
+                grade = 2.0 ** (expert % 4) if weights == "graded" else 1.0
+                drawn[expert] = values * (grade / math.sqrt(fan_in))
             return drawn
 
         self.w13 = draw(experts, 2 * intermediate, hidden)
@@ -116,6 +119,7 @@ CASES = [(w, p, t, "normal") for w in ("qwen35-a3b", "qwen3-30b-a3b") for p in (
 CASES += [("dsv3", "fp8_block", t, "normal") for t in (1, 7, 128, 1000)]
 CASES += [("qwen35-a3b", "fp8_block", t, "uniform") for t in (7, 1000)]
 CASES += [("qwen35-a3b", "fp8_tensor", t, "normal") for t in (1, 7, 128, 1000)]  # static scales
+CASES += [("qwen35-a3b", p, 128, "graded") for p in ("fp8_block", "fp8_tensor")]
 
 
 @pytest.mark.gpu
