@@ -35,12 +35,18 @@ class EpMoeWeights(LayerHandle):
     GPU, the symmetric buffer the ranks exchange rows through, and the workspace for up to
     `max_tokens` tokens per rank and call. Freeing it is collective (close(), or the garbage
     collector, or the process's exit): a rank that lets go while its peers keep theirs waits up to
-    a minute for them."""
+    a minute for them. Its repr says how it was built: token_rows as they travel ("automatic"
+    resolved), partial_sums, symmetric_memory and launch."""
 
-    def __init__(self, *, rank: int, world_size: int, **layer):
+    def __init__(self, *, rank: int, world_size: int, token_rows: str, partial_sums: str, symmetric_memory: str,
+                 launch: str, **layer):
         super().__init__(**layer)
         self.rank = rank
         self.world_size = world_size
+        self.token_rows = token_rows
+        self.partial_sums = partial_sums
+        self.symmetric_memory = symmetric_memory
+        self.launch = launch
 
     @property
     def experts(self) -> range:
@@ -77,7 +83,9 @@ class EpMoeWeights(LayerHandle):
     def __repr__(self) -> str:
         return (f"EpMoeWeights(num_experts={self.num_experts}, experts={self.experts}, top_k={self.top_k}, "
                 f"hidden={self.hidden}, intermediate={self.intermediate}, precision={self.precision!r}, "
-                f"max_tokens={self.max_tokens}, rank={self.rank}, world_size={self.world_size}, device={self.device})")
+                f"max_tokens={self.max_tokens}, rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+                f"token_rows={self.token_rows!r}, partial_sums={self.partial_sums!r}, "
+                f"symmetric_memory={self.symmetric_memory!r}, launch={self.launch!r})")
 
 
 def _rank_and_world(rank: Optional[int], world_size: Optional[int]):
@@ -226,9 +234,12 @@ def prepare_ep_weights(
     handle = ops.create_ep_layer(*packed[:4], num_experts, checked.hidden, checked.intermediate, top_k, precision,
                                  scale_format, max_tokens, layer_folder, rank, world_size, device.index, token_rows,
                                  partial_sums, symmetric_memory, launch)
+    if token_rows == "automatic":  # the rows the layer computes on, as EpLayer resolves it
+        token_rows = "fp8" if precision == "fp8_block" else "bf16"
     return EpMoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=checked.hidden,
                         intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
-                        max_tokens=max_tokens, rank=rank, world_size=world_size, device=device)
+                        max_tokens=max_tokens, rank=rank, world_size=world_size, device=device, token_rows=token_rows,
+                        partial_sums=partial_sums, symmetric_memory=symmetric_memory, launch=launch)
 
 
 def ep_fused_moe(x: torch.Tensor, weights: EpMoeWeights, topk_ids: torch.Tensor,

@@ -67,9 +67,18 @@ def test_prepare_ep_weights_checks_before_joining_the_other_ranks(monkeypatch, t
 def ep_weights(**overrides) -> megamoe.EpMoeWeights:
     """A handle naming no layer (closing it is a no-op), on the CPU so that the checks can run."""
     fields = dict(handle=-1, num_experts=8, top_k=2, hidden=128, intermediate=128, precision="bf16",
-                  scale_format="fp32", max_tokens=16, rank=1, world_size=2, device=torch.device("cpu"))
+                  scale_format="fp32", max_tokens=16, rank=1, world_size=2, device=torch.device("cpu"),
+                  token_rows="bf16", partial_sums="bf16", symmetric_memory="cuda_ipc", launch="staged")
     fields.update(overrides)
     return megamoe.EpMoeWeights(**fields)
+
+
+def test_the_repr_says_how_the_layer_was_built():
+    text = repr(ep_weights(precision="fp8_block", token_rows="fp8", partial_sums="fp8", symmetric_memory="nvshmem",
+                           launch="fused"))
+    for part in ("precision='fp8_block'", "experts=range(4, 8)", "rank=1, world_size=2", "token_rows='fp8'",
+                 "partial_sums='fp8'", "symmetric_memory='nvshmem'", "launch='fused'"):
+        assert part in text, text
 
 
 def test_ep_fused_moe_checks_its_arguments():
