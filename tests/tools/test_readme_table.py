@@ -185,24 +185,23 @@ def check_performance_page():
     # The PyTorch plot is linked only where it exists, relative to docs/.
     assert not any("torch-qwen35-a3b.png" in line for line in lines), "no PNG was written"
 
+    expect_refused("something-else.json", {"hello": 1}, "not a shape this tool knows",
+                   "a file of an unknown shape must be refused, not skipped")
+    expect_refused("ep-dsv3-fp8_block.json", [dict(r, ranks_share_one_gpu=True) for r in ep_records()],
+                   "ranks sharing a GPU", "figures of ranks sharing a GPU must be refused: they are not NVLink's")
+
+
+def expect_refused(file_name, data, message, why):
+    """load() exits with `message` for a results folder holding only `data` as `file_name`."""
     with tempfile.TemporaryDirectory() as name:
         folder = pathlib.Path(name)
-        write(folder, "something-else.json", {"hello": 1})
+        write(folder, file_name, data)
         try:
             readme_table.load(folder)
         except SystemExit as e:
-            assert "not a shape this tool knows" in str(e), e
+            assert message in str(e), e
         else:
-            raise AssertionError("a file of an unknown shape must be refused, not skipped")
-    with tempfile.TemporaryDirectory() as name:
-        folder = pathlib.Path(name)
-        write(folder, "ep-dsv3-fp8_block.json", [dict(r, ranks_share_one_gpu=True) for r in ep_records()])
-        try:
-            readme_table.load(folder)
-        except SystemExit as e:
-            assert "ranks sharing a GPU" in str(e), e
-        else:
-            raise AssertionError("figures of ranks sharing a GPU must be refused: they are not NVLink's")
+            raise AssertionError(why)
 
 
 def check_the_repository():
