@@ -157,6 +157,7 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
       __threadfence();  // every CTA has passed every claim and wait of this forward
       for (int c = 0; c < Params::kCounters; ++c) items.counters[c] = 0;
       finish_forward(p);
+      timeline.mark(layout::kForwardDone, kMathLead);
     }
   }
 }

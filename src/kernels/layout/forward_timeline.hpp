@@ -26,6 +26,7 @@ enum ForwardTimelineEvent : int {
   kEpOwnersArrived,    // expert parallelism: every CTA's math warpgroups, every owner's arrival
                        // acquired (or given up on after a fault)
   kCombineDone,        // every CTA's math warpgroups, their share of the combine stored
+  kForwardDone,        // the last CTA to finish, the counters zeroed for the next forward
   kForwardTimelineEvents
 };
 
@@ -33,7 +34,7 @@ inline constexpr const char* kForwardTimelineEventNames[] = {
     "forward start", "ep published", "route item claimed", "route item done", "routing published",
     "gather item done", "front done", "fc1 streamed", "fc1 done",
     "fc2 started", "fc2 streamed", "fc2 done", "combine started", "ep partial sums sent",
-    "ep owners arrived", "combine done"};
+    "ep owners arrived", "combine done", "forward done"};
 static_assert(sizeof(kForwardTimelineEventNames) / sizeof(kForwardTimelineEventNames[0]) == kForwardTimelineEvents,
               "a name for every point");
 
