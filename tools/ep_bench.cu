@@ -257,9 +257,8 @@ Options parse(int argc, char** argv) {
   if (o.token_rows == comm::EpTokenRows::fp8 && o.precision != Precision::fp8_block) {
     throw cli::UsageError("--token-rows fp8 needs --precision fp8_block");
   }
-  if (o.fused && (o.partial_sums != comm::EpPartialSums::bf16 || o.token_rows != comm::EpTokenRows::automatic)) {
-    throw cli::UsageError("--fused compares with the staged layer of the same rows: it takes --token-rows automatic "
-                          "and --partial-sums bf16");
+  if (o.fused && o.token_rows != comm::EpTokenRows::automatic) {
+    throw cli::UsageError("--fused compares with the staged layer of the same rows: it takes --token-rows automatic");
   }
   cli::check_usage([&] { plan::find_workload(o.workload); });
   return o;

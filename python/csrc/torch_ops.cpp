@@ -590,9 +590,8 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
       symmetric_memory, "symmetric_memory",
       {{"cuda_ipc", comm::SymmetricBackend::cuda_ipc}, {"nvshmem", comm::SymmetricBackend::nvshmem}});
   options.fused = choice_from<bool>(launch, "launch", {{"staged", false}, {"fused", true}});
-  TORCH_CHECK_NOT_IMPLEMENTED(!options.fused || (options.token_rows == comm::EpTokenRows::automatic &&
-                                                 options.partial_sums == comm::EpPartialSums::bf16),
-                              "megamoe: launch='fused' takes token_rows='automatic' and partial_sums='bf16'");
+  TORCH_CHECK_NOT_IMPLEMENTED(!options.fused || options.token_rows == comm::EpTokenRows::automatic,
+                              "megamoe: launch='fused' takes token_rows='automatic' (the rows its layer computes on)");
   checked_int(world_size, "world_size", 1);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
                     ")");

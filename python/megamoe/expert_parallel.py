@@ -177,9 +177,9 @@ def prepare_ep_weights(
     rank; NVSHMEM allows one job per process, so every NVSHMEM layer of a process must be shared
     by the same ranks, and not beside another user of NVSHMEM such as PyTorch's NVSHMEM symmetric
     memory). launch: "staged" (dispatch, the local experts and the combine as separate launches) or
-    "fused" (each rank's forward as one launch, designed to give the staged output bit for bit;
-    with the default token_rows and partial_sums; correct on one GPU with ranks sharing it, not yet
-    measured on two: docs/design.md#expert-parallelism-inside-the-persistent-kernel).
+    "fused" (each rank's forward as one launch, designed to give the staged output bit for bit,
+    with either partial_sums; with the default token_rows; correct on one GPU with ranks sharing it,
+    not yet measured on two: docs/design.md#expert-parallelism-inside-the-persistent-kernel).
     """
     if precision == "fp8_tensor":
         raise NotImplementedError("megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on "
@@ -192,9 +192,9 @@ def prepare_ep_weights(
         raise ValueError(f"megamoe: symmetric_memory={symmetric_memory!r} must be 'cuda_ipc' or 'nvshmem'")
     if require_str(launch, "launch") not in ("staged", "fused"):
         raise ValueError(f"megamoe: launch={launch!r} must be 'staged' or 'fused'")
-    if launch == "fused" and (token_rows != "automatic" or partial_sums != "bf16"):
-        raise NotImplementedError(f"megamoe: launch='fused' takes token_rows='automatic' and partial_sums='bf16', "
-                                  f"not {token_rows!r} and {partial_sums!r}")
+    if launch == "fused" and token_rows != "automatic":
+        raise NotImplementedError(f"megamoe: launch='fused' takes token_rows='automatic' (the rows its layer computes "
+                                  f"on), not {token_rows!r}")
     if token_rows == "fp8" and precision != "fp8_block":
         raise ValueError(f"megamoe: token_rows='fp8' needs precision 'fp8_block' (the layer's own quantization "
                          f"of x), not {precision!r}")

@@ -22,6 +22,9 @@ if [ -x "$build/megamoe-ep-bench" ]; then
   # The fused layer beside the staged one, in a run of its own (it stops at a y that differs).
   "$build/megamoe-run" -n 2 --timeout 540 -- "$build/megamoe-ep-bench" --workload dsv3 --tokens 8,128,512,4096 --fused --timeline \
     --json "$out/ep-dsv3-fp8_block-fused.json" 2>&1 | tee -a "$out/ep_bench.log"
+  # FP8 partial sums, staged and fused, against the same NCCL baseline (its last column: their error).
+  "$build/megamoe-run" -n 2 --timeout 540 -- "$build/megamoe-ep-bench" --workload dsv3 --tokens 128,4096 --fused \
+    --partial-sums fp8 --json "$out/ep-dsv3-fp8_block-fused-fp8-partials.json" 2>&1 | tee -a "$out/ep_bench.log"
 else
   echo "megamoe-ep-bench was not built (NCCL not found); see build2.log"
 fi

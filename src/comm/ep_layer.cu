@@ -101,10 +101,6 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
                                               std::string(to_string(options.token_rows)) + " rows for " +
                                               to_string(spec.precision));
     }
-    if (fp8_partials) {
-      throw Error(ErrorCode::unsupported, "fused=true returns bf16 partial sums; partial_sums=fp8 is the staged "
-                                          "layer's (fused=false)");
-    }
     if (barrier_timeout > kMaxFusedBarrierTimeout) {
       throw Error(ErrorCode::invalid_argument,
                   "barrier_timeout=" + std::to_string(barrier_timeout.count()) + " ms: with fused=true at most " +
@@ -115,7 +111,7 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
   layout_ = layout::EpBufferLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank,
                                          fp8_rows, fp8_partials);
   fused_layout_ = layout::EpFusedLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank,
-                                              fp8_rows);
+                                              fp8_rows, fp8_partials);
   signals_offset_ = fused_ ? fused_layout_.signals : layout_.signals;
 
   // The local pass: every local expert of each received token (each virtual token, where fused),

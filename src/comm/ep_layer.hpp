@@ -66,9 +66,10 @@ struct EpLayerOptions {
   // single-kernel forward (docs/design.md#expert-parallelism-inside-the-persistent-kernel),
   // designed to give the staged layer's y bit for bit, which its one-GPU tests (ranks sharing one
   // GPU) confirm; off by default until it has been measured against the staged layer on two GPUs.
-  // Needs FP8 token rows with fp8_block (bf16 rows with bf16), bf16 partial sums and a barrier
-  // timeout of at most kMaxFusedBarrierTimeout; every rank must choose the same. The phases
-  // (dispatch, compute, combine) and last_delivered are the staged layer's only.
+  // Needs FP8 token rows with fp8_block (bf16 rows with bf16) and a barrier timeout of at most
+  // kMaxFusedBarrierTimeout; takes either partial sums (FP8 ones give the staged FP8 layer's y bit
+  // for bit); every rank must choose the same. The phases (dispatch, compute, combine) and
+  // last_delivered are the staged layer's only.
   bool fused = false;
 };
 

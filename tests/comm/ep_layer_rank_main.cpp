@@ -20,7 +20,8 @@
 // --bf16: a bf16 layer (bf16 rows on the wire) instead of fp8_block. --fused: the layer under test
 // runs its forward as one launch (EpLayerOptions::fused), so every check above applies to it and its
 // y must equal the staged bf16-rows layer's bit for bit; it refuses the staged phases; with --hang
-// or --die its own waits must end in the diagnostic.
+// or --die its own waits must end in the diagnostic; and the FP8 partial sums' layer is fused too,
+// its y required to equal a staged FP8 partial sums layer's bit for bit.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -28,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 
@@ -326,7 +328,14 @@ int run(int argc, char** argv) {
   options.token_rows = comm::EpTokenRows::automatic;
   options.partial_sums = comm::EpPartialSums::fp8;
   options.buffer_name = "ep-fp8-partials";
+  options.fused = fused;
   comm::EpLayer fp8_partials(spec, mine, max_tokens, rendezvous, options);
+  std::unique_ptr<comm::EpLayer> fp8_partials_staged;  // with --fused: what fp8_partials must equal
+  if (fused) {
+    options.fused = false;
+    options.buffer_name = "ep-fp8-partials-staged";
+    fp8_partials_staged = std::make_unique<comm::EpLayer>(spec, mine, max_tokens, rendezvous, options);
+  }
   if (fp8_partials.partial_sums() != comm::EpPartialSums::fp8) {
     std::fprintf(stderr, "FAILED: rank %d: a layer asked for FP8 partial sums sends %s ones\n", rank,
                  comm::to_string(fp8_partials.partial_sums()));
@@ -348,8 +357,12 @@ int run(int argc, char** argv) {
     const DeviceCall call(spec, in);
     const DeviceCall call_bf16_rows(spec, in);
     const DeviceCall call_fp8_partials(spec, in);
+    const DeviceCall call_fp8_partials_staged(spec, in);
     bf16_rows.forward(stream, call_bf16_rows.inputs(), MoeOutputs{call_bf16_rows.y});
     fp8_partials.forward(stream, call_fp8_partials.inputs(), MoeOutputs{call_fp8_partials.y});
+    if (fp8_partials_staged) {
+      fp8_partials_staged->forward(stream, call_fp8_partials_staged.inputs(), MoeOutputs{call_fp8_partials_staged.y});
+    }
     layer.forward(stream, call.inputs(), MoeOutputs{call.y});
 
     // Dispatch: exactly the rows the CPU model predicts, in canonical order, with each slot's
@@ -394,6 +407,14 @@ int run(int argc, char** argv) {
       // FP8 partial sums: each remote owner's partial sum re-rounded to E4M3 (3 mantissa bits) per
       // 128 channels, about 3.6% RMS of that share; the source's own share stays bf16.
       const std::vector<bf16_t> y_fp8_partials = call_fp8_partials.output(spec);
+      if (fp8_partials_staged) {
+        const std::vector<bf16_t> y_staged = call_fp8_partials_staged.output(spec);
+        if (std::memcmp(y_fp8_partials.data(), y_staged.data(), y_staged.size() * sizeof(bf16_t)) != 0) {
+          std::fprintf(stderr, "FAILED: iteration %d: rank %d y of the fused layer with FP8 partial sums differs from "
+                               "the staged one's\n", it, rank);
+          return 1;
+        }
+      }
       std::vector<double> exact(y_under_test.size()), approx(y_under_test.size());
       for (size_t i = 0; i < exact.size(); ++i) {
         exact[i] = y_under_test[i].to_float(), approx[i] = y_fp8_partials[i].to_float();

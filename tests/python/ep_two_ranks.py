@@ -9,7 +9,8 @@ bits of a second layer sending bf16 rows (token_rows="bf16"), and a third return
 an invalid id is counted on the rank that sent it, and bad calls raise before anything collective.
 An argument, "cuda_ipc" (default) or "nvshmem", says where the layers' symmetric buffers live; a
 second, "staged" (default) or "fused", how the layer under test launches (fused: its y must be the
-staged bf16-rows layer's bit for bit, in both precisions).
+staged bf16-rows layer's bit for bit, in both precisions, and a fused layer's with FP8 partial sums
+the staged FP8 partial sums layer's).
 Prints "rank R ok" last; exits 1 on the first failure."""
 
 import math
@@ -65,7 +66,7 @@ def main() -> None:
         # The same layer staged, sending its token rows as bf16, for the bits (fp8_block, or a fused
         # layer of either precision; built in the same order on every rank, as every collective is).
         # And one returning FP8 partial sums, within a bound of the bf16 ones.
-        bf16_rows = fp8_partials = None
+        bf16_rows = fp8_partials = fused_fp8_partials = None
         if precision == "fp8_block" or LAUNCH == "fused":
             bf16_rows = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
                                                    precision=precision, max_tokens=MAX_TOKENS, token_rows="bf16",
@@ -74,6 +75,10 @@ def main() -> None:
             fp8_partials = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
                                                       precision=precision, max_tokens=MAX_TOKENS, partial_sums="fp8",
                                                       symmetric_memory=SYMMETRIC_MEMORY)
+            if LAUNCH == "fused":
+                fused_fp8_partials = megamoe.prepare_ep_weights(
+                    w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K, precision=precision, max_tokens=MAX_TOKENS,
+                    partial_sums="fp8", symmetric_memory=SYMMETRIC_MEMORY, launch="fused")
         whole = megamoe.prepare_weights(w13, w2, top_k=TOP_K, precision=precision,
                                         routing=megamoe.PrecomputedRouting(), max_tokens=MAX_TOKENS)
         worst = 0.0
@@ -88,6 +93,10 @@ def main() -> None:
                            f"the staged layer's with bf16 rows")
             if fp8_partials is not None:
                 y_fp8_partials = megamoe.ep_fused_moe(x, fp8_partials, ids, weights)
+                if fused_fp8_partials is not None and not torch.equal(
+                        megamoe.ep_fused_moe(x, fused_fp8_partials, ids, weights), y_fp8_partials):
+                    fail(rank, f"{precision} iteration {iteration}, {tokens} tokens: the fused layer with FP8 partial "
+                               f"sums differs from the staged one")
                 if tokens > 0 and not relative_l2(y_fp8_partials, y) < 5e-2:
                     fail(rank, f"{precision} iteration {iteration}: FP8 partial sums are "
                                f"{relative_l2(y_fp8_partials, y):.3e} from bf16 ones")

@@ -142,10 +142,7 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
         (dict(hidden=192, partial_sums="fp8"), NotImplementedError, "hidden=192 is not a multiple of 128"),
         (dict(symmetric_memory="shm"), ValueError, "symmetric_memory must be 'cuda_ipc' or 'nvshmem', not 'shm'"),
         (dict(launch="single_kernel"), ValueError, "launch must be 'staged' or 'fused', not 'single_kernel'"),
-        (dict(launch="fused", partial_sums="fp8"), NotImplementedError,
-         "launch='fused' takes token_rows='automatic' and partial_sums='bf16'"),
-        (dict(launch="fused", token_rows="bf16"), NotImplementedError,
-         "launch='fused' takes token_rows='automatic' and partial_sums='bf16'"),
+        (dict(launch="fused", token_rows="bf16"), NotImplementedError, "launch='fused' takes token_rows='automatic'"),
         (dict(num_experts=128, top_k=33), NotImplementedError, "top_k=33 exceeds the 32 slots per token"),
     ]
     for changes, error, message in refusals:
@@ -188,7 +185,7 @@ def test_the_layer_limit_is_per_rank(monkeypatch, tmp_path):
     (dict(launch="one_kernel"), ValueError, "launch='one_kernel' must be 'staged' or 'fused'"),
     (dict(launch=True), TypeError, "launch must be a str"),
     (dict(launch="fused", token_rows="bf16"), NotImplementedError,
-     "launch='fused' takes token_rows='automatic' and partial_sums='bf16', not 'bf16' and 'bf16'"),
+     "launch='fused' takes token_rows='automatic' .the rows its layer computes on., not 'bf16'"),
 ])
 def test_prepare_ep_weights_refuses_before_the_device(tmp_path, changes, error, message):
     arguments = dict(w13=W13, w2=W2, num_experts=8, top_k=2, rank=1, world_size=2, rendezvous_dir=str(tmp_path))

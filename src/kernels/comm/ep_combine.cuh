@@ -24,6 +24,7 @@
 
 #include "kernels/combine/bf16x8.cuh"
 #include "kernels/comm/ep_rows.cuh"
+#include "kernels/comm/fp8_partials.cuh"
 #include "kernels/comm/rank_barrier.cuh"
 #include "kernels/layout/ep_buffers.hpp"
 #include "kernels/layout/ep_timeline.hpp"
@@ -67,48 +68,21 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_quantize_partials_kernel(EpQ
   }
 }
 
-// Eight E4M3 codes of one FP8 partial sum times its block scale, added to `sum` (fp32).
-__device__ __forceinline__ void add_fp8x8(Bf16x8Sum& sum, uint2 codes, float scale) {
-  const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
-    sum.sum[2 * i] += scale * v.x;
-    sum.sum[2 * i + 1] += scale * v.y;
-  }
-}
-
-// Each owner's partial sum of (token, vector) in rank order, FP8 from remote owners: every
-// owner's loads in flight before the first addition.
+// Each owner's partial sum of (token, vector), from the owners' buffers at the token's positions.
 __device__ __forceinline__ void add_fp8_partials(Bf16x8Sum& sum, const EpCombineParams& p, const int32_t* positions,
                                                  long vector) {
-  constexpr int kInFlight = 8;
-  const int world = p.layout.world_size, vectors = p.layout.hidden / 8, blocks = p.layout.hidden / 128;
-  for (int first = 0; first < world; first += kInFlight) {
-    uint4 own{};
-    uint2 codes[kInFlight];
-    float scales[kInFlight];
-    bool present[kInFlight];
-#pragma unroll
-    for (int i = 0; i < kInFlight; ++i) {
-      const int owner = first + i;
-      const long position = owner < world ? positions[owner] : -1;
-      present[i] = position >= 0;
-      if (!present[i]) continue;
-      if (owner == p.rank) {
-        own = ep_detail::region<const uint4>(p.peer_bases[owner], p.layout.partial_sums)[position * vectors + vector];
-      } else {
-        codes[i] = ep_detail::region<const uint2>(p.peer_bases[owner], p.layout.partial_codes)[position * vectors + vector];
-        scales[i] = ep_detail::region<const float>(p.peer_bases[owner], p.layout.partial_scales)[position * blocks + vector / 16];
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kInFlight; ++i) {
-      if (!present[i]) continue;
-      if (first + i == p.rank) sum.add(own, 1.0f);
-      else add_fp8x8(sum, codes[i], scales[i]);
-    }
-  }
+  const int vectors = p.layout.hidden / 8, blocks = p.layout.hidden / 128;
+  add_fp8_partials_in_rank_order(
+      sum, p.layout.world_size, p.rank,
+      [&](int owner, const uint4*& own, const uint2*& codes, const float*& scale) {
+        const long position = positions[owner];
+        if (position < 0) return false;
+        own = ep_detail::region<const uint4>(p.peer_bases[owner], p.layout.partial_sums) + position * vectors + vector;
+        codes = ep_detail::region<const uint2>(p.peer_bases[owner], p.layout.partial_codes) + position * vectors + vector;
+        scale = ep_detail::region<const float>(p.peer_bases[owner], p.layout.partial_scales) + position * blocks +
+                vector / 16;
+        return true;
+      });
 }
 
 // Grid: one thread per 16-byte vector of y, after a cross-rank barrier that follows every rank's

@@ -31,6 +31,7 @@
 #include "kernels/combine/combine_slots.cuh"
 #include "kernels/comm/ep_fused_params.hpp"
 #include "kernels/comm/ep_rows.cuh"
+#include "kernels/comm/fp8_partials.cuh"
 #include "kernels/comm/peer_wait.cuh"
 #include "kernels/epilogue/gemm_op.hpp"
 #include "kernels/layout/ep_buffers.hpp"
@@ -268,13 +269,18 @@ __device__ __forceinline__ void ep_front_items(const FrontParams& f, const EpFus
 }
 
 // Where a virtual token's partial sum goes: its source's `returned` region, at this rank's row of
-// the token; only tokens with a slot here are stored, and nothing after a fault.
+// the token; with FP8 partial sums this rank's own `returned` region at the token's virtual row,
+// from where a remote source's rows are quantized (the source's own row is the same place as
+// without). Only tokens with a slot here are stored, and nothing after a fault.
 struct EpPartialSumRows {
   static constexpr bool kRoutedOnly = true;
   const EpFusedParams* p;
   __device__ __forceinline__ __nv_bfloat16* row(const CombineParams&, int v) const {
     if (rank_fault_seen(p->fault)) return nullptr;
     const layout::EpFusedLayout& l = p->layout;
+    if (l.fp8_partials) {
+      return ep_fused_detail::region_of<__nv_bfloat16>(*p, p->rank, l.returned) + static_cast<size_t>(v) * l.hidden;
+    }
     const int source = v / l.max_tokens_per_rank, t = v % l.max_tokens_per_rank;
     return ep_fused_detail::region_of<__nv_bfloat16>(*p, source, l.returned) +
            (static_cast<size_t>(p->rank) * l.max_tokens_per_rank + t) * l.hidden;
@@ -295,23 +301,54 @@ __device__ __forceinline__ int claim_chunk(uint32_t* claimed, int chunks, int ma
   return *shared_chunk;
 }
 
+// The virtual tokens [first, end) of combine chunk `chunk`, all of one source.
+struct ChunkTokens {
+  int source;
+  long first, end;
+};
+__device__ __forceinline__ ChunkTokens chunk_tokens(const EpFusedParams& p, int chunk) {
+  const int32_t* prefix = region_of<const int32_t>(p, p.rank, p.layout.chunk_prefix);
+  int source = 0;
+  while (prefix[source + 1] <= chunk) ++source;
+  const long source_first = static_cast<long>(source) * p.layout.max_tokens_per_rank;
+  const long first = source_first + static_cast<long>(chunk - prefix[source]) * kEpChunkTokens;
+  const int count = region_of<const int32_t>(p, p.rank, p.layout.source_counts)[source];
+  return ChunkTokens{source, first, min(first + kEpChunkTokens, source_first + count)};
+}
+
 // Combine chunk `chunk`: the virtual tokens of kEpChunkTokens tokens of one source (none after a
 // fault: a lost peer's buffer may be gone).
 __device__ __forceinline__ void combine_chunk(const CombineParams& c, const EpFusedParams& p, int chunk,
                                               int math_thread, int math_threads) {
   if (rank_fault_seen(p.fault)) return;
-  const int32_t* prefix = region_of<const int32_t>(p, p.rank, p.layout.chunk_prefix);
-  int source = 0;
-  while (prefix[source + 1] <= chunk) ++source;
+  const ChunkTokens tokens = chunk_tokens(p, chunk);
   const int vectors_per_token = c.hidden / Bf16x8Sum::kChannels;
-  const long source_first = static_cast<long>(source) * p.layout.max_tokens_per_rank;
-  const long first_token = source_first + static_cast<long>(chunk - prefix[source]) * kEpChunkTokens;
-  const int count = region_of<const int32_t>(p, p.rank, p.layout.source_counts)[source];
-  const long end_token = min(first_token + kEpChunkTokens, source_first + count);
   const EpPartialSumRows output{&p};
-  for (long first = first_token * vectors_per_token + math_thread; first < end_token * vectors_per_token;
+  for (long first = tokens.first * vectors_per_token + math_thread; first < tokens.end * vectors_per_token;
        first += static_cast<long>(kCombineBatch) * math_threads) {
-    combine_vectors<true, kCombineBatch>(c, first, math_threads, static_cast<int>(end_token), output);
+    combine_vectors<true, kCombineBatch>(c, first, math_threads, static_cast<int>(tokens.end), output);
+  }
+}
+
+// FP8 partial sums: combine chunk `chunk`'s rows, which the math threads stored here (a barrier
+// between), quantized once per 128 channels (the staged layer's rule) into their remote source's
+// returned_codes and returned_scales at this rank's row of the token; a token without a slot here
+// has no row, and the source's own rows stay bf16.
+__device__ __forceinline__ void quantize_chunk(const CombineParams& c, const EpFusedParams& p, int chunk,
+                                               int math_thread, int math_threads) {
+  const layout::EpFusedLayout& l = p.layout;
+  const ChunkTokens tokens = chunk_tokens(p, chunk);
+  if (tokens.source == p.rank || rank_fault_seen(p.fault)) return;
+  for (long v = tokens.first; v < tokens.end; ++v) {
+    bool used = false;
+    for (int j = 0; j < c.top_k; ++j) used |= c.routed_ids[v * c.top_k + j] >= 0;
+    if (!used) continue;  // the same for every math thread: the trip counts stay uniform
+    const size_t t = static_cast<size_t>(v % l.max_tokens_per_rank);
+    const size_t remote_row = static_cast<size_t>(p.rank) * l.max_tokens_per_rank + t;
+    const uint4* row = region_of<const uint4>(p, p.rank, l.returned) + static_cast<size_t>(v) * (l.hidden / 8);
+    uint4* codes = region_of<uint4>(p, tokens.source, l.returned_codes) + remote_row * (l.hidden / 16);
+    float* scales = region_of<float>(p, tokens.source, l.returned_scales) + remote_row * (l.hidden / 128);
+    ep_detail::block_quantize_row(row, &codes, &scales, 1, l.hidden, 1, /*ue8m0=*/false, math_thread, math_threads);
   }
 }
 
@@ -335,6 +372,20 @@ __device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, int chunk, 
     const uint64_t owners =
         layout::ep_token_destinations(p.topk_ids, l.top_k, p.num_experts, l.experts_per_rank, t, &invalid);
     Bf16x8Sum sum;
+    if (l.fp8_partials) {
+      const size_t blocks = l.hidden / 128;
+      add_fp8_partials_in_rank_order(
+          sum, l.world_size, p.rank, [&](int owner, const uint4*& own, const uint2*& codes, const float*& scale) {
+            if (!((owners >> owner) & 1u)) return false;
+            const size_t row = static_cast<size_t>(owner) * l.max_tokens_per_rank + t;
+            own = region_of<const uint4>(p, p.rank, l.returned) + row * vectors_per_token + vector;
+            codes = region_of<const uint2>(p, p.rank, l.returned_codes) + row * vectors_per_token + vector;
+            scale = region_of<const float>(p, p.rank, l.returned_scales) + row * blocks + vector / 16;
+            return true;
+          });
+      *out = sum.rounded();
+      continue;
+    }
     sum.add_rows<8>(l.world_size, [&](int owner, const uint4*& row, float& weight) {
       if (!((owners >> owner) & 1u)) return;
       row = reinterpret_cast<const uint4*>(region_of<const __nv_bfloat16>(p, p.rank, l.returned) +
@@ -369,6 +420,10 @@ __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFus
         claim_chunk(ep_counter(items, kCombineChunksClaimed), combine_chunks, math_thread, math_threads, shared_chunk);
     if (chunk < 0) break;
     combine_chunk(c, p, chunk, math_thread, math_threads);
+    if (p.layout.fp8_partials) {
+      ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));  // the chunk's rows, stored here
+      quantize_chunk(c, p, chunk, math_thread, math_threads);
+    }
     __threadfence_system();  // this thread's stores into the sources' buffers, before the count
     ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
     if (math_thread == 0 &&

@@ -45,13 +45,15 @@ __device__ __forceinline__ void block_copy_row(const uint4* from, uint4* const* 
 // quant/fp8_block_scale.cuh) and writes its codes to each of to[0..count) and its scales to each
 // of scales_to[0..count), block b's at scales_to[d][b * scale_stride]. A thread takes 16 channels
 // (two loads, one 16-byte store of codes), so that a 128-channel block is 8 aligned lanes. Every
-// thread calls it (shuffles; a block-uniform trip count).
+// one of the `threads` threads calls it (shuffles; a uniform trip count): whole warps, `thread`
+// numbering them from 0.
 __device__ __forceinline__ void block_quantize_row(const uint4* from, uint4* const* to, float* const* scales_to,
-                                                   int count, int hidden, size_t scale_stride, bool ue8m0) {
+                                                   int count, int hidden, size_t scale_stride, bool ue8m0, int thread,
+                                                   int threads) {
   constexpr int kValues = 16;
   const int vectors = hidden / kValues;  // a multiple of 8: whole blocks of lanes
-  for (int first = 0; first < vectors; first += blockDim.x) {
-    const int v = first + threadIdx.x;
+  for (int first = 0; first < vectors; first += threads) {
+    const int v = first + thread;
     const bool in_range = v < vectors;
     float values[kValues] = {};
     if (in_range) {
@@ -67,6 +69,13 @@ __device__ __forceinline__ void block_quantize_row(const uint4* from, uint4* con
       for (int d = 0; d < count; ++d) scales_to[d][block * scale_stride] = s.scale;
     }
   }
+}
+
+// The same by every thread of the block.
+__device__ __forceinline__ void block_quantize_row(const uint4* from, uint4* const* to, float* const* scales_to,
+                                                   int count, int hidden, size_t scale_stride, bool ue8m0) {
+  block_quantize_row(from, to, scales_to, count, hidden, scale_stride, ue8m0, static_cast<int>(threadIdx.x),
+                     static_cast<int>(blockDim.x));
 }
 
 }  // namespace megamoe::kernels::ep_detail

@@ -12,7 +12,11 @@
 //   row_scales     fp32 [H/128][max_tokens]        FP8 rows: token t's scale of channel block b at
 //                                                  [b][t] (the layout of MoeInputs::x_scales)
 //   returned       bf16 [world][max_tokens][H]     owner o's weighted sum over its experts of this
-//                                                  rank's token t, at [o][t]
+//                                                  rank's token t, at [o][t]; with FP8 partial sums
+//                                                  this rank's own sums of every virtual token
+//                                                  (s, t) at [s][t], before they are quantized for s
+//   returned_codes e4m3 [world][max_tokens][H]     FP8 partial sums only: owner o's sum of token t,
+//   returned_scales fp32 [world][max_tokens][H/128]  quantized per 128 channels, at [o][t]
 //   published      uint64 [kSignalSlots]           arrivals of each source's publication: slot s
 //                                                  counts the calls whose rows source s published
 //   returned_from  uint64 [kSignalSlots]           arrivals of each owner's partial sums, likewise
@@ -43,6 +47,9 @@ struct EpFusedLayout : EpShape {
   size_t rows = 0;
   size_t row_scales = 0;  // FP8 rows only (0 bytes otherwise)
   size_t returned = 0;
+  bool fp8_partials = false;  // remote owners' partial sums travel as E4M3 with per-128 scales
+  size_t returned_codes = 0;   // FP8 partial sums only (0 bytes otherwise)
+  size_t returned_scales = 0;  // likewise
   size_t published = 0;
   size_t returned_from = 0;
   size_t signals = 0;
@@ -57,7 +64,8 @@ struct EpFusedLayout : EpShape {
   MEGAMOE_HOST_DEVICE constexpr size_t row_bytes() const { return static_cast<size_t>(hidden) * (fp8_rows ? 1 : 2); }
 
   MEGAMOE_HOST_DEVICE static constexpr EpFusedLayout make(int world_size, int num_experts, int top_k, int hidden,
-                                                          int max_tokens_per_rank, bool fp8_rows) {
+                                                          int max_tokens_per_rank, bool fp8_rows,
+                                                          bool fp8_partials) {
     EpFusedLayout l;
     static_cast<EpShape&>(l) = EpShape::of(world_size, num_experts, top_k, hidden, max_tokens_per_rank, fp8_rows);
     const size_t tokens = static_cast<size_t>(max_tokens_per_rank);
@@ -68,6 +76,10 @@ struct EpFusedLayout : EpShape {
     l.rows = regions.take(tokens * l.row_bytes());
     l.row_scales = regions.take(fp8_rows ? sizeof(float) * (hidden / 128) * tokens : 0);
     l.returned = regions.take(static_cast<size_t>(world_size) * tokens * hidden * 2);
+    l.fp8_partials = fp8_partials;
+    l.returned_codes = regions.take(fp8_partials ? static_cast<size_t>(world_size) * tokens * hidden : 0);
+    l.returned_scales =
+        regions.take(fp8_partials ? sizeof(float) * static_cast<size_t>(world_size) * tokens * (hidden / 128) : 0);
     l.published = regions.take(sizeof(uint64_t) * kSignalSlots);
     l.returned_from = regions.take(sizeof(uint64_t) * kSignalSlots);
     l.signals = regions.take(sizeof(uint64_t) * kSignalSlots);

@@ -11,13 +11,15 @@ namespace megamoe::layout {
 namespace {
 
 // Every source's count, a source's own tokens (ids, weights, rows: FP8 codes with scales
-// [H / 128][tokens], or bf16), every owner's partial sums of them [world][tokens][H], the arrival counters and the
+// [H / 128][tokens], or bf16), every owner's partial sums of them [world][tokens][H] (and, FP8
+// partial sums, their codes and per-128 scales), the arrival counters and the
 // barrier's slots, and the owner's bookkeeping: aligned, disjoint, each of its size.
 TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
-  for (bool fp8_rows : {false, true}) {
-    const EpFusedLayout l = EpFusedLayout::make(4, 256, 8, 7168, 4096, fp8_rows);
+  for (const auto& [fp8_rows, fp8_partials] : {std::pair{false, false}, {true, false}, {true, true}}) {
+    const EpFusedLayout l = EpFusedLayout::make(4, 256, 8, 7168, 4096, fp8_rows, fp8_partials);
     EXPECT_EQ(l.experts_per_rank, 64);
     EXPECT_EQ(l.fp8_rows, fp8_rows);
+    EXPECT_EQ(l.fp8_partials, fp8_partials);
     EXPECT_EQ(l.virtual_tokens(), 4 * 4096);
     EXPECT_EQ(l.row_bytes(), fp8_rows ? 7168u : 2u * 7168);
     const size_t tokens = 4096, slots = EpFusedLayout::kSignalSlots;
@@ -32,6 +34,10 @@ TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
         {l.signals, 8 * slots},
         {l.source_counts, 4 * slots},
         {l.chunk_prefix, 4 * (slots + 1)}};
+    if (fp8_partials) {  // after `returned`
+      regions.insert(regions.begin() + 5, {{l.returned_codes, 4 * tokens * 7168},
+                                           {l.returned_scales, 4 * 4 * tokens * (7168 / 128)}});
+    }
     if (fp8_rows) regions.insert(regions.begin() + 4, {l.row_scales, 4 * (7168 / 128) * tokens});
     test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
   }
@@ -40,7 +46,7 @@ TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
 // Both expert-parallel buffers are laid out for the same shape from the same arguments.
 TEST(EpFusedLayout, SharesTheStagedLayoutsShape) {
   const EpShape staged = EpBufferLayout::make(2, 16, 4, 256, 64, true, false);
-  const EpShape fused = EpFusedLayout::make(2, 16, 4, 256, 64, true);
+  const EpShape fused = EpFusedLayout::make(2, 16, 4, 256, 64, true, false);
   EXPECT_EQ(fused.world_size, staged.world_size);
   EXPECT_EQ(fused.experts_per_rank, staged.experts_per_rank);
   EXPECT_EQ(fused.top_k, staged.top_k);
