@@ -1,7 +1,8 @@
 // One rank of the expert-parallel test, started by megamoe-run, one GPU per rank or (megamoe-run
 // --one-gpu) every rank on one GPU (rank r takes visible device r mod count):
 //   ep_layer_rank [--iterations N] [--tokens T] [--hidden H] [--ue8m0] [--bf16] [--fused]
-//                 [--symmetric-memory cuda_ipc|nvshmem] [--hang | --die] [--barrier-timeout-ms MS]
+//                 [--symmetric-memory cuda_ipc|nvshmem] [--hang | --die [--fp8-partials]]
+//                 [--barrier-timeout-ms MS]
 // Every iteration draws fresh routing on every rank (uniform, skewed onto few experts, with -1
 // holes and some ranks empty), runs EpLayer::forward, checks that dispatch delivered exactly the
 // token rows ref::plan_dispatch predicts (row by row, with each slot's local expert), that y
@@ -13,8 +14,9 @@
 // rank 0 then checks what a caller sees: check_peers throws a timeout error naming rank 1, y is
 // NaN, the next forward throws at once, and the process still runs a single-GPU layer correctly.
 // --die: the same with rank 1's process gone (it exits without cleaning up after building the
-// layer) instead of stalled. Before any layer, every run checks the refusals a caller can meet:
-// symmetric buffers whose sizes differ between ranks, and EpLayer::forward given x_scales.
+// layer) instead of stalled; with --fp8-partials the layer under test returns FP8 partial sums.
+// Before any layer, every run checks the refusals a caller can meet: symmetric buffers whose sizes
+// differ between ranks, and EpLayer::forward given x_scales.
 // --hidden: the model width (default 256; 384 and 7168 reach the source's FP8 quantizer with a
 // part-filled and a second pass over the row). --symmetric-memory: where the buffers live.
 // --bf16: a bf16 layer (bf16 rows on the wire) instead of fp8_block. --fused: the layer under test
@@ -246,7 +248,7 @@ bool refusals_hold(const comm::FileRendezvous& rendezvous, comm::SymmetricBacken
 int run(int argc, char** argv) {
   int iterations = 20, max_tokens = 64, hidden = 256;
   comm::SymmetricBackend backend = comm::SymmetricBackend::cuda_ipc;
-  bool hang = false, die = false, ue8m0 = false, bf16 = false, fused = false;
+  bool hang = false, die = false, ue8m0 = false, bf16 = false, fused = false, fp8_partials_under_test = false;
   std::chrono::milliseconds barrier_timeout = comm::kDefaultBarrierTimeout;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -263,9 +265,14 @@ int run(int argc, char** argv) {
     else if (arg == "--ue8m0") ue8m0 = true;  // power-of-two activation scales, on the wire too
     else if (arg == "--bf16") bf16 = true;
     else if (arg == "--fused") fused = true;
+    else if (arg == "--fp8-partials") fp8_partials_under_test = true;
     else if (arg == "--die") hang = die = true;
     else if (arg == "--barrier-timeout-ms" && i + 1 < argc) barrier_timeout = std::chrono::milliseconds(std::atoi(argv[++i]));
     else throw Error(ErrorCode::invalid_argument, "unknown argument " + arg);
+  }
+  if (fp8_partials_under_test && !hang) {
+    throw Error(ErrorCode::invalid_argument, "--fp8-partials is for the lost-peer cases (--hang or --die): the "
+                                             "other runs compare FP8 partial sums with bf16 ones themselves");
   }
   const auto rendezvous = comm::FileRendezvous::from_environment();
   const int rank = rendezvous.rank(), world = rendezvous.world_size();
@@ -295,8 +302,10 @@ int run(int argc, char** argv) {
   options.barrier_timeout = barrier_timeout;
   options.symmetric_memory = backend;
   options.fused = fused;
+  if (fp8_partials_under_test) options.partial_sums = comm::EpPartialSums::fp8;
   comm::EpLayer layer(spec, mine, max_tokens, rendezvous, options);
   options.fused = false;  // the layers it is compared with are staged
+  options.partial_sums = comm::EpPartialSums::bf16;
   if (layer.symmetric_memory() != backend) {
     std::fprintf(stderr, "FAILED: rank %d: the layer's buffer is on %s, not the %s asked for\n", rank,
                  comm::to_string(layer.symmetric_memory()), comm::to_string(backend));

@@ -143,6 +143,8 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
         (dict(symmetric_memory="shm"), ValueError, "symmetric_memory must be 'cuda_ipc' or 'nvshmem', not 'shm'"),
         (dict(launch="single_kernel"), ValueError, "launch must be 'staged' or 'fused', not 'single_kernel'"),
         (dict(launch="fused", token_rows="bf16"), NotImplementedError, "launch='fused' takes token_rows='automatic'"),
+        # Taken (FP8 partial sums in one launch): refused only later, for the empty weights.
+        (dict(launch="fused", partial_sums="fp8"), ValueError, "packed w13 must be contiguous with"),
         (dict(num_experts=128, top_k=33), NotImplementedError, "top_k=33 exceeds the 32 slots per token"),
     ]
     for changes, error, message in refusals:

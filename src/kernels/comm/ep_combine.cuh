@@ -63,8 +63,8 @@ __global__ void __launch_bounds__(kEpRowThreads) ep_quantize_partials_kernel(EpQ
   for (int row = blockIdx.x; row < rows; row += gridDim.x) {
     uint4* codes = ep_detail::region<uint4>(p.local_base, p.layout.partial_codes) + static_cast<size_t>(row) * vectors / 2;
     float* scales = ep_detail::region<float>(p.local_base, p.layout.partial_scales) + static_cast<size_t>(row) * blocks;
-    ep_detail::block_quantize_row(sums + static_cast<size_t>(row) * vectors, &codes, &scales, 1, p.layout.hidden, 1,
-                                  /*ue8m0=*/false);
+    quantize_partial_sum_row(sums + static_cast<size_t>(row) * vectors, codes, scales, p.layout.hidden,
+                             static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
   }
 }
 

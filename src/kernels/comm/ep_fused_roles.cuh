@@ -12,8 +12,10 @@
 //   gather items   each routed virtual token's row copied from its source into the pool
 //   FC1, FC2       the single kernel's GEMMs, unchanged
 //   combine chunks (claimed) a chunk of a source's tokens: each token's weighted sum over this
-//                  rank's experts stored into the source's `returned` region over NVLink; the CTA
-//                  that completes the last chunk arrives at every source
+//                  rank's experts stored into the source's `returned` region over NVLink (FP8
+//                  partial sums: staged here, then quantized per 128 channels into the source's
+//                  returned_codes and returned_scales); the CTA that completes the last chunk
+//                  arrives at every source
 //   reduce chunks  (claimed) this rank's own tokens: every owner's arrival acquired, then the
 //                  owners' partial sums added in rank order (fp32, rounded once: the staged
 //                  reduce's arithmetic) into y
@@ -330,25 +332,27 @@ __device__ __forceinline__ void combine_chunk(const CombineParams& c, const EpFu
   }
 }
 
-// FP8 partial sums: combine chunk `chunk`'s rows, which the math threads stored here (a barrier
-// between), quantized once per 128 channels (the staged layer's rule) into their remote source's
-// returned_codes and returned_scales at this rank's row of the token; a token without a slot here
-// has no row, and the source's own rows stay bf16.
+// FP8 partial sums: combine chunk `chunk`'s rows, of a remote source, which the math threads stored
+// here (a barrier between), quantized once per 128 channels (the staged layer's rule and code) into
+// the source's returned_codes and returned_scales at this rank's row of the token; a token without
+// a slot here has no row.
 __device__ __forceinline__ void quantize_chunk(const CombineParams& c, const EpFusedParams& p, int chunk,
                                                int math_thread, int math_threads) {
   const layout::EpFusedLayout& l = p.layout;
   const ChunkTokens tokens = chunk_tokens(p, chunk);
-  if (tokens.source == p.rank || rank_fault_seen(p.fault)) return;
   for (long v = tokens.first; v < tokens.end; ++v) {
     bool used = false;
     for (int j = 0; j < c.top_k; ++j) used |= c.routed_ids[v * c.top_k + j] >= 0;
     if (!used) continue;  // the same for every math thread: the trip counts stay uniform
+    // A fault seen by any lane stops the whole warp (the quantizer shuffles over full warps), and
+    // no row goes to a peer after it; warps may part here (no barrier inside).
+    if (__any_sync(0xffffffffu, rank_fault_seen(p.fault))) return;
     const size_t t = static_cast<size_t>(v % l.max_tokens_per_rank);
     const size_t remote_row = static_cast<size_t>(p.rank) * l.max_tokens_per_rank + t;
     const uint4* row = region_of<const uint4>(p, p.rank, l.returned) + static_cast<size_t>(v) * (l.hidden / 8);
-    uint4* codes = region_of<uint4>(p, tokens.source, l.returned_codes) + remote_row * (l.hidden / 16);
-    float* scales = region_of<float>(p, tokens.source, l.returned_scales) + remote_row * (l.hidden / 128);
-    ep_detail::block_quantize_row(row, &codes, &scales, 1, l.hidden, 1, /*ue8m0=*/false, math_thread, math_threads);
+    quantize_partial_sum_row(row, region_of<uint4>(p, tokens.source, l.returned_codes) + remote_row * (l.hidden / 16),
+                             region_of<float>(p, tokens.source, l.returned_scales) + remote_row * (l.hidden / 128),
+                             l.hidden, math_thread, math_threads);
   }
 }
 
@@ -420,8 +424,9 @@ __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFus
         claim_chunk(ep_counter(items, kCombineChunksClaimed), combine_chunks, math_thread, math_threads, shared_chunk);
     if (chunk < 0) break;
     combine_chunk(c, p, chunk, math_thread, math_threads);
-    if (p.layout.fp8_partials) {
-      ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));  // the chunk's rows, stored here
+    // A remote source's rows, stored here by every math thread, quantized for it (its own stay bf16).
+    if (p.layout.fp8_partials && chunk_tokens(p, chunk).source != p.rank) {
+      ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
       quantize_chunk(c, p, chunk, math_thread, math_threads);
     }
     __threadfence_system();  // this thread's stores into the sources' buffers, before the count

@@ -45,8 +45,8 @@ __device__ __forceinline__ void block_copy_row(const uint4* from, uint4* const* 
 // quant/fp8_block_scale.cuh) and writes its codes to each of to[0..count) and its scales to each
 // of scales_to[0..count), block b's at scales_to[d][b * scale_stride]. A thread takes 16 channels
 // (two loads, one 16-byte store of codes), so that a 128-channel block is 8 aligned lanes. Every
-// one of the `threads` threads calls it (shuffles; a uniform trip count): whole warps, `thread`
-// numbering them from 0.
+// one of the `threads` threads calls it (full-warp shuffles; a uniform trip count): `threads` a
+// multiple of 32 and `thread` congruent to the lane id mod 32, numbering them from 0.
 __device__ __forceinline__ void block_quantize_row(const uint4* from, uint4* const* to, float* const* scales_to,
                                                    int count, int hidden, size_t scale_stride, bool ue8m0, int thread,
                                                    int threads) {

@@ -10,8 +10,18 @@
 #include <cstdint>
 
 #include "kernels/combine/bf16x8.cuh"
+#include "kernels/comm/ep_rows.cuh"
 
 namespace megamoe::kernels {
+
+// An owner's bf16 partial sum of one token (`hidden` channels at `from`) quantized per 128
+// channels into `codes` ([hidden] E4M3) and `scales` ([hidden / 128] fp32), by `threads` threads
+// (block_quantize_row's rule on them): the staged layer's quantize kernel and the fused combine
+// both call this, so that their codes are the same.
+__device__ __forceinline__ void quantize_partial_sum_row(const uint4* from, uint4* codes, float* scales, int hidden,
+                                                         int thread, int threads) {
+  ep_detail::block_quantize_row(from, &codes, &scales, 1, hidden, 1, /*ue8m0=*/false, thread, threads);
+}
 
 // Eight E4M3 codes of one FP8 partial sum times its block scale, added to `sum` (fp32).
 __device__ __forceinline__ void add_fp8x8(Bf16x8Sum& sum, uint2 codes, float scale) {

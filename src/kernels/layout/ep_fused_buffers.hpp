@@ -1,7 +1,8 @@
 // The symmetric buffer of the fused expert-parallel forward
 // (docs/design.md#expert-parallelism-inside-the-persistent-kernel): every rank allocates the same
 // layout; a rank writes its own tokens into its ids, weights and rows regions, its owners read them
-// over NVLink and store their partial sums into its `returned` region.
+// over NVLink and store their partial sums into its `returned` region (FP8 partial sums: into its
+// returned_codes and returned_scales).
 //
 //   counts_in      int32 [kSignalSlots]            each source's tokens in this call, written by the
 //                                                  source into every rank before it arrives

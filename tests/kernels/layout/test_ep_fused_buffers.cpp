@@ -15,7 +15,7 @@ namespace {
 // partial sums, their codes and per-128 scales), the arrival counters and the
 // barrier's slots, and the owner's bookkeeping: aligned, disjoint, each of its size.
 TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
-  for (const auto& [fp8_rows, fp8_partials] : {std::pair{false, false}, {true, false}, {true, true}}) {
+  for (const auto& [fp8_rows, fp8_partials] : {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
     const EpFusedLayout l = EpFusedLayout::make(4, 256, 8, 7168, 4096, fp8_rows, fp8_partials);
     EXPECT_EQ(l.experts_per_rank, 64);
     EXPECT_EQ(l.fp8_rows, fp8_rows);
