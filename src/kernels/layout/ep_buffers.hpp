@@ -44,11 +44,12 @@ struct EpShape {
   int top_k = 0;
   int hidden = 0;
   int max_tokens_per_rank = 0;
-  bool fp8_rows = false;  // token rows travel as E4M3 codes with per-128 scales, else bf16
+  bool fp8_rows = false;      // token rows travel as E4M3 codes with per-128 scales, else bf16
+  bool fp8_partials = false;  // partial sums travel back as the rows do, else bf16
 
   MEGAMOE_HOST_DEVICE static constexpr EpShape of(int world_size, int num_experts, int top_k, int hidden,
-                                                  int max_tokens_per_rank, bool fp8_rows) {
-    return EpShape{world_size, num_experts / world_size, top_k, hidden, max_tokens_per_rank, fp8_rows};
+                                                  int max_tokens_per_rank, bool fp8_rows, bool fp8_partials) {
+    return EpShape{world_size, num_experts / world_size, top_k, hidden, max_tokens_per_rank, fp8_rows, fp8_partials};
   }
 };
 
@@ -56,7 +57,6 @@ struct EpBufferLayout : EpShape {
   static constexpr int kSignalSlots = 64;  // the most ranks one node holds, with room to spare
   static constexpr int kOriginFields = 2;  // source rank, token
 
-  bool fp8_partials = false;  // partial sums travel back as the rows do, else bf16
   size_t max_recv_rows = 0;
 
   size_t counts = 0;
@@ -80,8 +80,8 @@ struct EpBufferLayout : EpShape {
                                                            int max_tokens_per_rank, bool fp8_rows,
                                                            bool fp8_partials) {
     EpBufferLayout l;
-    static_cast<EpShape&>(l) = EpShape::of(world_size, num_experts, top_k, hidden, max_tokens_per_rank, fp8_rows);
-    l.fp8_partials = fp8_partials;
+    static_cast<EpShape&>(l) =
+        EpShape::of(world_size, num_experts, top_k, hidden, max_tokens_per_rank, fp8_rows, fp8_partials);
     l.max_recv_rows = worst_case_recv_rows(world_size, max_tokens_per_rank);
     RegionCursor regions;
     l.counts = regions.take(sizeof(int32_t) * world_size * world_size);

@@ -48,7 +48,6 @@ struct EpFusedLayout : EpShape {
   size_t rows = 0;
   size_t row_scales = 0;  // FP8 rows only (0 bytes otherwise)
   size_t returned = 0;
-  bool fp8_partials = false;  // remote owners' partial sums travel as E4M3 with per-128 scales
   size_t returned_codes = 0;   // FP8 partial sums only (0 bytes otherwise)
   size_t returned_scales = 0;  // likewise
   size_t published = 0;
@@ -68,7 +67,8 @@ struct EpFusedLayout : EpShape {
                                                           int max_tokens_per_rank, bool fp8_rows,
                                                           bool fp8_partials) {
     EpFusedLayout l;
-    static_cast<EpShape&>(l) = EpShape::of(world_size, num_experts, top_k, hidden, max_tokens_per_rank, fp8_rows);
+    static_cast<EpShape&>(l) =
+        EpShape::of(world_size, num_experts, top_k, hidden, max_tokens_per_rank, fp8_rows, fp8_partials);
     const size_t tokens = static_cast<size_t>(max_tokens_per_rank);
     RegionCursor regions;
     l.counts_in = regions.take(sizeof(int32_t) * kSignalSlots);
@@ -77,7 +77,6 @@ struct EpFusedLayout : EpShape {
     l.rows = regions.take(tokens * l.row_bytes());
     l.row_scales = regions.take(fp8_rows ? sizeof(float) * (hidden / 128) * tokens : 0);
     l.returned = regions.take(static_cast<size_t>(world_size) * tokens * hidden * 2);
-    l.fp8_partials = fp8_partials;
     l.returned_codes = regions.take(fp8_partials ? static_cast<size_t>(world_size) * tokens * hidden : 0);
     l.returned_scales =
         regions.take(fp8_partials ? sizeof(float) * static_cast<size_t>(world_size) * tokens * (hidden / 128) : 0);

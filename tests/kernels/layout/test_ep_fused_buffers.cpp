@@ -45,14 +45,15 @@ TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
 
 // Both expert-parallel buffers are laid out for the same shape from the same arguments.
 TEST(EpFusedLayout, SharesTheStagedLayoutsShape) {
-  const EpShape staged = EpBufferLayout::make(2, 16, 4, 256, 64, true, false);
-  const EpShape fused = EpFusedLayout::make(2, 16, 4, 256, 64, true, false);
+  const EpShape staged = EpBufferLayout::make(2, 16, 4, 256, 64, true, true);
+  const EpShape fused = EpFusedLayout::make(2, 16, 4, 256, 64, true, true);
   EXPECT_EQ(fused.world_size, staged.world_size);
   EXPECT_EQ(fused.experts_per_rank, staged.experts_per_rank);
   EXPECT_EQ(fused.top_k, staged.top_k);
   EXPECT_EQ(fused.hidden, staged.hidden);
   EXPECT_EQ(fused.max_tokens_per_rank, staged.max_tokens_per_rank);
   EXPECT_EQ(fused.fp8_rows, staged.fp8_rows);
+  EXPECT_EQ(fused.fp8_partials, staged.fp8_partials);
 }
 
 }  // namespace
