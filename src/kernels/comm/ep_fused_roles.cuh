@@ -318,12 +318,11 @@ __device__ __forceinline__ ChunkTokens chunk_tokens(const EpFusedParams& p, int 
   return ChunkTokens{source, first, min(first + kEpChunkTokens, source_first + count)};
 }
 
-// Combine chunk `chunk`: the virtual tokens of kEpChunkTokens tokens of one source (none after a
-// fault: a lost peer's buffer may be gone).
-__device__ __forceinline__ void combine_chunk(const CombineParams& c, const EpFusedParams& p, int chunk,
+// A combine chunk's virtual tokens, kEpChunkTokens tokens of one source (none after a fault: a lost
+// peer's buffer may be gone).
+__device__ __forceinline__ void combine_chunk(const CombineParams& c, const EpFusedParams& p, const ChunkTokens& tokens,
                                               int math_thread, int math_threads) {
   if (rank_fault_seen(p.fault)) return;
-  const ChunkTokens tokens = chunk_tokens(p, chunk);
   const int vectors_per_token = c.hidden / Bf16x8Sum::kChannels;
   const EpPartialSumRows output{&p};
   for (long first = tokens.first * vectors_per_token + math_thread; first < tokens.end * vectors_per_token;
@@ -332,14 +331,13 @@ __device__ __forceinline__ void combine_chunk(const CombineParams& c, const EpFu
   }
 }
 
-// FP8 partial sums: combine chunk `chunk`'s rows, of a remote source, which the math threads stored
-// here (a barrier between), quantized once per 128 channels (the staged layer's rule and code) into
-// the source's returned_codes and returned_scales at this rank's row of the token; a token without
-// a slot here has no row.
-__device__ __forceinline__ void quantize_chunk(const CombineParams& c, const EpFusedParams& p, int chunk,
-                                               int math_thread, int math_threads) {
+// FP8 partial sums: a combine chunk's rows, of a remote source, which the math threads stored here
+// (a barrier between), quantized once per 128 channels (the staged layer's rule and code) into the
+// source's returned_codes and returned_scales at this rank's row of the token; a token without a
+// slot here has no row.
+__device__ __forceinline__ void quantize_chunk(const CombineParams& c, const EpFusedParams& p,
+                                               const ChunkTokens& tokens, int math_thread, int math_threads) {
   const layout::EpFusedLayout& l = p.layout;
-  const ChunkTokens tokens = chunk_tokens(p, chunk);
   for (long v = tokens.first; v < tokens.end; ++v) {
     bool used = false;
     for (int j = 0; j < c.top_k; ++j) used |= c.routed_ids[v * c.top_k + j] >= 0;
@@ -423,11 +421,12 @@ __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFus
     const int chunk =
         claim_chunk(ep_counter(items, kCombineChunksClaimed), combine_chunks, math_thread, math_threads, shared_chunk);
     if (chunk < 0) break;
-    combine_chunk(c, p, chunk, math_thread, math_threads);
+    const ChunkTokens tokens = chunk_tokens(p, chunk);
+    combine_chunk(c, p, tokens, math_thread, math_threads);
     // A remote source's rows, stored here by every math thread, quantized for it (its own stay bf16).
-    if (p.layout.fp8_partials && chunk_tokens(p, chunk).source != p.rank) {
+    if (p.layout.fp8_partials && tokens.source != p.rank) {
       ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
-      quantize_chunk(c, p, chunk, math_thread, math_threads);
+      quantize_chunk(c, p, tokens, math_thread, math_threads);
     }
     __threadfence_system();  // this thread's stores into the sources' buffers, before the count
     ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
