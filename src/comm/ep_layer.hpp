@@ -122,7 +122,9 @@ class EpLayer {
 
   // What the last forward delivered to this rank (for tests; synchronizes): token rows per source
   // rank [world], then per received row, in canonical order, its (source rank, token) and its k
-  // slots as local expert ids (-1: elsewhere or nowhere).
+  // slots as local expert ids (-1: elsewhere or nowhere). Read it before this rank runs anything
+  // that lets a peer finish its part of this rank's later collective calls: a peer's next forward
+  // of this layer rewrites the counts here before its first barrier.
   struct Delivered {
     std::vector<int32_t> counts;
     std::vector<int32_t> origins;

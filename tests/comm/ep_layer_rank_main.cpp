@@ -367,18 +367,23 @@ int run(int argc, char** argv) {
     const DeviceCall call_bf16_rows(spec, in);
     const DeviceCall call_fp8_partials(spec, in);
     const DeviceCall call_fp8_partials_staged(spec, in);
+    // The staged layer's delivery is read right after its forward: once this rank has run a later
+    // layer's forward, a peer may start its next iteration, whose first forward (bf16_rows)
+    // rewrites the counts here before its first barrier (compute-sanitizer's slowdown showed it
+    // with --fused, where bf16_rows is the staged layer read).
+    comm::EpLayer::Delivered delivered;
     bf16_rows.forward(stream, call_bf16_rows.inputs(), MoeOutputs{call_bf16_rows.y});
+    if (fused) delivered = bf16_rows.last_delivered(stream);
     fp8_partials.forward(stream, call_fp8_partials.inputs(), MoeOutputs{call_fp8_partials.y});
     if (fp8_partials_staged) {
       fp8_partials_staged->forward(stream, call_fp8_partials_staged.inputs(), MoeOutputs{call_fp8_partials_staged.y});
     }
     layer.forward(stream, call.inputs(), MoeOutputs{call.y});
+    if (!fused) delivered = layer.last_delivered(stream);
 
     // Dispatch: exactly the rows the CPU model predicts, in canonical order, with each slot's
     // local expert (the staged layer's; a fused one's delivery is checked by its y below).
     const ref::DispatchPlan plan = ref::plan_dispatch(ref::EpTopology{world, spec.num_experts}, spec.top_k, routing);
-    const comm::EpLayer& staged = fused ? bf16_rows : layer;
-    const comm::EpLayer::Delivered delivered = staged.last_delivered(stream);
     for (int src = 0; src < world; ++src) {
       if (delivered.counts[src] != plan.sent[src][rank]) {
         std::fprintf(stderr, "iteration %d: rank %d counts %d rows from rank %d, expected %d\n", it, rank,
