@@ -23,11 +23,13 @@ namespace megamoe::kernels {
 inline constexpr int kCombineBatch = 2;
 
 // By each of the `math_threads` math threads; `fc2_tiles_stored` reaches `fc2_tiles` when every
-// FC2 tile is stored. `output` says where each token's vectors go (combine_vectors).
-template <bool kDeterministic, class Output = CombineIntoY>
+// FC2 tile is stored. `waited()` runs in every math thread once all of them are past that wait, the
+// share's last access to a forward counter. `output` says where each token's vectors go
+// (combine_vectors).
+template <bool kDeterministic, class Waited, class Output = CombineIntoY>
 __device__ __forceinline__ void combine_share(const CombineParams& p, const uint32_t* fc2_tiles_stored,
                                               uint32_t fc2_tiles, int math_thread, int math_threads,
-                                              const Timeline& timeline, const Output& output = {}) {
+                                              const Timeline& timeline, Waited waited, const Output& output = {}) {
   constexpr uint32_t kBarrier = static_cast<uint32_t>(NamedBarrier::kCombineShare);
   const int valid = valid_tokens(p.num_tokens, p.num_valid_tokens);
   const long vectors = static_cast<long>(valid) * (p.hidden / Bf16x8Sum::kChannels);
@@ -49,6 +51,7 @@ __device__ __forceinline__ void combine_share(const CombineParams& p, const uint
     ptx::wait_until([&] { return ptx::ld_acquire_gpu(fc2_tiles_stored) >= fc2_tiles; }, 64);
   }
   ptx::named_barrier_sync(kBarrier, static_cast<uint32_t>(math_threads));
+  waited();
   timeline.mark(layout::kCombineStarted, static_cast<int>(threadIdx.x) - math_thread);
   for (long first = mine; first < vectors; first += kCombineBatch * wave) {
     combine_vectors<kDeterministic, kCombineBatch>(p, first, wave, valid, output);

@@ -8,7 +8,8 @@
 //                        their CTA's share of the combine (combine/combine_share.cuh)
 // Between its FC1 and FC2 tiles a CTA joins all of its threads and sets its stage ring up again
 // (the two GEMMs share one ring layout); FC2 tiles wait per expert for FC1's, as between the
-// per-stage kernels, and the combine for every FC2 tile. The last CTA to finish zeroes the counters.
+// per-stage kernels, and the combine for every FC2 tile. The last CTA past its last counter access
+// zeroes the counters.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -35,7 +36,8 @@ struct SingleKernelParams {
   CombineParams combine;
 };
 
-// What the last CTA to finish does after zeroing the counters (expert parallelism counts its calls).
+// What the last CTA past its last counter access does after zeroing the counters (expert
+// parallelism counts its calls).
 template <class Fc1Params, class Fc2Params>
 __device__ __forceinline__ void finish_forward(const SingleKernelParams<Fc1Params, Fc2Params>&) {}
 
@@ -47,12 +49,16 @@ __device__ __forceinline__ void run_front_role(const SingleKernelParams<Fc1Param
   front_items<kPrecision>(p.front, s);
 }
 
-template <bool kDeterministic, class Fc1Params, class Fc2Params>
+// `counters_done()` is the CTA's arrival at the done count, which every math thread calls once
+// none of them touches a forward counter again: here as soon as the combine share has seen every
+// FC2 tile stored, so that the last CTA's fence, arrival and zeroing overlap its combine instead of
+// following it.
+template <bool kDeterministic, class Fc1Params, class Fc2Params, class CountersDone>
 __device__ __forceinline__ void run_back_role(const SingleKernelParams<Fc1Params, Fc2Params>& p, FrontScratch&,
-                                              int math_thread, int math_threads) {
+                                              int math_thread, int math_threads, CountersDone counters_done) {
   combine_share<kDeterministic>(p.combine, p.front.items.counter(kFc2TilesStored),
                                 static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread, math_threads,
-                                p.front.timeline);
+                                p.front.timeline, counters_done);
 }
 
 template <class Fc1Config, class Fc2Config>
@@ -148,9 +154,10 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
 
   const int math_thread = threadIdx.x - 128;
   const ForwardItems& items = p.front.items;
-  run_back_role<kDeterministic>(p, front_scratch, math_thread, Fc2Config::kConsumerThreads);
-  timeline.mark(layout::kCombineDone, kMathLead);
-  if (math_thread == 0) {
+  // The back role calls it once its CTA's last counter access is behind every math thread (the
+  // producer warpgroup's came before between_gemms).
+  const auto counters_done = [&] {
+    if (math_thread != 0) return;
     // Fenced as in last_to_finish: the zeroing is ordered after every CTA's last counter access.
     __threadfence();
     if (atomicAdd(items.counter(kCtasDone), 1u) == gridDim.x - 1) {
@@ -159,7 +166,9 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
       finish_forward(p);
       timeline.mark(layout::kForwardDone, kMathLead);
     }
-  }
+  };
+  run_back_role<kDeterministic>(p, front_scratch, math_thread, Fc2Config::kConsumerThreads, counters_done);
+  timeline.mark(layout::kCombineDone, kMathLead);
 }
 
 }  // namespace megamoe::kernels

@@ -26,7 +26,8 @@ enum ForwardTimelineEvent : int {
   kEpOwnersArrived,    // expert parallelism: every CTA's math warpgroups, every owner's arrival
                        // acquired (or given up on after a fault)
   kCombineDone,        // every CTA's math warpgroups, their share of the combine stored
-  kForwardDone,        // the last CTA to finish, the counters zeroed for the next forward
+  kForwardDone,        // the last CTA past its last counter access, the counters zeroed for the next
+                       // forward (single GPU: before that CTA's combine share, which overlaps it)
   kForwardTimelineEvents
 };
 
