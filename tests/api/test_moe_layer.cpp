@@ -852,11 +852,11 @@ TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {
   expect_tight(g.spec.precision, c2);
 }
 
-// Selection takes the lower expert (and the lower group) among equals for 40 to 512 experts (one
-// to sixteen per lane of the routing warp, some counts ragged over the lanes), in both logit
-// modes, through both launches, from one token (the one-block router, the single kernel's lone
-// route item) to 48 (several of them). Most tokens draw their logits from a few values (odd tokens
-// from a coarse grid), so they tie many experts, with +-inf and tied biases. Two rows are built so that
+// Selection takes the lower expert (and the lower group) among equals for 40 to 512 experts (one to
+// sixteen per lane of the routing warp, some counts ragged over the lanes), in both logit modes,
+// through both launches, from one token (the one-block router, the single kernel's lone route item)
+// to 48 (several of them). Most tokens draw their logits from a few values (odd tokens from a
+// coarse grid), so they tie many experts, with +-inf and tied biases. Two rows are built so that
 // the tie decides an expert that carries weight: token 0 has k - 1 experts at 1 and every other
 // logit zero, -0 and +0 alternating (-0 first), so the k-th pick is the lowest zero whatever its
 // sign; token 2 is all NaN (sanitized to -FLT_MAX), so a softmax token's picks are experts 0 to
