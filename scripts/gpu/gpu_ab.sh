@@ -24,6 +24,8 @@ precision=${MEGAMOE_AB_PRECISION:-fp8_block}
 
 # shellcheck source=gpu_variants.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_variants.sh"
+# shellcheck source=gpu_clocks.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_clocks.sh"
 target_list=megamoe-bench
 [ -n "${MEGAMOE_AB_TESTS:-}" ] && target_list+=" test_api_moe_layer"
 build_variants "$target_list" "$@"
@@ -37,13 +39,16 @@ for case in ${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:16 qwen35-a3b:128 qwen35
   for ((round = 1; round <= rounds; ++round)); do
     for v in "${!names[@]}"; do
       echo "== ${names[$v]}: $workload $precision, $tokens tokens, L2 scrubbed, round $round of $rounds" | tee -a "$log"
+      clock_sampling_start "$log.clocks"
       # shellcheck disable=SC2086  # a flags: variant's arguments and MEGAMOE_AB_ARGS, one word each
       # A flags: variant's own options come last, so that they win over MEGAMOE_AB_ARGS.
       "${benches[$v]}" --workload "$workload" --precision "$precision" --tokens "$tokens" --breakdown \
         ${MEGAMOE_AB_ARGS:-} ${flags[$v]} >"$log.part" 2>&1 || status=1
+      clock_sampling_stop
       # Node increments, the table line, and the single kernel's role timeline (first / last).
       grep -E '^\s+[0-9]+ [a-z_0-9]+ +\+|^\s+[0-9]+ \||empty kernel| first .* last |error|Error' "$log.part" | tee -a "$log"
-      rm -f "$log.part"
+      clock_summary "$log.clocks" | tee -a "$log"
+      rm -f "$log.part" "$log.clocks"
     done
   done
 done
