@@ -504,6 +504,9 @@ at::Tensor forward(int64_t handle, const at::Tensor& x, const std::optional<at::
   // The call's routing travels with the call: the layer keeps none of it (a graph replays the
   // routing it captured, and calls from several threads cannot switch each other's).
   const Routing routing = routing_from(routing_mode, renormalize, n_group, topk_group, routed_scaling_factor, bias);
+  // Checked here as well as in MoeLayer::forward, which an empty batch never reaches: a routing
+  // the layer cannot take is refused whatever the batch.
+  translating_errors([&] { validate_routing(routing, spec); });
   TORCH_CHECK_VALUE(x.dim() == 2, "megamoe: x must be [tokens, hidden], got ", x.sizes());
   const int64_t T = x.size(0);
   check_input(x, "x", at::kBFloat16, T, spec.hidden, entry->device);

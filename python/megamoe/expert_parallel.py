@@ -24,9 +24,9 @@ from megamoe.layer import (LayerHandle, check_precomputed, checked_tokens, check
                            ids_as_int32, packed_on, require_int, require_str)
 from megamoe.routing import PrecomputedRouting, op_arguments
 
-# Layers made in this process so far: each gets its own folder under the rendezvous folder (every
-# bootstrap name is used once per folder), numbered alike on every rank because the calls are
-# collective.
+# prepare_ep_weights calls in this process so far: each layer gets its own folder under the
+# rendezvous folder (every bootstrap name is used once per folder), numbered alike on every rank
+# because the calls are collective.
 _layers_made = 0
 
 
@@ -64,8 +64,9 @@ class EpMoeWeights(LayerHandle):
         ops.destroy_ep_layer(handle)
 
     def invalid_routing_ids(self) -> int:
-        """How many ids this rank's calls routed that were >= num_experts or repeated within a token
-        since the last call; they contributed nothing. Synchronizes the current stream."""
+        """How many ids this rank's calls routed that were >= num_experts, negative other than -1 or
+        repeated within a token since the last call; they contributed nothing. Synchronizes the
+        current stream."""
         return ops.ep_invalid_routing_ids(self._live_handle())
 
     def check_peers(self) -> None:
@@ -181,7 +182,13 @@ def prepare_ep_weights(
     with either partial_sums; with the default token_rows; correct on one GPU with ranks sharing it,
     not yet measured on two: docs/design.md#expert-parallelism-inside-the-persistent-kernel).
     """
-    if precision == "fp8_tensor":
+    # Every call takes the next layer number, refused or not: a refusal on some ranks only (a NaN in
+    # this rank's experts) would otherwise leave the ranks' numbers, and so their folders, apart
+    # for every later layer.
+    global _layers_made
+    layer_number = _layers_made
+    _layers_made += 1
+    if require_str(precision, "precision") == "fp8_tensor":
         raise NotImplementedError("megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on "
                                   "one GPU (prepare_weights)")
     if require_str(token_rows, "token_rows") not in ("automatic", "bf16", "fp8"):
@@ -227,9 +234,7 @@ def prepare_ep_weights(
     folder = _rendezvous_root(rendezvous_dir)
     device = torch.device("cuda", ops.check_device(device_index(device)))
     packed = packed_on(checked, precision, scale_format, device)
-    global _layers_made
-    layer_folder = os.path.join(folder, f"megamoe-ep-layer-{_layers_made}")
-    _layers_made += 1
+    layer_folder = os.path.join(folder, f"megamoe-ep-layer-{layer_number}")
     os.makedirs(layer_folder, exist_ok=True)
     handle = ops.create_ep_layer(*packed[:4], num_experts, checked.hidden, checked.intermediate, top_k, precision,
                                  scale_format, max_tokens, layer_folder, rank, world_size, device.index, token_rows,

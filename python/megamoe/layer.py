@@ -24,6 +24,7 @@ from megamoe.routing import (
     as_routing,
     op_arguments,
     require_bool,
+    require_values,
 )
 
 PRECISIONS = ("bf16", "fp8_block", "fp8_tensor")
@@ -107,8 +108,9 @@ class MoeWeights(LayerHandle):
         return ops.workspace_bytes(self._handle)
 
     def invalid_routing_ids(self) -> int:
-        """How many routed ids were invalid (>= num_experts, or repeated within a token) since the
-        last call; they contributed nothing. Synchronizes the current stream."""
+        """How many routed ids were invalid (>= num_experts, negative other than -1, or repeated
+        within a token) since the last call; they contributed nothing. Synchronizes the current
+        stream."""
         return ops.invalid_routing_ids(self._handle)
 
     def __repr__(self) -> str:
@@ -213,12 +215,6 @@ def optional_int(value, name: str) -> int:
     return 0 if value is None else require_int(value, name)
 
 
-def require_values(t: torch.Tensor, name: str) -> None:
-    """A tensor to be read: not one on the meta device, which has a shape but no values."""
-    if t.is_meta:
-        raise ValueError(f"megamoe: {name} is on the meta device and holds no values (load the weights first)")
-
-
 def require_str(value, name: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"megamoe: {name} must be a str, not {type(value).__name__} {value!r}")
@@ -300,6 +296,7 @@ def checked_input_scales(w13_input_scale, w2_input_scale, precision, num_experts
 def checked_weights(w13, w2, w13_scale, w2_scale, precision: str = "fp8_block", w13_input_scale=None,
                     w2_input_scale=None) -> CheckedWeights:
     """prepare_weights' checks of the weights it packs for `precision` (also prepare_ep_weights')."""
+    require_str(precision, "precision")  # before the checks below read it: they would name it as a bad value
     require_tensor(w13, "w13", 3)
     require_tensor(w2, "w2", 3)
     if w13.dtype not in _WEIGHT_DTYPES:
@@ -470,10 +467,11 @@ def fused_moe(
             raise ValueError("megamoe: expert_map maps topk_ids; with router_logits the layer routes over its own experts")
         chosen = weights.routing if routing is None else as_routing(routing)
         if isinstance(chosen, PrecomputedRouting):
-            raise ValueError(
-                "megamoe: these weights were prepared for precomputed routing; with router_logits pass "
-                "routing=SoftmaxRouting(...) or DeepseekRouting(...)"
-            )
+            # Whose routing it is: the call's own, or the weights' when the call names none.
+            whose = "routing=PrecomputedRouting() takes topk_ids and topk_weights" if routing is not None else \
+                "these weights were prepared for precomputed routing"
+            raise ValueError(f"megamoe: {whose}; with router_logits pass routing=SoftmaxRouting(...) or "
+                             f"DeepseekRouting(...)")
         require_tensor(router_logits, "router_logits", 2)
         if not router_logits.is_floating_point():
             raise TypeError(f"megamoe: router_logits must be a floating-point tensor, not {router_logits.dtype}")
@@ -555,8 +553,10 @@ class MegaMoE(nn.Module):
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"megamoe: hidden_states must be a torch.Tensor, not {type(hidden_states).__name__}")
         shape = hidden_states.shape
-        if hidden_states.dim() == 0:
-            raise ValueError(f"megamoe: hidden_states must be [..., {self.weights.hidden}], got []")
+        # Checked before the flattening, which would name x and a shape the caller never passed (or,
+        # for a last dimension of 0, fail inside reshape).
+        if hidden_states.dim() == 0 or shape[-1] != self.weights.hidden:
+            raise ValueError(f"megamoe: hidden_states must be [..., {self.weights.hidden}], got {list(shape)}")
         tokens = math.prod(shape[:-1])
         for name, t in (("router_logits", router_logits), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             # The same leading shape as hidden_states, or flat [T, n]: else each row would meet the

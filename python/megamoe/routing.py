@@ -47,13 +47,21 @@ class DeepseekRouting:
         if isinstance(bias, torch.Tensor):
             if bias.dim() != 1:
                 raise ValueError(f"megamoe: e_score_correction_bias must be 1-D [num_experts], got {tuple(bias.shape)}")
+            require_values(bias, "e_score_correction_bias")
+            if bias.is_complex():  # the cast below would drop the imaginary parts with only a warning
+                raise TypeError(f"megamoe: e_score_correction_bias must be a real tensor, not {bias.dtype}")
             bias = bias.detach().to("cpu", torch.float32).tolist()
         if bias is not None:
             try:
+                if isinstance(bias, (str, bytes)):  # a sequence too: "0.5" would be three biases
+                    raise TypeError
                 bias = tuple(float(b) for b in bias)
             except (TypeError, ValueError):
                 raise TypeError(f"megamoe: e_score_correction_bias must be 1-D [num_experts] floats (a tensor or a "
                                 f"sequence of numbers), not {reprlib.repr(bias)}") from None
+            if not bias:  # the ops take an empty bias for none, whatever the layer's experts
+                raise ValueError("megamoe: e_score_correction_bias is empty: it needs one bias per expert, or None "
+                                 "for no bias")
             object.__setattr__(self, "e_score_correction_bias", bias)
         _set_op_arguments(self, ("deepseek_grouped", self.renormalize, int(self.n_group), int(self.topk_group),
                                  float(self.routed_scaling_factor),
@@ -95,6 +103,12 @@ def require_bool(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"megamoe: {name} must be a bool, not {type(value).__name__} {value!r}")
     return value
+
+
+def require_values(t: torch.Tensor, name: str) -> None:
+    """A tensor to be read: not one on the meta device, which has a shape but no values."""
+    if t.is_meta:
+        raise ValueError(f"megamoe: {name} is on the meta device and holds no values (load the weights first)")
 
 
 def _set_op_arguments(routing, arguments: tuple) -> None:

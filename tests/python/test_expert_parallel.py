@@ -2,6 +2,9 @@
 fake op torch.compile traces with. The layer itself runs on two GPUs in ep_two_ranks.py (CTest
 python.gpu2)."""
 
+import os
+import types
+
 import pytest
 import torch
 
@@ -188,12 +191,40 @@ def test_the_layer_limit_is_per_rank(monkeypatch, tmp_path):
     (dict(launch=True), TypeError, "launch must be a str"),
     (dict(launch="fused", token_rows="bf16"), NotImplementedError,
      "launch='fused' takes token_rows='automatic' .the rows its layer computes on., not 'bf16'"),
+    # Compared with the token rows' before its type was checked: "needs precision 'fp8_block', not None".
+    (dict(precision=None, token_rows="fp8"), TypeError, "precision must be a str, not NoneType None"),
 ])
 def test_prepare_ep_weights_refuses_before_the_device(tmp_path, changes, error, message):
     arguments = dict(w13=W13, w2=W2, num_experts=8, top_k=2, rank=1, world_size=2, rendezvous_dir=str(tmp_path))
     arguments.update(changes)
     with pytest.raises(error, match=message):
         megamoe.prepare_ep_weights(**arguments)
+
+
+def test_a_call_refused_on_this_rank_alone_keeps_the_layer_numbers_in_step(monkeypatch, tmp_path):
+    """The ranks meet in a folder numbered by their prepare_ep_weights calls. A NaN in this rank's
+    experts refuses the call here while the peers go on to create layer 0; the next layer must be
+    layer 1 here too (it was 0, a folder the peers never look in)."""
+    class Stop(Exception):
+        pass
+
+    folders = []
+
+    def create_ep_layer(*arguments):
+        folders.append(os.path.basename(arguments[11]))  # the layer's rendezvous folder
+        raise Stop
+
+    monkeypatch.setattr(expert_parallel, "_layers_made", 0)
+    monkeypatch.setattr(expert_parallel, "ops", types.SimpleNamespace(
+        check_layer=torch.ops.megamoe.check_layer, check_device=lambda index: 0, create_ep_layer=create_ep_layer))
+    arguments = dict(num_experts=8, top_k=2, rank=1, world_size=2, rendezvous_dir=str(tmp_path))
+    poisoned = W2.clone()
+    poisoned[3, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"w2\[3, 0, 0\] = nan: weights must be finite"):
+        megamoe.prepare_ep_weights(W13, poisoned, **arguments)
+    with pytest.raises(Stop):
+        megamoe.prepare_ep_weights(W13, W2, **arguments)
+    assert folders == ["megamoe-ep-layer-1"]
 
 
 def test_the_launchers_variables_must_be_integers(monkeypatch, tmp_path):

@@ -357,6 +357,11 @@ def test_routing_can_change_between_calls(hopper):
     ids, weights = route_deepseek(logits, p.top_k, 8, 4, 2.5, True, bias.to(hopper))
     assert relative_l2(y, moe_reference(x, p.w13, p.w2, ids, weights, "bf16")) < TIGHT["bf16"]
     assert torch.equal(megamoe.fused_moe(x, p.weights, logits, routing=p.routing), softmax)
+    # A routing the layer cannot take is refused with an empty batch too (which launches nothing).
+    short_bias = megamoe.DeepseekRouting(n_group=8, topk_group=4, e_score_correction_bias=bias[:-1])
+    for tokens in (0, 3):
+        with pytest.raises(ValueError, match="e_score_correction_bias"):
+            megamoe.fused_moe(x[:tokens], p.weights, logits[:tokens], routing=short_bias)
 
 
 @pytest.mark.gpu
@@ -554,6 +559,9 @@ def test_prepare_weights_checks_its_arguments():
     (dict(routing=None), TypeError, "routing must be .*, not NoneType None"),
     (dict(routing=megamoe.DeepseekRouting(routed_scaling_factor=-1.0)), ValueError,
      "routed_scaling_factor=-1 must be finite and > 0"),
+    # The input scales' check read precision first: "precision None takes none", a ValueError.
+    (dict(precision=None, w13_input_scale=torch.ones(1), w2_input_scale=torch.ones(1)), TypeError,
+     "precision must be a str, not NoneType None"),
 ])
 def test_prepare_weights_refuses_out_of_range_values(arguments, error, message):
     """Runs without a GPU: the ops' checks, before anything is packed."""
@@ -734,6 +742,20 @@ def test_fused_moe_and_the_module_check_their_own_arguments(monkeypatch):
         module(x.tolist(), logits)
     with pytest.raises(ValueError, match=r"hidden_states must be \[..., 128\], got \[\]"):
         module(torch.tensor(1.0, dtype=torch.bfloat16), logits)
+    # Another hidden size was reported for x as flattened ([6, 64]); a last dimension of 0 failed
+    # inside reshape, with PyTorch's RuntimeError.
+    with pytest.raises(ValueError, match=r"hidden_states must be \[..., 128\], got \[2, 3, 64\]"):
+        module(torch.zeros(2, 3, 64, dtype=torch.bfloat16), logits.view(2, 3, 4))
+    with pytest.raises(ValueError, match=r"hidden_states must be \[..., 128\], got \[6, 0\]"):
+        module(torch.zeros(6, 0, dtype=torch.bfloat16), logits)
+    # The call's own precomputed routing was blamed on the weights ("prepared for precomputed routing").
+    with pytest.raises(ValueError, match=r"routing=PrecomputedRouting\(\) takes topk_ids and topk_weights; with "
+                                         r"router_logits pass routing=SoftmaxRouting"):
+        megamoe.fused_moe(x, weights, logits, routing="precomputed")
+    weights.routing = megamoe.PrecomputedRouting()
+    with pytest.raises(ValueError, match="these weights were prepared for precomputed routing; with router_logits"):
+        megamoe.fused_moe(x, weights, logits)
+    weights.routing = megamoe.SoftmaxRouting()
     # Both forms a model passes stay accepted: the same leading shape, and flat [T, E].
     assert module(hidden, logits.view(2, 3, 4)).shape == hidden.shape
     assert torch.equal(module(hidden, logits), module(hidden, logits.view(2, 3, 4)))

@@ -52,3 +52,25 @@ def test_routing_fields_are_checked_when_made(make, message):
     # What is right passes, as the ops take it.
     assert op_arguments(DeepseekRouting(n_group=8, topk_group=4, routed_scaling_factor=2, renormalize=False))[1:5] == \
         (False, 8, 4, 2.0)
+
+
+@pytest.mark.parametrize("bias, error, message", [
+    # A str is a sequence: "1234" was four biases, 1.0 to 4.0.
+    ("1234", TypeError, r"e_score_correction_bias must be 1-D \[num_experts\] floats .*, not '1234'"),
+    (b"12", TypeError, r"e_score_correction_bias must be 1-D \[num_experts\] floats"),
+    # The cast to float32 dropped the imaginary parts, with only PyTorch's warning.
+    (torch.ones(4, dtype=torch.complex64), TypeError, "e_score_correction_bias must be a real tensor, not "
+                                                      "torch.complex64"),
+    # PyTorch's "Cannot copy out of meta tensor; no data!", naming no argument.
+    (torch.ones(4, device="meta"), ValueError, "e_score_correction_bias is on the meta device"),
+    # The ops take an empty bias for none: an empty checkpoint tensor routed without its bias.
+    ([], ValueError, "e_score_correction_bias is empty: it needs one bias per expert, or None"),
+    (torch.empty(0), ValueError, "e_score_correction_bias is empty"),
+])
+def test_a_bias_that_is_not_one_real_number_per_expert_is_refused(bias, error, message):
+    with pytest.raises(error, match=message):
+        DeepseekRouting(n_group=2, topk_group=1, e_score_correction_bias=bias)
+    # What a checkpoint holds passes: a real tensor of any float dtype, or numbers.
+    for good in (torch.tensor([0.5, -0.25, 0.0, 1.0], dtype=torch.bfloat16), (0.5, -0.25, 0, 1)):
+        assert DeepseekRouting(n_group=2, topk_group=1, e_score_correction_bias=good).e_score_correction_bias == \
+            (0.5, -0.25, 0.0, 1.0)
