@@ -60,9 +60,12 @@ struct MoeSpec {
 // 128-byte swizzled K slice of E4M3), 64 for bf16 (one 128-byte K slice).
 int channel_granularity(Precision precision);
 
-// Throws megamoe::Error(invalid_spec) with a message naming the field and the fix.
+// Throws megamoe::Error(invalid_spec) with a message naming the field and the fix. Beyond each
+// field's range, the sizes derived from them must be countable: intermediate at most INT_MAX / 2
+// (W13's 2I rows are an int), and the packed weights' 3 x E x H x I elements within what one
+// allocation holds (PTRDIFF_MAX bytes).
 void validate(const MoeSpec& spec);
-// The same for `routing` in place of spec.routing.
+// The same for `routing` in place of spec.routing (a variant left valueless by an exception too).
 void validate_routing(const Routing& routing, const MoeSpec& spec);
 
 const char* to_string(Precision precision);

@@ -106,8 +106,10 @@ struct PackedWeightsView {
 // Called after each expert is packed (done experts, total); long packs report progress with it.
 using PackProgress = std::function<void(int done, int total)>;
 
-// Throws megamoe::Error(invalid_argument) unless `packed` was prepared for `spec` (same shapes,
-// precision and, for fp8_block, scale format).
+// Throws megamoe::Error(invalid_spec) for an invalid spec (as validate(spec)), and
+// (invalid_argument) unless `packed` was prepared for `spec` (same shapes, precision and, for
+// fp8_block, scale format; the message names the first field that differs) and holds the bytes
+// and scales its shapes need.
 void validate_packed(const MoeSpec& spec, const PackedWeights& packed);
 // The same for a view, whose pointers must also be set (scales for fp8 only), and whose
 // from_checkpoint fp8_tensor input scales must be positive normal floats (1 / scale must be finite).
@@ -129,7 +131,8 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights,
                               const PackProgress& progress = {});
 
 // Inverse of prepare_weights for tests and references: the dequantized values in the original
-// vLLM layout, fp32 (w13 [E, 2I, H], w2 [E, H, I]).
+// vLLM layout, fp32 (w13 [E, 2I, H], w2 [E, H, I]). Throws megamoe::Error where the pack's shapes
+// are no valid spec's (invalid_spec) or its buffers do not hold them (invalid_argument).
 struct DequantizedWeights {
   std::vector<float> w13;
   std::vector<float> w2;

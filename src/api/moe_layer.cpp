@@ -272,10 +272,12 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
                        std::optional<CombineMode> combine) {
   validate_forward_args(spec_, max_tokens_, inputs, outputs);
   if (combine) validate_combine(*combine, "combine");
-  if (inputs.num_tokens == 0) return;
-  std::lock_guard<std::mutex> lock(impl_->mutex);
+  // Before the empty batch returns: a routing the kernels cannot take is refused whatever the
+  // token count, so that the ranks of an expert-parallel call, some with no tokens, agree.
   const Routing& routing = inputs.routing != nullptr ? *inputs.routing : spec_.routing;
   require_routing_supported(routing);
+  if (inputs.num_tokens == 0) return;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
   const CombineMode mode = combine.value_or(impl_->plan.options.combine);
   const plan::ForwardPlan plan = plan::plan_forward(spec_, impl_->plan, planned_tokens(inputs), mode, impl_->facts,
                                                     plan::PlanDetail::decisions);

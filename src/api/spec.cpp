@@ -1,7 +1,10 @@
 // MoeSpec validation and printing.
 #include "megamoe/spec.hpp"
 
+#include <climits>
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
 #include <ostream>
 #include <sstream>
 
@@ -113,8 +116,10 @@ std::string to_string(const Routing& routing) {
        << ", routed_scaling_factor=" << grouped->routed_scaling_factor
        << ", renormalize=" << (grouped->renormalize ? "true" : "false")
        << ", bias=" << (grouped->e_score_correction_bias.empty() ? "none" : "per-expert") << ")";
-  } else {
+  } else if (std::holds_alternative<Precomputed>(routing)) {
     os << "precomputed";
+  } else {
+    os << "none (valueless)";
   }
   return os.str();
 }
@@ -145,6 +150,27 @@ void validate(const MoeSpec& spec) {
              granularity_reason(spec.precision) + ")");
     }
   }
+  // W13 has 2 x intermediate rows, counted in int by the packer, the planner and the kernels.
+  if (spec.intermediate > INT_MAX / 2) {
+    reject("intermediate=" + std::to_string(spec.intermediate) + " must be at most " + std::to_string(INT_MAX / 2) +
+           " (W13's 2 x intermediate rows are counted in a 32-bit int)");
+  }
+  // Every byte count of the packed weights is a product of E, H and I: past what one allocation can
+  // hold (std::vector's limit) the size_t products would wrap, and a pack sized by them would be
+  // short of its shapes.
+  const unsigned long long element_bytes = spec.precision == Precision::bf16 ? 2 : 1;
+  unsigned long long bytes = 3 * element_bytes;
+  for (const int factor : {spec.num_experts, spec.hidden, spec.intermediate}) {
+    if (bytes > static_cast<unsigned long long>(PTRDIFF_MAX) / static_cast<unsigned long long>(factor)) {
+      std::ostringstream message;
+      message << "num_experts=" << spec.num_experts << ", hidden=" << spec.hidden
+              << " and intermediate=" << spec.intermediate << " make packed weights of 3 x E x H x I x "
+              << element_bytes << " = " << 3.0 * element_bytes * spec.num_experts * spec.hidden * spec.intermediate
+              << " bytes; one allocation holds at most " << PTRDIFF_MAX;
+      reject(message.str());
+    }
+    bytes *= static_cast<unsigned long long>(factor);
+  }
   if (spec.precision != Precision::fp8_block && spec.scale_format != ScaleFormat::fp32) {
     reject(std::string("scale_format=ue8m0 only applies to precision fp8_block; precision ") +
            to_string(spec.precision) + " takes scale_format=fp32");
@@ -153,6 +179,12 @@ void validate(const MoeSpec& spec) {
 }
 
 void validate_routing(const Routing& routing, const MoeSpec& spec) {
+  // A variant whose assignment threw holds none of the three: every reader would take it for
+  // another (a forward would ask for router logits and route as precomputed).
+  if (routing.valueless_by_exception()) {
+    reject("routing holds no value (an exception interrupted its last assignment); it takes SoftmaxTopK, "
+           "DeepseekGrouped or Precomputed");
+  }
   if (const auto* grouped = std::get_if<DeepseekGrouped>(&routing)) validate_grouped(*grouped, spec);
 }
 

@@ -126,12 +126,21 @@ void pack_tensor_matrix(const SourceMatrix& m, int parts, RowMap row_map, PackSc
   const uint8_t* original = nullptr;
   if (m.dtype == DType::fp8_e4m3 && is_per_tensor(m.layout)) {
     original = static_cast<const uint8_t*>(m.base) + m.offset;
-    for (size_t i = 0; i < static_cast<size_t>(m.rows) * m.cols; ++i) {
-      if ((original[i] & 0x7F) == quant::kE4M3NaN) {
-        refuse_weight(m, static_cast<int>(i / m.cols), static_cast<int>(i % m.cols), std::nanf(""));
+    for (int p = 0; p < parts; ++p) scales[p] = m.scales[row_scale_index(m.layout, p * (m.rows / parts), m.rows)];
+    // The codes are kept, not decoded, so their values are checked here as load_matrix checks what it
+    // decodes: a NaN code, or (where 448 x scale is past FLT_MAX) a code whose value decode(code) x
+    // scale is inf, which the other precisions refuse for the same checkpoint.
+    const int rows_per_part = m.rows / parts;
+    for (int r = 0; r < m.rows; ++r) {
+      const float scale = scales[r / rows_per_part];
+      const bool may_overflow = !std::isfinite(quant::kE4M3Max * scale);
+      const uint8_t* row = original + static_cast<size_t>(r) * m.cols;
+      for (int c = 0; c < m.cols; ++c) {
+        if ((row[c] & 0x7F) == quant::kE4M3NaN || (may_overflow && !std::isfinite(quant::e4m3_decode(row[c]) * scale))) {
+          refuse_weight(m, r, c, quant::e4m3_decode(row[c]) * scale);
+        }
       }
     }
-    for (int p = 0; p < parts; ++p) scales[p] = m.scales[row_scale_index(m.layout, p * (m.rows / parts), m.rows)];
   } else {
     load_matrix(m, [](int row) { return row; }, scratch.values);
     scratch.codes.resize(scratch.values.size());
@@ -219,19 +228,65 @@ void decode_packed_row(const PackedWeights& packed, PackedMatrix matrix, int exp
 
 }  // namespace weights
 
-void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed) {
-  if (packed.num_experts != spec.num_experts || packed.hidden != spec.hidden ||
-      packed.intermediate != spec.intermediate || packed.precision != spec.precision ||
-      (spec.precision == Precision::fp8_block && packed.scale_format != spec.scale_format)) {
-    throw Error(ErrorCode::invalid_argument,
-                "packed weights were prepared for a different spec; call prepare_weights with this spec");
+namespace {
+
+// A precision or scale format as its name, or as the integer of a value that names none.
+std::string name_of(Precision precision) {
+  const std::string name = to_string(precision);
+  return name != "?" ? name : std::to_string(static_cast<int>(precision));
+}
+std::string name_of(ScaleFormat format) {
+  return format == ScaleFormat::fp32 || format == ScaleFormat::ue8m0 ? to_string(format)
+                                                                     : std::to_string(static_cast<int>(format));
+}
+
+// Refuses a pack made for another spec, naming the first field in which they differ.
+void require_prepared_for(const MoeSpec& spec, const PackedWeightsView& packed) {
+  auto differ = [](const char* field, const std::string& packed_value, const std::string& spec_value) {
+    throw Error(ErrorCode::invalid_argument, std::string("packed weights have ") + field + "=" + packed_value +
+                                                 " where the spec has " + field + "=" + spec_value +
+                                                 ": call prepare_weights with this spec");
+  };
+  for (auto [field, packed_value, spec_value] :
+       {std::tuple{"num_experts", packed.num_experts, spec.num_experts}, std::tuple{"hidden", packed.hidden, spec.hidden},
+        std::tuple{"intermediate", packed.intermediate, spec.intermediate}}) {
+    if (packed_value != spec_value) differ(field, std::to_string(packed_value), std::to_string(spec_value));
   }
-  if (packed.w13 == nullptr || packed.w2 == nullptr) {
-    throw Error(ErrorCode::null_pointer, "packed weights: w13 and w2 are required");
+  if (packed.precision != spec.precision) differ("precision", name_of(packed.precision), name_of(spec.precision));
+  if (spec.precision == Precision::fp8_block && packed.scale_format != spec.scale_format) {
+    differ("scale_format", name_of(packed.scale_format), name_of(spec.scale_format));
   }
-  if (packed.precision != Precision::bf16 && (packed.w13_scales == nullptr || packed.w2_scales == nullptr)) {
-    throw Error(ErrorCode::null_pointer,
-                std::string("packed ") + to_string(packed.precision) + " weights need w13_scales and w2_scales");
+}
+
+// A PackedWeights' buffers hold what its shapes need (its own fields, which may not be a valid spec's).
+void require_sizes(const PackedWeights& packed) {
+  const PackedWeightsView view = packed.view();
+  if (packed.w13.size() != view.w13_bytes() || packed.w2.size() != view.w2_bytes() ||
+      packed.w13_scales.size() != view.w13_scale_count() || packed.w2_scales.size() != view.w2_scale_count()) {
+    throw Error(ErrorCode::invalid_argument, "packed weights hold " + std::to_string(packed.w13.size()) + " + " +
+                                                 std::to_string(packed.w2.size()) + " bytes and " +
+                                                 std::to_string(packed.w13_scales.size()) + " + " +
+                                                 std::to_string(packed.w2_scales.size()) +
+                                                 " scales where their shapes need " + std::to_string(view.w13_bytes()) +
+                                                 " + " + std::to_string(view.w2_bytes()) + " and " +
+                                                 std::to_string(view.w13_scale_count()) + " + " +
+                                                 std::to_string(view.w2_scale_count()));
+  }
+}
+
+// The pointers a view of `packed.precision` needs, and its fp8_tensor input scales.
+void require_buffers(const PackedWeightsView& packed) {
+  for (auto [name, pointer] : {std::pair{"w13", static_cast<const void*>(packed.w13)},
+                               std::pair{"w2", static_cast<const void*>(packed.w2)}}) {
+    if (pointer == nullptr) throw Error(ErrorCode::null_pointer, std::string("packed weights: ") + name + " is null");
+  }
+  if (packed.precision != Precision::bf16) {
+    for (auto [name, pointer] : {std::pair{"w13_scales", packed.w13_scales}, std::pair{"w2_scales", packed.w2_scales}}) {
+      if (pointer == nullptr) {
+        throw Error(ErrorCode::null_pointer, std::string("packed ") + to_string(packed.precision) + " weights: " + name +
+                                                 " is null; fp8 weights need their scales");
+      }
+    }
   }
   if (packed.precision == Precision::fp8_tensor && packed.input_scales != InputScales::from_checkpoint &&
       packed.input_scales != InputScales::dynamic) {
@@ -250,20 +305,21 @@ void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed) {
   }
 }
 
+}  // namespace
+
+// The spec first: an invalid one is named as such, not as a pack that does not match it.
+void validate_packed(const MoeSpec& spec, const PackedWeightsView& packed) {
+  validate(spec);
+  require_prepared_for(spec, packed);
+  require_buffers(packed);
+}
+
 void validate_packed(const MoeSpec& spec, const PackedWeights& packed) {
+  validate(spec);
   const PackedWeightsView view = packed.view();
-  if (packed.w13.size() != view.w13_bytes() || packed.w2.size() != view.w2_bytes() ||
-      packed.w13_scales.size() != view.w13_scale_count() || packed.w2_scales.size() != view.w2_scale_count()) {
-    throw Error(ErrorCode::invalid_argument, "packed weights hold " + std::to_string(packed.w13.size()) + " + " +
-                                                 std::to_string(packed.w2.size()) + " bytes and " +
-                                                 std::to_string(packed.w13_scales.size()) + " + " +
-                                                 std::to_string(packed.w2_scales.size()) +
-                                                 " scales where their shapes need " + std::to_string(view.w13_bytes()) +
-                                                 " + " + std::to_string(view.w2_bytes()) + " and " +
-                                                 std::to_string(view.w13_scale_count()) + " + " +
-                                                 std::to_string(view.w2_scale_count()));
-  }
-  validate_packed(spec, view);
+  require_prepared_for(spec, view);
+  require_sizes(packed);
+  require_buffers(view);
 }
 
 PackedWeightsView PackedWeights::view() const {
@@ -345,8 +401,9 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
       }
     }
   } else if (weights.dtype != DType::bf16 && weights.dtype != DType::fp32) {
-    throw Error(ErrorCode::invalid_argument, std::string("weights.dtype=") + to_string(weights.dtype) +
-                                                 " is not accepted; pass bf16, fp32 or fp8_e4m3 (with scales) weights");
+    // Only a value cast from another language's integer gets here: it is named by that integer.
+    throw Error(ErrorCode::invalid_argument, "weights.dtype=" + std::to_string(static_cast<int>(weights.dtype)) +
+                                                 " is none of DType::bf16, fp32 and fp8_e4m3 (with scales)");
   }
   PackedWeights packed;
   packed.num_experts = E;
@@ -445,6 +502,16 @@ ExpertMatrices decode_expert(const PackedWeights& packed, int expert) {
 }  // namespace weights
 
 DequantizedWeights unpack_weights(const PackedWeights& packed) {
+  // Its own shapes must be a layer's, and its buffers hold them: it is read by those shapes.
+  MoeSpec shapes;
+  shapes.num_experts = packed.num_experts;
+  shapes.top_k = 1;
+  shapes.hidden = packed.hidden;
+  shapes.intermediate = packed.intermediate;
+  shapes.precision = packed.precision;
+  shapes.scale_format = packed.precision == Precision::fp8_block ? packed.scale_format : ScaleFormat::fp32;
+  validate(shapes);
+  require_sizes(packed);
   DequantizedWeights out;
   for (int e = 0; e < packed.num_experts; ++e) {
     const weights::ExpertMatrices expert = weights::decode_expert(packed, e);

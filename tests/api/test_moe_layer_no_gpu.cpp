@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 
 #include "megamoe/error.hpp"
 #include "megamoe/layer.hpp"
@@ -53,6 +54,35 @@ TEST(MoeLayerWithoutGpu, NamesABadMaxTokensFirst) {
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
       EXPECT_NE(std::string(e.what()).find("max_tokens=" + std::to_string(max_tokens)), std::string::npos) << e.what();
+    }
+  }
+}
+
+// An invalid spec is named as such before the packed weights are held against it: compared first,
+// a typo in the spec was reported as weights "prepared for a different spec", and a pack as invalid
+// as its spec (num_experts=-1 in both) by byte counts wrapped past 2^64.
+TEST(MoeLayerWithoutGpu, NamesABadSpecBeforeItsWeights) {
+  const MoeSpec spec = small_spec();
+  MoeSpec bad_hidden = spec;
+  bad_hidden.hidden = 192;
+  MoeSpec no_experts = spec;
+  no_experts.num_experts = -1;
+  PackedWeights no_experts_pack;
+  no_experts_pack.num_experts = -1;
+  no_experts_pack.hidden = spec.hidden;
+  no_experts_pack.intermediate = spec.intermediate;
+  no_experts_pack.precision = spec.precision;
+  const std::tuple<MoeSpec, PackedWeights, std::string> cases[] = {
+      {bad_hidden, small_packed(spec), "hidden=192 must be a positive multiple of 128"},
+      {no_experts, no_experts_pack, "num_experts=-1 must be >= 1"},
+  };
+  for (const auto& [bad, packed, expected] : cases) {
+    try {
+      MoeLayer layer(bad, packed, 16);
+      FAIL() << "a layer was built for an invalid spec: " << expected;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_spec) << e.what();
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
     }
   }
 }

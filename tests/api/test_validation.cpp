@@ -3,6 +3,7 @@
 #include <limits>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -96,6 +97,44 @@ TEST(ValidateSpec, RoutingErrorsGiveTheValue) {
     EXPECT_EQ(error_of([&] { validate(spec); }, &message), ErrorCode::invalid_spec) << expected;
     EXPECT_NE(message.find(expected), std::string::npos) << "message '" << message << "' should say " << expected;
   }
+}
+
+// Sizes derived from the shapes are counted in int (W13's 2I rows) and size_t (the packed bytes):
+// shapes past either would wrap them (the byte counts of a pack of E = 512, H = 2^31 - 128,
+// I = 2^30 - 128 wrap past 2^64), so they are refused with the figures; DeepSeek-V3 is far within.
+TEST(ValidateSpec, RefusesShapesWhoseSizesWrap) {
+  MoeSpec dsv3 = valid_spec();
+  dsv3.num_experts = 256;
+  dsv3.top_k = 8;
+  dsv3.hidden = 7168;
+  dsv3.intermediate = 2048;
+  EXPECT_EQ(error_of([&] { validate(dsv3); }), std::nullopt);
+  const std::pair<MoeSpec, const char*> cases[] = {
+      {{.num_experts = 1, .top_k = 1, .hidden = 128, .intermediate = 1 << 30, .precision = Precision::fp8_block},
+       "intermediate=1073741824 must be at most 1073741823"},
+      {{.num_experts = 512, .top_k = 8, .hidden = 2147483520, .intermediate = 1073741696, .precision = Precision::fp8_block},
+       "num_experts=512, hidden=2147483520 and intermediate=1073741696 make packed weights of 3 x E x H x I x 1"},
+  };
+  for (const auto& [spec, expected] : cases) {
+    std::string message;
+    EXPECT_EQ(error_of([&] { validate(spec); }, &message), ErrorCode::invalid_spec) << expected;
+    EXPECT_NE(message.find(expected), std::string::npos) << "message '" << message << "' should say " << expected;
+  }
+}
+
+// A routing whose assignment threw holds none of its alternatives; unchecked, a forward would ask
+// for router logits (it is not Precomputed) and the kernels would route it as precomputed.
+TEST(ValidateSpec, RefusesAValuelessRouting) {
+  struct ThrowsOnConversion {
+    operator DeepseekGrouped() const { throw std::runtime_error("conversion failed"); }
+  };
+  MoeSpec spec = valid_spec();
+  EXPECT_THROW(spec.routing.emplace<DeepseekGrouped>(ThrowsOnConversion{}), std::runtime_error);
+  ASSERT_TRUE(spec.routing.valueless_by_exception());
+  std::string message;
+  EXPECT_EQ(error_of([&] { validate(spec); }, &message), ErrorCode::invalid_spec);
+  EXPECT_NE(message.find("routing holds no value"), std::string::npos) << message;
+  EXPECT_EQ(to_string(spec.routing), "none (valueless)");
 }
 
 // fp8_tensor: channels in multiples of 128 (one 128-byte K slice of E4M3), fp32 scales only, and

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "common/test_random.hpp"
 #include "kernels/layout/weight_layout.hpp"
@@ -300,9 +301,31 @@ TEST(PrepareWeights, RefusesWeightsThatAreNotFinite) {
   }
 }
 
-// A scale layout that names no enumerator (a cast from another language's integer) would read every
-// value of every expert with the first scale and check none of the others: it is refused, for either
-// matrix.
+// A finite scale large enough that decode(code) x scale passes FLT_MAX makes an inf weight as surely
+// as a NaN code does. The precisions that decode the checkpoint refuse it; fp8_tensor, which keeps
+// the codes and scale as they are (and multiplies the scale into every output of that expert),
+// refuses the same place.
+TEST(PrepareWeights, RefusesScalesThatMakeAWeightInfinite) {
+  const int E = 3, H = 256, I = 128;
+  const std::vector<uint8_t> w13_codes(static_cast<size_t>(E) * 2 * I * H, 0x30);  // 0.5
+  std::vector<uint8_t> w2_codes(static_cast<size_t>(E) * H * I, 0x30);
+  w2_codes[(1ull * H + 3) * I + 5] = 0x7E;  // 448 at w2[1, 3, 5]
+  const std::vector<float> w13_scales(E, 1e-3f);
+  std::vector<float> w2_scales(E, 1e-3f);
+  w2_scales[1] = 1e36f;  // 448 x 1e36 is past FLT_MAX; 0.5 x 1e36 is not
+  const WeightsView view{w13_codes.data(), w2_codes.data(), DType::fp8_e4m3, w13_scales.data(), w2_scales.data(),
+                         ScaleLayout::per_tensor, ScaleLayout::per_tensor};
+  for (Precision precision : {Precision::fp8_tensor, Precision::fp8_block, Precision::bf16}) {
+    std::string message;
+    EXPECT_EQ(code_of(view, small_spec(precision, E, H, I), &message), ErrorCode::invalid_argument)
+        << to_string(precision);
+    EXPECT_NE(message.find("weights.w2[1, 3, 5] = inf"), std::string::npos) << to_string(precision) << ": " << message;
+  }
+}
+
+// A scale layout or dtype that names no enumerator (a cast from another language's integer) would
+// read every value of every expert with the first scale and check none of the others: it is
+// refused, for either matrix, and named by its integer.
 TEST(PrepareWeights, ScaleLayoutsMustNameAnEnumerator) {
   const MoeSpec spec = small_spec(Precision::fp8_block);  // E = 3, H = 256, I = 128
   const std::vector<uint8_t> codes(3ull * 2 * 128 * 256, 0x38);
@@ -317,6 +340,11 @@ TEST(PrepareWeights, ScaleLayoutsMustNameAnEnumerator) {
     EXPECT_EQ(code_of(bad, spec, &message), ErrorCode::invalid_argument) << field;
     EXPECT_NE(message.find(field), std::string::npos) << "message '" << message << "' should name " << field;
   }
+  WeightsView bad_dtype = good;
+  bad_dtype.dtype = static_cast<DType>(7);
+  std::string message;
+  EXPECT_EQ(code_of(bad_dtype, spec, &message), ErrorCode::invalid_argument);
+  EXPECT_NE(message.find("weights.dtype=7 is none of"), std::string::npos) << message;
 }
 
 // ---- fp8_tensor: one scale per expert matrix (gate and up rows apart) and static activation scales.
@@ -692,6 +720,70 @@ TEST(PackedWeights, ViewsAreCheckedAgainstTheSpec) {
   PackedWeightsView fp8_without_scales = bf16.view();
   fp8_without_scales.precision = Precision::fp8_block;
   EXPECT_THROW(validate_packed(small_spec(Precision::fp8_block), fp8_without_scales), Error);
+}
+
+// A pack checked against another spec names the first field that differs, with both values, and
+// a missing pointer by its name: a caller holding the packs of several layers can tell which is
+// wrong and how.
+TEST(PackedWeights, MismatchesNameTheFieldAndBothValues) {
+  const MoeSpec spec = small_spec(Precision::fp8_block);  // E = 3, H = 256, I = 128
+  const std::vector<float> w13(3ull * 2 * 128 * 256, 0.01f), w2(3ull * 256 * 128, 0.01f);
+  const PackedWeights packed = prepare_weights(spec, WeightsView{w13.data(), w2.data(), DType::fp32});
+  const std::pair<void (*)(MoeSpec&), const char*> cases[] = {
+      {[](MoeSpec& s) { s.num_experts = 4; }, "packed weights have num_experts=3 where the spec has num_experts=4"},
+      {[](MoeSpec& s) { s.hidden = 512; }, "hidden=256 where the spec has hidden=512"},
+      {[](MoeSpec& s) { s.intermediate = 256; }, "intermediate=128 where the spec has intermediate=256"},
+      {[](MoeSpec& s) { s.precision = Precision::fp8_tensor; }, "precision=fp8_block where the spec has precision=fp8_tensor"},
+      {[](MoeSpec& s) { s.scale_format = ScaleFormat::ue8m0; }, "scale_format=fp32 where the spec has scale_format=ue8m0"},
+  };
+  auto expect_refused = [](auto&& call, ErrorCode code, const std::string& expected) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted; expected: " << expected;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
+  for (const auto& [mutate, expected] : cases) {
+    MoeSpec other = spec;
+    mutate(other);
+    expect_refused([&] { validate_packed(other, packed); }, ErrorCode::invalid_argument, expected);
+  }
+  PackedWeightsView no_w2 = packed.view();
+  no_w2.w2 = nullptr;
+  expect_refused([&] { validate_packed(spec, no_w2); }, ErrorCode::null_pointer, "packed weights: w2 is null");
+  PackedWeightsView no_scales = packed.view();
+  no_scales.w13_scales = nullptr;
+  expect_refused([&] { validate_packed(spec, no_scales); }, ErrorCode::null_pointer, "w13_scales is null");
+}
+
+// unpack_weights reads a pack by its own shapes: one whose buffers are short of them, or whose
+// precision names none (read as fp8_block, from scales a bf16 pack lacks), is refused instead of
+// read past its end.
+TEST(PackedWeights, UnpackChecksThePackFirst) {
+  const MoeSpec spec = small_spec(Precision::bf16);
+  const std::vector<float> w13(3ull * 2 * 128 * 256, 0.01f), w2(3ull * 256 * 128, 0.01f);
+  const PackedWeights packed = prepare_weights(spec, WeightsView{w13.data(), w2.data(), DType::fp32});
+  EXPECT_EQ(unpack_weights(packed).w2.size(), w2.size());
+  PackedWeights short_w2 = packed;
+  short_w2.w2.pop_back();
+  try {
+    unpack_weights(short_w2);
+    ADD_FAILURE() << "a short pack was unpacked";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("packed weights hold 393216 + 196607 bytes"), std::string::npos) << e.what();
+  }
+  PackedWeights unnamed = packed;
+  unnamed.precision = static_cast<Precision>(3);
+  try {
+    unpack_weights(unnamed);
+    ADD_FAILURE() << "a pack of no precision was unpacked";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_spec);
+    EXPECT_NE(std::string(e.what()).find("precision=3"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
