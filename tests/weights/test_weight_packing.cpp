@@ -766,24 +766,21 @@ TEST(PackedWeights, UnpackChecksThePackFirst) {
   const std::vector<float> w13(3ull * 2 * 128 * 256, 0.01f), w2(3ull * 256 * 128, 0.01f);
   const PackedWeights packed = prepare_weights(spec, WeightsView{w13.data(), w2.data(), DType::fp32});
   EXPECT_EQ(unpack_weights(packed).w2.size(), w2.size());
+  const auto expect_refused = [](const PackedWeights& bad, ErrorCode code, const std::string& expected) {
+    try {
+      unpack_weights(bad);
+      ADD_FAILURE() << "a pack was unpacked that should say: " << expected;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
   PackedWeights short_w2 = packed;
   short_w2.w2.pop_back();
-  try {
-    unpack_weights(short_w2);
-    ADD_FAILURE() << "a short pack was unpacked";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find("packed weights hold 393216 + 196607 bytes"), std::string::npos) << e.what();
-  }
+  expect_refused(short_w2, ErrorCode::invalid_argument, "packed weights hold 393216 + 196607 bytes");
   PackedWeights unnamed = packed;
   unnamed.precision = static_cast<Precision>(3);
-  try {
-    unpack_weights(unnamed);
-    ADD_FAILURE() << "a pack of no precision was unpacked";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_spec);
-    EXPECT_NE(std::string(e.what()).find("precision=3"), std::string::npos) << e.what();
-  }
+  expect_refused(unnamed, ErrorCode::invalid_spec, "precision=3");
 }
 
 }  // namespace
