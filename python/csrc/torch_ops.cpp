@@ -504,9 +504,6 @@ at::Tensor forward(int64_t handle, const at::Tensor& x, const std::optional<at::
   // The call's routing travels with the call: the layer keeps none of it (a graph replays the
   // routing it captured, and calls from several threads cannot switch each other's).
   const Routing routing = routing_from(routing_mode, renormalize, n_group, topk_group, routed_scaling_factor, bias);
-  // Checked here as well as in MoeLayer::forward, which an empty batch never reaches: a routing
-  // the layer cannot take is refused whatever the batch.
-  translating_errors([&] { validate_routing(routing, spec); });
   TORCH_CHECK_VALUE(x.dim() == 2, "megamoe: x must be [tokens, hidden], got ", x.sizes());
   const int64_t T = x.size(0);
   check_input(x, "x", at::kBFloat16, T, spec.hidden, entry->device);
@@ -524,7 +521,12 @@ at::Tensor forward(int64_t handle, const at::Tensor& x, const std::optional<at::
     check_input(*router_logits, "router_logits", at::kFloat, T, spec.num_experts, entry->device);
   }
   at::Tensor y = at::empty({T, spec.hidden}, x.options());
-  if (T == 0) return y;
+  if (T == 0) {
+    // MoeLayer::forward, which checks the routing of a batch with tokens, is not called for an empty
+    // one: a routing the layer cannot take is refused here instead, whatever the batch.
+    translating_errors([&] { validate_routing(routing, spec); });
+    return y;
+  }
   c10::cuda::CUDAGuard guard(entry->device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(entry->device).stream();
   MoeInputs inputs;
