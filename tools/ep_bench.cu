@@ -1,6 +1,7 @@
 // megamoe-ep-bench: expert parallelism across the GPUs of one node, one process per rank:
 //   megamoe-run -n 2 [--one-gpu] -- megamoe-ep-bench [--workload dsv3] [--tokens 128,4096]
-//                                        [--precision fp8_block|bf16] [--token-rows automatic|bf16|fp8]
+//                                        [--precision fp8_block|bf16|fp8_tensor]
+//                                        [--token-rows automatic|bf16|fp8]
 //                                        [--partial-sums bf16|fp8] [--symmetric-memory cuda_ipc|nvshmem]
 //                                        [--fused] [--json PATH] [--timeline]
 // Measures, per token count per rank: dispatch and combine time and their NVLink GB/s (rows that
@@ -182,14 +183,16 @@ std::vector<float> time_nccl_baseline(ncclComm_t nccl, MoeLayer& experts, const 
 void print_usage() {
   std::printf(
       "usage: megamoe-run -n RANKS -- megamoe-ep-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3]\n"
-      "                                                [--tokens N[,N...]] [--precision bf16|fp8_block]\n"
+      "                                                [--tokens N[,N...]]\n"
+      "                                                [--precision bf16|fp8_block|fp8_tensor]\n"
       "                                                [--token-rows automatic|bf16|fp8] [--partial-sums bf16|fp8]\n"
       "                                                [--symmetric-memory cuda_ipc|nvshmem] [--fused] [--json PATH]\n"
       "                                                [--timeline]\n"
       "Options take their value as --flag value or --flag=value.\n"
       "  --workload   named workload (default dsv3)\n"
       "  --tokens     tokens per rank, comma-separated (default 128,4096)\n"
-      "  --precision  bf16 or fp8_block (default fp8_block)\n"
+      "  --precision  bf16, fp8_block (default) or fp8_tensor (static activation scales calibrated per rank;\n"
+      "               bf16 rows on the wire; not with --fused)\n"
       "  --token-rows how token rows travel: automatic (fp8 for fp8_block), bf16, or fp8 (quantized once at\n"
       "               their source, the layer's own rule: the same y, half the bytes)\n"
       "  --partial-sums how partial sums travel back: bf16 (default) or fp8 (quantized once by their owner\n"
@@ -216,9 +219,8 @@ struct Options {
   bench::Provenance provenance;
 };
 
-// The precisions EpLayer takes (fp8_tensor runs on one GPU): refused here, not after the ranks met.
-const std::vector<std::pair<std::string, Precision>> kEpPrecisions = {{"bf16", Precision::bf16},
-                                                                      {"fp8_block", Precision::fp8_block}};
+const std::vector<std::pair<std::string, Precision>> kEpPrecisions = {
+    {"bf16", Precision::bf16}, {"fp8_block", Precision::fp8_block}, {"fp8_tensor", Precision::fp8_tensor}};
 const std::vector<std::pair<std::string, comm::EpTokenRows>> kTokenRows = {
     {"automatic", comm::EpTokenRows::automatic}, {"bf16", comm::EpTokenRows::bf16}, {"fp8", comm::EpTokenRows::fp8}};
 const std::vector<std::pair<std::string, comm::EpPartialSums>> kPartialSums = {{"bf16", comm::EpPartialSums::bf16},
@@ -256,6 +258,10 @@ Options parse(int argc, char** argv) {
   }
   if (o.token_rows == comm::EpTokenRows::fp8 && o.precision != Precision::fp8_block) {
     throw cli::UsageError("--token-rows fp8 needs --precision fp8_block");
+  }
+  // Refused here, not after the ranks met.
+  if (o.fused && o.precision == Precision::fp8_tensor) {
+    throw cli::UsageError("--fused takes --precision bf16 or fp8_block: an fp8_tensor layer runs staged");
   }
   if (o.fused && o.token_rows != comm::EpTokenRows::automatic) {
     throw cli::UsageError("--fused compares with the staged layer of the same rows: it takes --token-rows automatic");

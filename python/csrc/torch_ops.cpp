@@ -407,11 +407,10 @@ int64_t check_device(int64_t device_index) { return checked_device(device_index)
 // Packed tensors of `experts` experts of `spec`'s shapes (pack_weights' tensors, or the same bytes
 // packed on the GPU) as the view a layer copies from, their sizes checked. fp8_tensor's
 // input_scales are (fc1_input_scale, fc2_input_scale) [2], static, or empty [0], dynamic (the layer
-// computes them each forward); other precisions take an empty tensor (or none, for the
-// expert-parallel layer, which refuses fp8_tensor).
+// computes them each forward); other precisions take an empty tensor.
 PackedWeightsView packed_view(const MoeSpec& spec, int experts, const at::Tensor& w13, const at::Tensor& w13_scales,
                               const at::Tensor& w2, const at::Tensor& w2_scales,
-                              const std::optional<at::Tensor>& input_scales) {
+                              const at::Tensor& input_scales) {
   PackedWeightsView view{experts, spec.hidden, spec.intermediate, spec.precision, spec.scale_format};
   const bool fp8 = spec.precision != Precision::bf16;
   auto check_packed = [](const at::Tensor& t, const char* name, at::ScalarType dtype, size_t count) {
@@ -427,24 +426,24 @@ PackedWeightsView packed_view(const MoeSpec& spec, int experts, const at::Tensor
   view.w2 = w2.data_ptr<uint8_t>();
   view.w13_scales = fp8 ? w13_scales.data_ptr<float>() : nullptr;
   view.w2_scales = fp8 ? w2_scales.data_ptr<float>() : nullptr;
-  const int64_t input_scale_count = input_scales.has_value() ? input_scales->numel() : 0;
+  const int64_t input_scale_count = input_scales.numel();
   if (spec.precision == Precision::fp8_tensor) {
-    TORCH_CHECK_TYPE(!input_scales.has_value() || input_scales->scalar_type() == at::kFloat,
-                     "megamoe: packed input_scales must be ", at::kFloat, ", not ", input_scales->scalar_type());
+    TORCH_CHECK_TYPE(input_scales.scalar_type() == at::kFloat, "megamoe: packed input_scales must be ", at::kFloat,
+                     ", not ", input_scales.scalar_type());
     TORCH_CHECK_VALUE(input_scale_count == 2 || input_scale_count == 0,
                       "megamoe: packed input_scales must hold (fc1_input_scale, fc2_input_scale) [2] for static "
-                      "activation scales, or nothing [0] for dynamic ones; got ", input_scales->sizes());
+                      "activation scales, or nothing [0] for dynamic ones; got ", input_scales.sizes());
     if (input_scale_count == 0) {
       view.input_scales = InputScales::dynamic;
     } else {
-      const at::Tensor host = input_scales->to(at::kCPU).contiguous();
+      const at::Tensor host = input_scales.to(at::kCPU).contiguous();
       view.input_scales = InputScales::from_checkpoint;
       view.fc1_input_scale = host.data_ptr<float>()[0];
       view.fc2_input_scale = host.data_ptr<float>()[1];
     }
   } else {
     TORCH_CHECK_VALUE(input_scale_count == 0, "megamoe: packed input_scales go with precision fp8_tensor; precision ",
-                      to_string(spec.precision), " takes an empty tensor [0], got ", input_scales->sizes());
+                      to_string(spec.precision), " takes an empty tensor [0], got ", input_scales.sizes());
   }
   return view;
 }
@@ -563,10 +562,11 @@ int64_t workspace_bytes(int64_t handle) { return static_cast<int64_t>(registry()
 // [rank * E / world, (rank + 1) * E / world) of a layer of num_experts experts with precomputed
 // routing, packed as for a layer of E / world experts, for up to max_tokens tokens per rank and
 // call. The ranks meet in rendezvous_dir, a folder they share that no other layer uses.
-// partial_sums: "bf16" or "fp8" (comm::EpPartialSums); symmetric_memory: "cuda_ipc" or "nvshmem"
-// (comm::SymmetricBackend).
+// input_scales: an fp8_tensor rank's static activation scales as pack_weights gives them (each
+// owner encodes the rows it receives with its own), or [0]. partial_sums: "bf16" or "fp8"
+// (comm::EpPartialSums); symmetric_memory: "cuda_ipc" or "nvshmem" (comm::SymmetricBackend).
 int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
-                        const at::Tensor& w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                        const at::Tensor& w2_scales, const at::Tensor& input_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
                         int64_t top_k, const std::string& precision, const std::string& scale_format,
                         int64_t max_tokens, const std::string& rendezvous_dir, int64_t rank, int64_t world_size,
                         int64_t device_index, const std::string& token_rows, const std::string& partial_sums,
@@ -575,10 +575,6 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
   const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
                                      false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0, "auto", 0)
                            .spec;
-  // The C++ EpLayer refuses it too, later: refused here before anything is checked against the ranks.
-  TORCH_CHECK_NOT_IMPLEMENTED(spec.precision != Precision::fp8_tensor,
-                              "megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on one "
-                              "GPU (prepare_weights)");
   comm::EpLayerOptions options;
   options.token_rows = choice_from<comm::EpTokenRows>(
       token_rows, "token_rows",
@@ -597,6 +593,10 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
   options.fused = choice_from<bool>(launch, "launch", {{"staged", false}, {"fused", true}});
   TORCH_CHECK_NOT_IMPLEMENTED(!options.fused || options.token_rows == comm::EpTokenRows::automatic,
                               "megamoe: launch='fused' takes token_rows='automatic' (the rows its layer computes on)");
+  // The C++ EpLayer refuses it too, later: refused here before anything is checked against the ranks.
+  TORCH_CHECK_NOT_IMPLEMENTED(!options.fused || spec.precision != Precision::fp8_tensor,
+                              "megamoe: launch='fused' takes precision bf16 or fp8_block (the single-kernel forward "
+                              "has no fp8_tensor path); an fp8_tensor layer runs staged (launch='staged')");
   checked_int(world_size, "world_size", 1);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
                     ")");
@@ -604,7 +604,7 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
                     " must be a multiple of the world size ", world_size, " (each rank holds E / world experts)");
   translating_errors([&] { validate_kernel_limits(spec, static_cast<int>(num_experts / world_size)); });
   const PackedWeightsView view =
-      packed_view(spec, static_cast<int>(num_experts / world_size), w13, w13_scales, w2, w2_scales, std::nullopt);
+      packed_view(spec, static_cast<int>(num_experts / world_size), w13, w13_scales, w2, w2_scales, input_scales);
   const c10::DeviceIndex device = checked_device(device_index);
   return translating_errors([&] {
     c10::cuda::CUDAGuard guard(device);
@@ -655,6 +655,9 @@ at::Tensor ep_forward(int64_t handle, const at::Tensor& x, const at::Tensor& top
 
 int64_t ep_invalid_routing_ids(int64_t handle) { return take_invalid_routing_ids(ep_registry(), handle); }
 
+// How the layer's token rows travel ("bf16" or "fp8"): its token_rows choice, "automatic" resolved.
+std::string ep_token_rows(int64_t handle) { return comm::to_string(ep_registry().find(handle)->layer->token_rows()); }
+
 // Synchronizes the current stream; raises RuntimeError naming the barrier and the peer when a
 // cross-rank barrier of an earlier call gave up (comm::EpLayer::check_peers).
 void ep_check_peers(int64_t handle) {
@@ -685,13 +688,14 @@ TORCH_LIBRARY(megamoe, m) {
         "Tensor? bias) -> Tensor");
   m.def("invalid_routing_ids(int layer) -> int", &invalid_routing_ids);
   m.def("workspace_bytes(int layer) -> int", &workspace_bytes);
-  m.def("create_ep_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, int num_experts, int hidden, "
-        "int intermediate, int top_k, str precision, str scale_format, int max_tokens, str rendezvous_dir, int rank, "
+  m.def("create_ep_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, Tensor input_scales, "
+        "int num_experts, int hidden, int intermediate, int top_k, str precision, str scale_format, int max_tokens, str rendezvous_dir, int rank, "
         "int world_size, int device_index, str token_rows, str partial_sums, str symmetric_memory, str launch) -> int",
         &create_ep_layer);
   m.def("destroy_ep_layer(int layer) -> ()", &destroy_ep_layer);
   m.def("ep_forward(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights) -> Tensor");
   m.def("ep_invalid_routing_ids(int layer) -> int", &ep_invalid_routing_ids);
+  m.def("ep_token_rows(int layer) -> str", &ep_token_rows);
   m.def("ep_check_peers(int layer) -> ()", &ep_check_peers);
 }
 

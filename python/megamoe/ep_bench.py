@@ -115,8 +115,8 @@ def parse_options(argv: Optional[List[str]] = None) -> Options:
     except ValueError:
         parser.error(f"--tokens takes comma-separated positive integers (tokens per rank), got {args.tokens!r}")
     if args.precision not in EP_PRECISIONS:
-        parser.error(f"--precision {args.precision}: expert parallelism takes bf16 or fp8_block (fp8_tensor runs on "
-                     f"one GPU only)")
+        parser.error(f"--precision {args.precision}: this bench times bf16 or fp8_block layers, staged against fused "
+                     f"(an fp8_tensor layer runs staged only: megamoe-ep-bench --precision fp8_tensor times it)")
     launches = args.launch.split(",")
     unknown = [launch for launch in launches if launch not in LAUNCHES]
     if unknown or len(set(launches)) != len(launches):

@@ -36,11 +36,13 @@ class EpMoeWeights(LayerHandle):
     `max_tokens` tokens per rank and call. Freeing it is collective (close(), or the garbage
     collector, or the process's exit): a rank that lets go while its peers keep theirs waits up to
     a minute for them. Its repr says how it was built: token_rows as they travel ("automatic"
-    resolved), partial_sums, symmetric_memory and launch."""
+    resolved), partial_sums, symmetric_memory and launch, and for fp8_tensor where its activation
+    scales come from (input_scales: "from_checkpoint" or "dynamic")."""
 
     def __init__(self, *, rank: int, world_size: int, token_rows: str, partial_sums: str, symmetric_memory: str,
-                 launch: str, **layer):
+                 launch: str, input_scales: Optional[str] = None, **layer):
         super().__init__(**layer)
+        self.input_scales = input_scales
         self.rank = rank
         self.world_size = world_size
         self.token_rows = token_rows
@@ -82,8 +84,9 @@ class EpMoeWeights(LayerHandle):
         return self._handle
 
     def __repr__(self) -> str:
+        scales = "" if self.input_scales is None else f", input_scales={self.input_scales!r}"
         return (f"EpMoeWeights(num_experts={self.num_experts}, experts={self.experts}, top_k={self.top_k}, "
-                f"hidden={self.hidden}, intermediate={self.intermediate}, precision={self.precision!r}, "
+                f"hidden={self.hidden}, intermediate={self.intermediate}, precision={self.precision!r}{scales}, "
                 f"max_tokens={self.max_tokens}, rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"token_rows={self.token_rows!r}, partial_sums={self.partial_sums!r}, "
                 f"symmetric_memory={self.symmetric_memory!r}, launch={self.launch!r})")
@@ -149,6 +152,8 @@ def prepare_ep_weights(
     precision: str = "fp8_block",
     w13_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w13_input_scale: Optional[torch.Tensor] = None,
+    w2_input_scale: Optional[torch.Tensor] = None,
     scale_format: str = "fp32",
     max_tokens: int = 4096,
     rank: Optional[int] = None,
@@ -166,9 +171,14 @@ def prepare_ep_weights(
     the current CUDA device, one per rank). rank and world_size come from the arguments,
     torch.distributed, or RANK / WORLD_SIZE. The ranks meet in a folder they share: rendezvous_dir,
     else MEGAMOE_RENDEZVOUS_DIR (megamoe-run sets it), else one rank 0 makes and torch.distributed
-    broadcasts. top_k may not exceed the experts per rank. Precisions bf16 and fp8_block:
-    fp8_tensor runs on one GPU (prepare_weights). token_rows: how token rows travel to their
-    experts' owners, "automatic" (fp8 for fp8_block, bf16 for bf16), "bf16", or "fp8" (fp8_block:
+    broadcasts. top_k may not exceed the experts per rank. Precision fp8_tensor takes this rank's
+    w13_input_scale and w2_input_scale as prepare_weights does (one per layer, or one per local
+    expert, of which the largest is used, as vLLM's loader does for a rank's slice): each owner
+    encodes the bf16 rows it receives with its own scales, so ranks whose scales differ compute with
+    different codes; without them (dynamic) each owner's scales come from the rows it received and
+    its own FC1 output, not from the whole batch of every rank (docs/usage.md#expert-parallelism).
+    token_rows: how token rows travel to their experts' owners, "automatic" (fp8 for fp8_block,
+    bf16 for bf16 and fp8_tensor), "bf16", or "fp8" (fp8_block:
     quantized once at their source by the layer's own rule, half the bytes, the same output bit
     for bit). partial_sums: how each owner's partial sums travel back, "bf16" or "fp8" (quantized
     once per 128 channels by their owner, half the bytes; not bf16's bits: a relative L2 difference
@@ -179,8 +189,9 @@ def prepare_ep_weights(
     by the same ranks, and not beside another user of NVSHMEM such as PyTorch's NVSHMEM symmetric
     memory). launch: "staged" (dispatch, the local experts and the combine as separate launches) or
     "fused" (each rank's forward as one launch, designed to give the staged output bit for bit,
-    with either partial_sums; with the default token_rows; correct on one GPU with ranks sharing it,
-    not yet measured on two: docs/design.md#expert-parallelism-inside-the-persistent-kernel).
+    with either partial_sums; with the default token_rows; bf16 and fp8_block only; correct on one
+    GPU with ranks sharing it, not yet measured on two:
+    docs/design.md#expert-parallelism-inside-the-persistent-kernel).
     """
     # Every call takes the next layer number, refused or not: a refusal on some ranks only (a NaN in
     # this rank's experts) would otherwise leave the ranks' numbers, and so their folders, apart
@@ -188,9 +199,7 @@ def prepare_ep_weights(
     global _layers_made
     layer_number = _layers_made
     _layers_made += 1
-    if require_str(precision, "precision") == "fp8_tensor":
-        raise NotImplementedError("megamoe: expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on "
-                                  "one GPU (prepare_weights)")
+    require_str(precision, "precision")
     if require_str(token_rows, "token_rows") not in ("automatic", "bf16", "fp8"):
         raise ValueError(f"megamoe: token_rows={token_rows!r} must be 'automatic', 'bf16' or 'fp8'")
     if require_str(partial_sums, "partial_sums") not in ("bf16", "fp8"):
@@ -199,6 +208,9 @@ def prepare_ep_weights(
         raise ValueError(f"megamoe: symmetric_memory={symmetric_memory!r} must be 'cuda_ipc' or 'nvshmem'")
     if require_str(launch, "launch") not in ("staged", "fused"):
         raise ValueError(f"megamoe: launch={launch!r} must be 'staged' or 'fused'")
+    if launch == "fused" and precision == "fp8_tensor":
+        raise NotImplementedError("megamoe: launch='fused' takes precision bf16 or fp8_block (the single-kernel "
+                                  "forward has no fp8_tensor path); an fp8_tensor layer runs staged (launch='staged')")
     if launch == "fused" and token_rows != "automatic":
         raise NotImplementedError(f"megamoe: launch='fused' takes token_rows='automatic' (the rows its layer computes "
                                   f"on), not {token_rows!r}")
@@ -206,7 +218,7 @@ def prepare_ep_weights(
         raise ValueError(f"megamoe: token_rows='fp8' needs precision 'fp8_block' (the layer's own quantization "
                          f"of x), not {precision!r}")
     rendezvous_dir = _folder_name(rendezvous_dir, "rendezvous_dir")
-    checked = checked_weights(w13, w2, w13_scale, w2_scale, precision)
+    checked = checked_weights(w13, w2, w13_scale, w2_scale, precision, w13_input_scale, w2_input_scale)
     # The op refuses it too, but only once the device was looked for and the weights packed.
     if partial_sums == "fp8" and checked.hidden % 128:
         raise NotImplementedError(f"megamoe: partial_sums='fp8' quantizes per 128 channels: hidden={checked.hidden} "
@@ -236,15 +248,17 @@ def prepare_ep_weights(
     packed = packed_on(checked, precision, scale_format, device)
     layer_folder = os.path.join(folder, f"megamoe-ep-layer-{layer_number}")
     os.makedirs(layer_folder, exist_ok=True)
-    handle = ops.create_ep_layer(*packed[:4], num_experts, checked.hidden, checked.intermediate, top_k, precision,
+    handle = ops.create_ep_layer(*packed, num_experts, checked.hidden, checked.intermediate, top_k, precision,
                                  scale_format, max_tokens, layer_folder, rank, world_size, device.index, token_rows,
                                  partial_sums, symmetric_memory, launch)
-    if token_rows == "automatic":  # the rows the layer computes on, as EpLayer resolves it
-        token_rows = "fp8" if precision == "fp8_block" else "bf16"
+    input_scales = None
+    if precision == "fp8_tensor":
+        input_scales = "dynamic" if checked.w13_input_scale is None else "from_checkpoint"
     return EpMoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=checked.hidden,
                         intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
-                        max_tokens=max_tokens, rank=rank, world_size=world_size, device=device, token_rows=token_rows,
-                        partial_sums=partial_sums, symmetric_memory=symmetric_memory, launch=launch)
+                        max_tokens=max_tokens, rank=rank, world_size=world_size, device=device,
+                        token_rows=ops.ep_token_rows(handle), partial_sums=partial_sums,
+                        symmetric_memory=symmetric_memory, launch=launch, input_scales=input_scales)
 
 
 def ep_fused_moe(x: torch.Tensor, weights: EpMoeWeights, topk_ids: torch.Tensor,

@@ -163,8 +163,8 @@ def prepare_weights(
     layer, [] or [1], or one per expert, [E] or [E, 1]; the largest is used, as vLLM does) are the
     static scales of the layer input x and of FC2's input (SwiGLU's output), positive normal
     floats; with neither (vLLM's activation_scheme "dynamic") the layer computes both on the GPU
-    each forward. They go together, and with precision fp8_tensor only. fp8_tensor runs on one GPU
-    (not prepare_ep_weights), with launch "auto" or "per_stage".
+    each forward. They go together, and with precision fp8_tensor only. fp8_tensor runs with launch
+    "auto" or "per_stage" (and expert-parallel staged: prepare_ep_weights).
 
     Weights must be finite: a NaN or inf (a NaN code of float8_e4m3fn) is refused, named with its
     index, after the other checks (it takes a pass over the weights). Weights on a CUDA device are

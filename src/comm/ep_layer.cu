@@ -46,9 +46,9 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
     : spec_(spec), rendezvous_(rendezvous) {
   const std::chrono::milliseconds barrier_timeout = options.barrier_timeout;
   validate(spec);
-  if (spec.precision == Precision::fp8_tensor) {
-    throw Error(ErrorCode::unsupported,
-                "expert parallelism takes precision bf16 or fp8_block; fp8_tensor runs on one GPU (MoeLayer) for now");
+  if (spec.precision == Precision::fp8_tensor && options.fused) {
+    throw Error(ErrorCode::unsupported, "fused=true takes precision bf16 or fp8_block (the single-kernel forward has "
+                                        "no fp8_tensor path); an fp8_tensor layer runs staged (fused=false)");
   }
   if (barrier_timeout.count() < 1 || barrier_timeout > std::chrono::hours(1)) {
     throw Error(ErrorCode::invalid_argument, "barrier_timeout=" + std::to_string(barrier_timeout.count()) +

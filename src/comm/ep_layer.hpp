@@ -34,8 +34,9 @@ inline constexpr std::chrono::milliseconds kDefaultBarrierTimeout{10000};
 
 // How token rows travel from their source to their experts' owners.
 enum class EpTokenRows {
-  automatic,  // fp8 for fp8_block layers, bf16 for bf16 ones
-  bf16,       // the bf16 rows as given; the owner's layer quantizes them
+  automatic,  // fp8 for fp8_block layers, bf16 for bf16 and fp8_tensor ones
+  bf16,       // the bf16 rows as given; the owner's layer quantizes them (fp8_tensor: with its own
+              // activation scale, docs/usage.md#expert-parallelism)
   fp8,        // fp8_block only: quantized once by the source (E4M3 + one fp32 scale per 128
               // channels, the layer's own rule), half the bytes; the owner's layer takes them as they
               // are (MoeInputs::x_scales), so y is the same, bit for bit, as with bf16 rows

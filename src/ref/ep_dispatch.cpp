@@ -3,6 +3,7 @@
 #include <string>
 
 #include "megamoe/error.hpp"
+#include "ref/moe_reference.hpp"
 #include "ref/routing.hpp"
 
 namespace megamoe::ref {
@@ -48,6 +49,41 @@ DispatchPlan plan_dispatch(const EpTopology& topology, int top_k, const std::vec
     }
   }
   return plan;
+}
+
+std::vector<double> owner_passes_forward(const MoeSpec& local_spec, const std::vector<const PackedWeights*>& owners,
+                                         const DispatchPlan& plan, const std::vector<SourceCall>& sources, int rank) {
+  const int world = static_cast<int>(owners.size()), H = local_spec.hidden, k = local_spec.top_k;
+  if (static_cast<int>(plan.received.size()) != world || static_cast<int>(sources.size()) != world || rank < 0 ||
+      rank >= world) {
+    throw Error(ErrorCode::invalid_argument, "owner_passes_forward needs one owner, one plan entry and one source per "
+                                             "rank, and a rank among them");
+  }
+  std::vector<double> y(static_cast<size_t>(sources[rank].num_tokens) * H, 0.0);
+  for (int owner = 0; owner < world; ++owner) {
+    const std::vector<ReceivedRow>& rows = plan.received[owner];
+    if (rows.empty()) continue;
+    std::vector<bf16_t> x;
+    std::vector<int32_t> ids;
+    std::vector<float> weights;
+    for (const ReceivedRow& row : rows) {
+      const SourceCall& source = sources[row.rank];
+      x.insert(x.end(), source.x + static_cast<size_t>(row.token) * H, source.x + static_cast<size_t>(row.token + 1) * H);
+      ids.insert(ids.end(), row.local_ids.begin(), row.local_ids.end());
+      weights.insert(weights.end(), source.topk_weights + static_cast<size_t>(row.token) * k,
+                     source.topk_weights + static_cast<size_t>(row.token + 1) * k);
+    }
+    const int n = static_cast<int>(rows.size());
+    std::vector<bf16_t> rounded(static_cast<size_t>(n) * H);
+    const ReferenceReport pass = reference_forward(local_spec, *owners[owner], MoeInputs{n, x.data(), nullptr, ids.data(),
+                                                                                          weights.data()},
+                                                   MoeOutputs{rounded.data()});
+    for (int r = 0; r < n; ++r) {
+      if (rows[r].rank != rank) continue;
+      for (int c = 0; c < H; ++c) y[static_cast<size_t>(rows[r].token) * H + c] += pass.y[static_cast<size_t>(r) * H + c];
+    }
+  }
+  return y;
 }
 
 }  // namespace megamoe::ref

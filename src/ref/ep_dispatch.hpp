@@ -1,12 +1,17 @@
 // CPU model of expert-parallel dispatch: which token rows each rank receives and which of its local
 // experts each row's slots go to, in the canonical order the device dispatch reproduces (source
 // rank, then token).
-// The EP forward itself needs no new reference: its output equals the single-GPU reference run on
-// each rank's tokens with all experts, since the math is the same.
+// In exact math the EP forward's output is the single-GPU reference's on each rank's tokens with all
+// experts. Where an owner's own computation differs (fp8_tensor's dynamic activation scales: each
+// owner's amax over the rows it received), owner_passes_forward models the layer as the owners run
+// it.
 #pragma once
 
 #include <cstdint>
 #include <vector>
+
+#include "megamoe/forward.hpp"
+#include "megamoe/weights.hpp"
 
 namespace megamoe::ref {
 
@@ -51,5 +56,21 @@ struct DispatchPlan {
 };
 
 DispatchPlan plan_dispatch(const EpTopology& topology, int top_k, const std::vector<RankRouting>& ranks);
+
+// One source rank's call: x [num_tokens, hidden] bf16 and topk_weights [num_tokens, top_k], host memory.
+struct SourceCall {
+  int num_tokens = 0;
+  const bf16_t* x = nullptr;
+  const float* topk_weights = nullptr;
+};
+
+// y [sources[rank].num_tokens, hidden] in fp64 (before any rounding) of `rank`'s tokens as the
+// expert-parallel layer computes them: every owner's local pass (reference_forward of `local_spec`,
+// its E / world experts, with owners[o]'s weights) over the rows plan.received[o] lists, each row
+// the source token's x with its slots' local experts and routing weights; the owners' partial sums
+// of a token added in rank order. The owners' partial sums are not rounded to bf16 as the layer's
+// are: a comparison needs the bound that rounding takes.
+std::vector<double> owner_passes_forward(const MoeSpec& local_spec, const std::vector<const PackedWeights*>& owners,
+                                         const DispatchPlan& plan, const std::vector<SourceCall>& sources, int rank);
 
 }  // namespace megamoe::ref

@@ -51,8 +51,8 @@ def test_unknown_workload_is_refused(capsys):
 
 
 @pytest.mark.parametrize("precision", ["fp8_tensor", "fp16"])
-def test_precisions_expert_parallelism_lacks_are_refused(capsys, precision):
-    assert "expert parallelism takes bf16 or fp8_block" in refusal(capsys, ["--precision", precision])
+def test_precisions_the_bench_lacks_are_refused(capsys, precision):
+    assert "this bench times bf16 or fp8_block layers" in refusal(capsys, ["--precision", precision])
 
 
 @pytest.mark.parametrize("launch", ["single_kernel", "staged,nope", "", "staged,staged"])

@@ -82,6 +82,9 @@ def test_the_repr_says_how_the_layer_was_built():
     for part in ("precision='fp8_block'", "experts=range(4, 8)", "rank=1, world_size=2", "token_rows='fp8'",
                  "partial_sums='fp8'", "symmetric_memory='nvshmem'", "launch='fused'"):
         assert part in text, text
+    assert "input_scales" not in text
+    text = repr(ep_weights(precision="fp8_tensor", input_scales="dynamic"))
+    assert "precision='fp8_tensor', input_scales='dynamic'" in text, text
 
 
 def test_ep_fused_moe_checks_its_arguments():
@@ -131,8 +134,8 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
 
     def create(**changes):
         a = dict(good, **changes)
-        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, a["num_experts"], a["hidden"], 128, a["top_k"],
-                                          a["precision"], "fp32", 16, "/nowhere", a["rank"], a["world_size"], 0,
+        torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, scales, a["num_experts"], a["hidden"], 128,
+                                          a["top_k"], a["precision"], "fp32", 16, "/nowhere", a["rank"], a["world_size"], 0,
                                           a["token_rows"], a["partial_sums"], a["symmetric_memory"], a["launch"])
 
     refusals = [
@@ -146,6 +149,7 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
         (dict(symmetric_memory="shm"), ValueError, "symmetric_memory must be 'cuda_ipc' or 'nvshmem', not 'shm'"),
         (dict(launch="single_kernel"), ValueError, "launch must be 'staged' or 'fused', not 'single_kernel'"),
         (dict(launch="fused", token_rows="bf16"), NotImplementedError, "launch='fused' takes token_rows='automatic'"),
+        (dict(launch="fused", precision="fp8_tensor"), NotImplementedError, "an fp8_tensor layer runs staged"),
         # Taken (FP8 partial sums in one launch): refused only later, for the empty weights.
         (dict(launch="fused", partial_sums="fp8"), ValueError, "packed w13 must be contiguous with"),
         (dict(num_experts=128, top_k=33), NotImplementedError, "top_k=33 exceeds the 32 slots per token"),
@@ -211,7 +215,7 @@ def test_a_call_refused_on_this_rank_alone_keeps_the_layer_numbers_in_step(monke
     folders = []
 
     def create_ep_layer(*arguments):
-        folders.append(os.path.basename(arguments[11]))  # the layer's rendezvous folder
+        folders.append(os.path.basename(arguments[12]))  # the layer's rendezvous folder
         raise Stop
 
     monkeypatch.setattr(expert_parallel, "_layers_made", 0)

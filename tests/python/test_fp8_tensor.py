@@ -322,15 +322,23 @@ def test_create_layer_checks_the_input_scales_before_the_device():
         OPS.create_layer(w13_bf16, empty, w2_bf16, empty, input_scales, *bf16)
 
 
-def test_expert_parallelism_refuses_fp8_tensor():
+def test_expert_parallelism_runs_fp8_tensor_staged_only():
+    """fp8_tensor is taken staged (each owner encodes the bf16 rows it receives: ep_two_ranks.py runs
+    it on a GPU) and refused fused, by prepare_ep_weights and by the op, before any rendezvous."""
     w13, w2 = values(13)
-    with pytest.raises(NotImplementedError, match="expert parallelism takes precision bf16 or fp8_block"):
+    with pytest.raises(NotImplementedError, match="an fp8_tensor layer runs staged"):
         megamoe.prepare_ep_weights(w13, w2, num_experts=2 * E, top_k=2, precision="fp8_tensor", rank=0, world_size=2,
-                                   rendezvous_dir="/nowhere")
-    w13_codes, w13_scales, w2_codes, w2_scales, _ = packed_fp8_tensor()
-    with pytest.raises(NotImplementedError, match="expert parallelism takes precision bf16 or fp8_block"):
-        OPS.create_ep_layer(w13_codes, w13_scales, w2_codes, w2_scales, 2 * E, H, I, 2, "fp8_tensor", "fp32", 16,
-                            "/nowhere", 0, 2, 0, "automatic", "bf16", "cuda_ipc", "staged")
+                                   rendezvous_dir="/nowhere", launch="fused")
+    w13_codes, w13_scales, w2_codes, w2_scales, input_scales = packed_fp8_tensor()
+    with pytest.raises(NotImplementedError, match="an fp8_tensor layer runs staged"):
+        OPS.create_ep_layer(w13_codes, w13_scales, w2_codes, w2_scales, input_scales, 2 * E, H, I, 2, "fp8_tensor",
+                            "fp32", 16, "/nowhere", 0, 2, 0, "automatic", "bf16", "cuda_ipc", "fused")
+    with pytest.raises(ValueError, match="token_rows='fp8' needs precision fp8_block"):
+        OPS.create_ep_layer(w13_codes, w13_scales, w2_codes, w2_scales, input_scales, 2 * E, H, I, 2, "fp8_tensor",
+                            "fp32", 16, "/nowhere", 0, 2, 0, "fp8", "bf16", "cuda_ipc", "staged")
+    with pytest.raises(ValueError, match=r"input_scales must hold \(fc1_input_scale, fc2_input_scale\) \[2\]"):
+        OPS.create_ep_layer(w13_codes, w13_scales, w2_codes, w2_scales, torch.ones(3), 2 * E, H, I, 2, "fp8_tensor",
+                            "fp32", 16, "/nowhere", 0, 2, 0, "automatic", "bf16", "cuda_ipc", "staged")
 
 
 def test_weights_show_their_precision_and_input_scales():

@@ -8,6 +8,8 @@
 
 #include "common/test_random.hpp"
 #include "megamoe/error.hpp"
+#include "ref/moe_reference.hpp"
+#include "ref/random_problem.hpp"
 
 namespace megamoe::ref {
 namespace {
@@ -89,6 +91,76 @@ TEST(PlanDispatch, RejectsBadTopologies) {
   EXPECT_THROW(plan_dispatch(EpTopology{3, 32}, 4, std::vector<RankRouting>(3)), Error);
   EXPECT_THROW(plan_dispatch(EpTopology{2, 32}, 4, std::vector<RankRouting>(3)), Error);
   EXPECT_NO_THROW(plan_dispatch(EpTopology{2, 32}, 4, two));
+}
+
+// The owners' passes of `world` ranks for precision `precision` (fp8_tensor: `scales`), and the
+// single-GPU reference of each rank's tokens with all experts: their relative L2 distance, worst
+// over the ranks.
+double owner_passes_against_one_gpu(Precision precision, InputScales scales, int world, test::SeededRng& rng) {
+  MoeSpec spec;
+  spec.num_experts = 8;
+  spec.top_k = 2;
+  spec.hidden = 128;
+  spec.intermediate = 128;
+  spec.precision = precision;
+  spec.routing = Precomputed{};
+  const RandomWeights weights = make_random_weights(spec, rng.integer(0, 1 << 30), scales);
+  const PackedWeights all = prepare_weights(spec, weights.view());
+  MoeSpec local = spec;
+  local.num_experts = spec.num_experts / world;
+  std::vector<PackedWeights> shares;
+  for (int owner = 0; owner < world; ++owner) {
+    WeightsView share = weights.view();
+    share.w13 = weights.w13.data() + static_cast<size_t>(owner) * local.num_experts * 2 * spec.intermediate * spec.hidden;
+    share.w2 = weights.w2.data() + static_cast<size_t>(owner) * local.num_experts * spec.hidden * spec.intermediate;
+    shares.push_back(prepare_weights(local, share));
+  }
+  std::vector<std::vector<bf16_t>> x(world);
+  std::vector<std::vector<int32_t>> ids(world);
+  std::vector<std::vector<float>> routing_weights(world);
+  std::vector<RankRouting> routing;
+  std::vector<SourceCall> sources;
+  for (int r = 0; r < world; ++r) {
+    const int tokens = rng.integer(1, 24);
+    // Rank r's x at 2^r times the scale of rank 0's: owners' amaxes differ from each source's.
+    for (int i = 0; i < tokens * spec.hidden; ++i) x[r].push_back(bf16_t::from_float(rng.normal(static_cast<float>(1 << r))));
+    ids[r] = random_ids(rng, tokens, spec.top_k, spec.num_experts, /*holes=*/false);
+    for (int i = 0; i < tokens * spec.top_k; ++i) routing_weights[r].push_back(rng.uniform(0.1f, 1.0f));
+    routing.push_back({tokens, ids[r].data()});
+    sources.push_back({tokens, x[r].data(), routing_weights[r].data()});
+  }
+  const DispatchPlan plan = plan_dispatch(EpTopology{world, spec.num_experts}, spec.top_k, routing);
+  std::vector<const PackedWeights*> owners;
+  for (const PackedWeights& share : shares) owners.push_back(&share);
+  double worst = 0.0;
+  for (int r = 0; r < world; ++r) {
+    std::vector<bf16_t> rounded(x[r].size());
+    const ReferenceReport one_gpu = reference_forward(
+        spec, all, MoeInputs{sources[r].num_tokens, x[r].data(), nullptr, ids[r].data(), routing_weights[r].data()},
+        MoeOutputs{rounded.data()});
+    worst = std::max(worst, relative_l2(owner_passes_forward(local, owners, plan, sources, r), one_gpu.y));
+  }
+  return worst;
+}
+
+TEST(OwnerPassesForward, IsTheSingleGpuReferenceWhereEveryOwnerComputesAlike) {
+  test::SeededRng rng;
+  for (int world : {1, 2, 4}) {
+    EXPECT_LT(owner_passes_against_one_gpu(Precision::fp8_block, InputScales::from_checkpoint, world, rng), 1e-12)
+        << "fp8_block, world " << world;
+    EXPECT_LT(owner_passes_against_one_gpu(Precision::fp8_tensor, InputScales::from_checkpoint, world, rng), 1e-12)
+        << "fp8_tensor with static scales, world " << world;
+  }
+  // One owner receives every row: its amax is the single GPU's.
+  EXPECT_LT(owner_passes_against_one_gpu(Precision::fp8_tensor, InputScales::dynamic, 1, rng), 1e-12);
+}
+
+TEST(OwnerPassesForward, DynamicScalesAreEachOwnersOwn) {
+  test::SeededRng rng;
+  // Each owner's amax over the rows it received, not the source's over its tokens: close, not equal.
+  const double distance = owner_passes_against_one_gpu(Precision::fp8_tensor, InputScales::dynamic, 2, rng);
+  EXPECT_GT(distance, 1e-6);
+  EXPECT_LT(distance, 0.1);
 }
 
 }  // namespace
