@@ -163,8 +163,8 @@ def prepare_weights(
     layer, [] or [1], or one per expert, [E] or [E, 1]; the largest is used, as vLLM does) are the
     static scales of the layer input x and of FC2's input (SwiGLU's output), positive normal
     floats; with neither (vLLM's activation_scheme "dynamic") the layer computes both on the GPU
-    each forward. They go together, and with precision fp8_tensor only. fp8_tensor runs with launch
-    "auto" or "per_stage" (and expert-parallel staged: prepare_ep_weights).
+    each forward. They go together, and with precision fp8_tensor only. launch "single_kernel" takes
+    fp8_tensor with static scales only; expert-parallel, fp8_tensor runs staged (prepare_ep_weights).
 
     Weights must be finite: a NaN or inf (a NaN code of float8_e4m3fn) is refused, named with its
     index, after the other checks (it takes a pass over the weights). Weights on a CUDA device are
@@ -191,6 +191,11 @@ def prepare_weights(
              require_str(fc1_token_rows, "fc1_token_rows"), optional_int(num_sms, "num_sms"),
              require_str(launch, "launch"))
     ops.check_layer(*layer)
+    if launch == "single_kernel" and precision == "fp8_tensor" and checked.w13_input_scale is None:
+        # The layer refuses it too, but only on the device.
+        raise ValueError("megamoe: launch='single_kernel' with precision 'fp8_tensor' takes static activation scales "
+                         "(w13_input_scale and w2_input_scale); dynamic ones run as seven launches (launch='auto' or "
+                         "'per_stage')")
     checked.require_finite()
     device = torch.device("cuda", ops.check_device(device_index(device)))
     packed = packed_on(checked, precision, scale_format, device)

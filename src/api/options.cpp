@@ -46,11 +46,6 @@ void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
                 "not bf16");
   }
   if (options.launch == ForwardLaunch::single_kernel) {
-    if (spec.precision == Precision::fp8_tensor) {
-      throw Error(ErrorCode::invalid_argument,
-                  "options.launch=single_kernel takes precision bf16 or fp8_block; fp8_tensor runs as five launches "
-                  "(launch=per_stage or auto)");
-    }
     if (options.fc1_token_rows == Fc1TokenRows::row_copy) {
       throw Error(ErrorCode::invalid_argument,
                   "options.launch=single_kernel reads FC1's rows from the pool: it takes fc1_token_rows=auto or pool, "

@@ -158,6 +158,15 @@ LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions&
   validate(options, spec);
   validate_max_tokens(max_tokens);
   if (facts.num_sms < 1) throw Error(ErrorCode::invalid_argument, "device facts are missing the SM count");
+  if (options.launch == ForwardLaunch::single_kernel && spec.precision == Precision::fp8_tensor &&
+      input_scales == InputScales::dynamic) {
+    // x's amax must be complete before any row is encoded, and FC1's before FC2's input is: waits
+    // on the whole grid, which the single kernel does not have (docs/design.md#single-kernel-forward).
+    throw Error(ErrorCode::invalid_argument,
+                "options.launch=single_kernel with precision fp8_tensor takes static activation scales (weights "
+                "packed with fc1_input_scale and fc2_input_scale); dynamic ones run as seven launches "
+                "(launch=per_stage or auto)");
+  }
   if (facts.smem_per_block_optin < layout::kSm90SmemPerBlockOptin) {
     throw Error(ErrorCode::unsupported,
                 format("the GEMM kernels need %lld bytes of shared memory per CTA; the device offers %lld",
@@ -194,9 +203,9 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   if (caps_for_row_copy) p.token_tile = layout::kGemmSwapAbMaxTokenTile;
   switch (o.launch) {
     case ForwardLaunch::automatic:
-      // The single kernel is built for bf16 and fp8_block only (options.cpp).
+      // The single kernel takes fp8_tensor with static activation scales only (plan_layer).
       p.single_kernel = p.token_tile <= kMaxSingleKernelTokenTile && tokens <= kMaxSingleKernelTokens &&
-                        spec.precision != Precision::fp8_tensor;
+                        !layer.workspace.dynamic_scales;
       break;
     case ForwardLaunch::per_stage: p.single_kernel = false; break;
     case ForwardLaunch::single_kernel:

@@ -55,7 +55,8 @@ struct LayerFixture {
   ref::RandomWeights weights;
   PackedWeights packed;
   std::unique_ptr<MoeLayer> layer;
-  std::unique_ptr<MoeLayer> single_kernel_layer;  // the same weights, options.launch = single_kernel (not fp8_tensor)
+  // The same weights, options.launch = single_kernel (not with fp8_tensor's dynamic scales).
+  std::unique_ptr<MoeLayer> single_kernel_layer;
 };
 
 inline constexpr int kMaxTokens = 4096;
@@ -99,7 +100,7 @@ inline LayerFixture& fixture_for(const Case& c, uint64_t seed) {
     f->weights = ref::make_random_weights(spec, seed, c.input_scales);
     f->packed = prepare_weights(spec, f->weights.view());
     f->layer = std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens);
-    if (spec.precision != Precision::fp8_tensor) {
+    if (!(spec.precision == Precision::fp8_tensor && f->packed.input_scales == InputScales::dynamic)) {
       f->single_kernel_layer = std::make_unique<MoeLayer>(spec, f->packed, kMaxTokens,
                                                           MoeLayerOptions{.launch = ForwardLaunch::single_kernel});
     }

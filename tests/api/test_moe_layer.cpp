@@ -167,7 +167,7 @@ TEST_P(MoeLayerVsReference, MatchesCpuReference) {
   const std::vector<int>& rows = checked.rows;
 
   // The single-kernel forward: the same bits as the five kernels where the combine is
-  // deterministic, the same bounds where it is not (fp8_tensor runs as five launches only).
+  // deterministic, the same bounds where it is not (fp8_tensor with static scales only).
   if (!f.single_kernel_layer) return;
   SCOPED_TRACE("single-kernel forward");
   const std::vector<bf16_t> single = run_device(*f.single_kernel_layer, f.spec, in, c.tokens, c.combine);

@@ -212,8 +212,8 @@ TEST(Planner, TheSingleKernelRunsWhereTheOptionOrTheRuleSaysSo) {
 }
 
 // fp8_tensor streams E4M3 like fp8_block, but its stages carry no token scales (its scales apply
-// in the epilogues), it never copies rows (the copy carries block scales) and it runs as five
-// launches (the single kernel is built for bf16 and fp8_block).
+// in the epilogues) and it copies rows where fp8_block does (codes alone); the automatic launch
+// keeps it to five kernels as it does the other precisions.
 TEST(Planner, Fp8TensorStagesHoldCodesOnly) {
   const MoeSpec tensor = workload("qwen35-a3b", Precision::fp8_tensor);
   const MoeSpec block = workload("qwen35-a3b", Precision::fp8_block);
@@ -226,8 +226,35 @@ TEST(Planner, Fp8TensorStagesHoldCodesOnly) {
     EXPECT_LT(t.fc1.stage_bytes, b.fc1.stage_bytes);
     EXPECT_GE(t.fc1.stages, b.fc1.stages);
     EXPECT_EQ(t.fc1_copies_token_rows, b.fc1_copies_token_rows) << "the row copy carries codes alone for fp8_tensor";
-    EXPECT_FALSE(t.single_kernel);
+    EXPECT_EQ(t.single_kernel, b.single_kernel);
   }
+}
+
+// The single kernel takes fp8_tensor with static activation scales; dynamic ones need waits on the
+// whole grid (x's amax before any row is encoded, FC1's before FC2's input is): refused by name.
+TEST(Planner, TheSingleKernelTakesStaticTensorScalesOnly) {
+  const DeviceFacts h200 = DeviceFacts::h200_measured();
+  const MoeSpec tensor = workload("qwen35-a3b", Precision::fp8_tensor);
+  const MoeLayerOptions single{.launch = ForwardLaunch::single_kernel};
+  const LayerPlan fixed = plan_layer(tensor, 4096, single, h200);
+  for (int tokens : {1, 128, 4096}) {
+    SCOPED_TRACE(tokens);
+    const ForwardPlan p = plan_forward(tensor, fixed, tokens, CombineMode::deterministic, h200, PlanDetail::explained);
+    EXPECT_TRUE(p.single_kernel);
+    EXPECT_EQ(p.launches, 1);
+  }
+  try {
+    plan_layer(tensor, 4096, single, h200, InputScales::dynamic);
+    ADD_FAILURE() << "a single kernel with dynamic fp8_tensor scales was planned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("single_kernel with precision fp8_tensor takes static activation scales"),
+              std::string::npos)
+        << e.what();
+  }
+  // The automatic launch never takes it with dynamic scales, whatever the single kernel's rule.
+  const LayerPlan dynamic = plan_layer(tensor, 4096, {}, h200, InputScales::dynamic);
+  for (int tokens : {1, 128}) EXPECT_FALSE(plan_forward(tensor, dynamic, tokens, CombineMode::deterministic, h200).single_kernel);
 }
 
 // fp8_tensor with dynamic activation scales: the same tiles as with static ones, seven launches (x's

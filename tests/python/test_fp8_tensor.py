@@ -295,7 +295,7 @@ def test_the_precision_and_layer_checks_know_fp8_tensor():
     assert "fp8_tensor" in megamoe.layer.PRECISIONS
     with pytest.raises(ValueError, match="scale_format=ue8m0 only applies to precision fp8_block"):
         megamoe.prepare_weights(w13, w2, top_k=2, precision="fp8_tensor", scale_format="ue8m0")
-    with pytest.raises(ValueError, match="single_kernel takes precision bf16 or fp8_block"):
+    with pytest.raises(ValueError, match="launch='single_kernel' with precision 'fp8_tensor' takes static activation"):
         megamoe.prepare_weights(w13, w2, top_k=2, precision="fp8_tensor", launch="single_kernel")
     # fp8_tensor's layer description itself passes the op's checks (only the device is left).
     OPS.check_layer(E, H, I, 2, "fp8_tensor", "fp32", "softmax", True, 1, 1, 1.0, None, 16, 0, "auto", 0, "auto")

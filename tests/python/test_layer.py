@@ -188,6 +188,13 @@ def test_fp8_tensor_static_scales_are_the_largest_given(hopper):
     assert not torch.equal(y_coarser, y)
     expected = moe_reference(x, p.w13, p.w2, ids, weights, "fp8_tensor", input_scales=(fc1_scale * 4, fc2_scale * 4))
     assert relative_l2(y_coarser, expected) < TIGHT["fp8_tensor"]
+    # The whole forward as one persistent kernel gives the five kernels' bits (static scales).
+    single = megamoe.prepare_weights(p.w13, p.w2, top_k=p.top_k, precision="fp8_tensor", routing=p.routing,
+                                     max_tokens=512, w13_input_scale=fc1_scale.reshape(1), w2_input_scale=fc2_scale,
+                                     launch="single_kernel")
+    for tokens in (1, 7, 300):
+        assert torch.equal(megamoe.fused_moe(x[:tokens], single, logits[:tokens]),
+                           megamoe.fused_moe(x[:tokens], one_per_layer, logits[:tokens])), tokens
 
 
 @pytest.mark.gpu

@@ -105,10 +105,18 @@ void dispatch_precision(const MoeLayerParams& f, const MoeLaunchChoices& c, cons
   switch (f.precision) {
     case Precision::bf16: return dispatch_token_tile<Precision::bf16>(f, c, call, extra, stream);
     case Precision::fp8_block: return dispatch_token_tile<Precision::fp8_block>(f, c, call, extra, stream);
-    // Not instantiated: the planner keeps fp8_tensor to the five launches (options.cpp rejects it).
-    case Precision::fp8_tensor: break;
+    case Precision::fp8_tensor:
+      // One GPU, static activation scales (the planner refuses dynamic ones: their amaxes are
+      // grid-wide); the fused expert-parallel forward sends fp8_block's rows or bf16 ones, and
+      // EpLayer refuses fp8_tensor there.
+      if constexpr (std::is_same_v<Extra, OneGpu>) {
+        if (f.workspace_layout.dynamic_scales) break;
+        return dispatch_token_tile<Precision::fp8_tensor>(f, c, call, extra, stream);
+      }
+      break;
   }
-  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes bf16 or fp8_block");
+  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes bf16, fp8_block, or fp8_tensor with "
+                                      "static activation scales on one GPU");
 }
 
 }  // namespace
