@@ -140,12 +140,15 @@ CheckedForward expect_matches_reference(MoeLayer& layer, LayerFixture& f, const 
   EXPECT_EQ(tight.non_finite, 0) << "unwritten or non-finite outputs";
   expect_tight(c.precision, tight);
   // Loose: quantization must not change what the layer computes. fp8_tensor's activation scales are
-  // calibrated on other tokens (ref::make_random_weights), so its error runs higher: the reference
-  // alone measured 6.6% mean over 200 seeds of the small shape, 9.7% at worst over 1200 one-token
-  // seeds (tests/ref/test_moe_reference.cpp).
+  // calibrated on other tokens (ref::make_random_weights), so its error runs higher and has a tail
+  // where a call's values pass the calibration's amax and saturate: the reference alone measured
+  // 6.6% mean over 200 seeds of the small shape (tests/ref/test_moe_reference.cpp), and over 20,000
+  // draws of 7 tokens (1000 weight seeds, precomputed routing) a median of 6.5%, 0.1% of them past
+  // 12% and 17.8% at worst; the device then failed once at 19.1% under a bound of 0.12 while its
+  // tight check against that reference passed. A wrong scale or a lost row still costs O(1).
   // Dynamic scales come from the call's own tokens: nothing saturates, fp8_block's bound.
   const bool calibrated = c.precision == Precision::fp8_tensor && c.input_scales == InputScales::from_checkpoint;
-  const double loose_bound = c.precision == Precision::bf16 ? 1e-2 : calibrated ? 0.12 : 0.1;
+  const double loose_bound = c.precision == Precision::bf16 ? 1e-2 : calibrated ? 0.3 : 0.1;
   EXPECT_LT(loose.rel_l2, loose_bound);
   ::testing::Test::RecordProperty("rel_l2_vs_reference", std::to_string(tight.rel_l2));
   ::testing::Test::RecordProperty("rel_l2_vs_unquantized", std::to_string(loose.rel_l2));

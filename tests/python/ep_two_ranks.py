@@ -3,9 +3,9 @@ GPUs (CTest python.gpu2, label gpu2) or with both on one GPU (`megamoe-run -n 2 
 python.ep_one_gpu, label gpu). Every rank draws the same weights and holds half the experts; per
 iteration each rank brings its own tokens (0 to max_tokens, the counts differing between ranks,
 some slots -1), and its output must match the fp32 quantizing reference of the whole layer and
-the single-GPU layer holding every expert (fp8_tensor: with static activation scales, the same on
-both ranks, and with dynamic ones, each owner's over the rows it received, which the reference of
-the whole batch approximates); fp8_block's FP8 token rows (the default) must give the
+the single-GPU layer holding every expert (fp8_tensor with static activation scales, the same on
+both ranks; with dynamic ones each owner takes its own over the rows it received, so y is checked
+against the owners' passes instead: owner_passes_reference); fp8_block's FP8 token rows (the default) must give the
 bits of a second layer sending bf16 rows (token_rows="bf16"), and a third returning FP8 partial sums
 (partial_sums="fp8") must stay within 5e-2 (rel. L2) of them. Then a CUDA graph of the call replays the eager bits,
 an invalid id is counted on the rank that sent it, and bad calls raise before anything collective.
@@ -27,11 +27,10 @@ from moe_reference import moe_reference, relative_l2
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, MAX_TOKENS = 32, 4, 512, 256, 256
 # Against the fp32 reference: each rank's partial sum is rounded to bf16 before the sum over
 # ranks, on top of the single-GPU layer's own error (tests/python/test_layer.py's TIGHT bounds).
-# fp8_tensor: its longer tail (docs/decisions.md#fp8-tensor-error-bound); with dynamic scales, each
-# owner's amax over the rows it received rather than the reference's over the batch too.
+# fp8_tensor: its longer tail (docs/decisions.md#fp8-tensor-error-bound).
 # (name, precision, static activation scales (x's, FC2 input's) or None for dynamic, bound)
 CASES = [("fp8_block", "fp8_block", None, 3e-2), ("bf16", "bf16", None, 1e-2),
-         ("fp8_tensor", "fp8_tensor", (5.0 / 448, 12.0 / 448), 4e-2), ("fp8_tensor dynamic", "fp8_tensor", None, 6e-2)]
+         ("fp8_tensor", "fp8_tensor", (5.0 / 448, 12.0 / 448), 4e-2), ("fp8_tensor dynamic", "fp8_tensor", None, 4e-2)]
 TOKEN_COUNTS = [0, 1, 7, 64, 200, MAX_TOKENS]
 SYMMETRIC_MEMORY = sys.argv[1] if len(sys.argv) > 1 else "cuda_ipc"
 LAUNCH = sys.argv[2] if len(sys.argv) > 2 else "staged"
@@ -49,6 +48,41 @@ def routed_inputs(rank: int, iteration: int, tokens: int, device: torch.device):
     ids[::5, -1] = -1  # some slots routed nowhere
     weights = torch.rand(tokens, TOP_K, device=device, generator=generator)
     return x, ids, weights
+
+
+def tokens_of(rank: int, iteration: int) -> int:
+    return TOKEN_COUNTS[(iteration + 3 * rank) % len(TOKEN_COUNTS)]
+
+
+def owner_passes_reference(w13, w2, world: int, iteration: int, rank: int, device) -> torch.Tensor:
+    """y [T, H] fp32 of `rank`'s tokens in iteration `iteration` as the owners of a dynamic fp8_tensor
+    layer compute it (ref::owner_passes_forward's model): each owner's quantizing reference over the
+    rows it received from every rank (its own amaxes), with the slots' local experts, the owners'
+    partial sums added."""
+    per_rank = EXPERTS // world
+    calls = [routed_inputs(r, iteration, tokens_of(r, iteration), device) for r in range(world)]
+    y = torch.zeros(calls[rank][0].shape[0], HIDDEN, device=device)
+    for owner in range(world):
+        first = owner * per_rank
+        rows, xs, ids, weights = [], [], [], []
+        for source, (x, source_ids, source_weights) in enumerate(calls):
+            local = torch.where((source_ids >= first) & (source_ids < first + per_rank), source_ids - first,
+                                torch.full_like(source_ids, -1))
+            received = (local >= 0).any(dim=1)
+            rows.append((source, received.nonzero().flatten()))
+            xs.append(x[received])
+            ids.append(local[received])
+            weights.append(source_weights[received])
+        if sum(len(r) for _, r in rows) == 0:
+            continue
+        partial = moe_reference(torch.cat(xs), w13[first:first + per_rank], w2[first:first + per_rank], torch.cat(ids),
+                                torch.cat(weights), "fp8_tensor")
+        offset = 0
+        for source, received in rows:
+            if source == rank:
+                y[received] += partial[offset:offset + len(received)]
+            offset += len(received)
+    return y
 
 
 def main() -> None:
@@ -111,7 +145,7 @@ def main() -> None:
 
         worst = 0.0
         for iteration in range(2 * len(TOKEN_COUNTS)):
-            tokens = TOKEN_COUNTS[(iteration + 3 * rank) % len(TOKEN_COUNTS)]
+            tokens = tokens_of(rank, iteration)
             x, ids, weights = routed_inputs(rank, iteration, tokens, device)
             y = megamoe.ep_fused_moe(x, layer, ids, weights)
             if y.shape != x.shape or y.dtype != torch.bfloat16 or not torch.isfinite(y).all():
@@ -130,8 +164,13 @@ def main() -> None:
                                f"{relative_l2(y_fp8_partials, y):.3e} from bf16 ones")
             if tokens == 0:
                 continue
-            error = relative_l2(y, reference(x, ids, weights))
-            single = relative_l2(y, megamoe.fused_moe(x, whole, topk_ids=ids, topk_weights=weights))
+            if static_scales is None and precision == "fp8_tensor":
+                # Each owner's own scales: the owners' passes, not one GPU's batch (which differs by
+                # the scales alone: 7.2e-2 at one token beside 256 on the other rank).
+                error = single = relative_l2(y, owner_passes_reference(w13, w2, world, iteration, rank, device))
+            else:
+                error = relative_l2(y, reference(x, ids, weights))
+                single = relative_l2(y, megamoe.fused_moe(x, whole, topk_ids=ids, topk_weights=weights))
             worst = max(worst, error)
             if not (error < bound and single < bound):
                 fail(rank, f"{name} iteration {iteration}, {tokens} tokens: relative L2 error {error:.3e} "
@@ -164,7 +203,9 @@ def main() -> None:
         layer.check_peers()  # every peer kept up: nothing to report
         kept = ids.clone()
         kept[kept >= EXPERTS] = -1
-        if relative_l2(y, reference(x, kept, weights)) >= bound:
+        # (Dynamic scales: the owners' amaxes differ from this batch's, by percents, not O(1).)
+        if relative_l2(y, reference(x, kept, weights)) >= (0.1 if static_scales is None and precision == "fp8_tensor"
+                                                           else bound):
             fail(rank, f"{name}: the invalid id changed the output")
 
         # Bad calls raise before anything collective runs (so the other rank is not left waiting).

@@ -20,7 +20,9 @@ clock_sampling_stop
 summary=$(clock_summary "$dir/clocks.csv")
 expected="SM clock while busy: 1600 MHz mean over 3 samples of 100 ms, 680 W mean, software power cap active in 2 (67%)"
 [ "$summary" = "$expected" ] || { echo "FAILED: '$summary', expected '$expected'"; exit 1; }
-PATH=/usr/bin/nonexistent:/bin clock_sampling_start "$dir/none.csv" 2>/dev/null || true
+# A PATH without nvidia-smi (a GPU machine has it in /bin or /usr/bin too): the sampler needs
+# nothing else before it looks.
+PATH="$dir/empty" clock_sampling_start "$dir/none.csv" 2>/dev/null || true
 [ -z "$clock_sampler_pid" ] || { echo "FAILED: a sampler started without nvidia-smi"; exit 1; }
 summary=$(clock_summary "$dir/none.csv")
 [ "$summary" = "SM clock: no busy sample (0 samples)" ] || { echo "FAILED: '$summary' without samples"; exit 1; }
