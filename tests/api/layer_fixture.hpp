@@ -87,9 +87,14 @@ inline MoeSpec spec_for(const Case& c, uint64_t seed) {
   return spec;
 }
 
-inline LayerFixture& fixture_for(const Case& c, uint64_t seed) {
+// A fixture's weights (and a grouped routing's bias) come from the run's seed and the fixture's
+// own name, not from the test that happens to build it: a replay builds the same one.
+inline LayerFixture& fixture_for(const Case& c) {
   static std::unique_ptr<LayerFixture> cached;
   static std::string cached_key;
+  const uint64_t seed = test::seed_for("layer fixture " + c.workload + " " + to_string(c.precision) + " routing " +
+                                       std::to_string(static_cast<int>(c.routing)) +
+                                       (c.input_scales == InputScales::dynamic ? " dynamic" : ""));
   const MoeSpec spec = spec_for(c, seed);
   std::ostringstream key;
   key << spec << (c.input_scales == InputScales::dynamic ? " dynamic" : "");

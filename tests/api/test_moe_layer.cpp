@@ -163,7 +163,7 @@ TEST_P(MoeLayerVsReference, MatchesCpuReference) {
   MEGAMOE_REQUIRE_HOPPER();
   const Case c = GetParam();
   test::SeededRng rng;
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
   const CheckedForward checked = expect_matches_reference(*f.layer, f, c, in, rng);
   const std::vector<bf16_t>& y = checked.y;
@@ -236,7 +236,7 @@ class MoeLayerTokensOnMVsReference : public ::testing::TestWithParam<Case> {};
 void expect_reference_and_control_bits(const Case& c, const MoeLayerOptions& tested, const char* plan_mark,
                                        const MoeLayerOptions& control) {
   test::SeededRng rng;
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   MoeLayer layer(f.spec, f.packed, c.tokens, tested);
   ASSERT_NE(layer.describe_plan(c.tokens).find(plan_mark), std::string::npos) << plan_mark;
   const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
@@ -322,7 +322,7 @@ TEST_P(MoeLayerDeterminism, DeterministicModeIsBitIdenticalAndGraphCapturable) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case c = GetParam();
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
   const std::vector<bf16_t> first = run_device(*f.layer, f.spec, in, c.tokens, CombineMode::deterministic);
   for (int run = 0; run < 10; ++run) {
@@ -368,7 +368,7 @@ TEST(MoeLayer, DynamicScalesFollowEachCall) {
   test::SeededRng rng;
   const Case c{"small", Precision::fp8_tensor, 128, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic,
                InputScales::dynamic};
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   ASSERT_NE(f.layer->describe_plan(c.tokens).find("seven kernels"), std::string::npos) << f.layer->describe_plan(c.tokens);
   const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
   const std::vector<bf16_t> first = run_device(*f.layer, f.spec, in, c.tokens, c.combine);
@@ -393,7 +393,7 @@ TEST(MoeLayer, NonFiniteInputsLeaveTheOtherTokensScale) {
   test::SeededRng rng;
   const Case c{"small", Precision::fp8_tensor, 64, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic,
                InputScales::dynamic};
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
   const int H = f.spec.hidden;
   in.x[5] = bf16_t::from_float(INFINITY);     // token 0
@@ -421,7 +421,7 @@ void expect_same_output_under(std::initializer_list<MoeLayerOptions> variants, s
   test::SeededRng rng;
   const Case workload{"qwen35-a3b", precision, 1, RoutingKind::workload, Skew::uniform, CombineMode::deterministic,
                       input_scales};
-  LayerFixture& f = fixture_for(workload, rng.seed());
+  LayerFixture& f = fixture_for(workload);
   std::vector<std::unique_ptr<MoeLayer>> layers;
   for (const MoeLayerOptions& options : variants) {
     layers.push_back(std::make_unique<MoeLayer>(f.spec, f.packed, max_tokens, options));
@@ -525,7 +525,7 @@ TEST(MoeLayer, QuantizedInputMatchesTheBf16InputBitForBit) {
   test::SeededRng rng;
   const Case workload{"qwen35-a3b", Precision::fp8_block, 1, RoutingKind::workload, Skew::uniform,
                       CombineMode::deterministic};
-  LayerFixture& f = fixture_for(workload, rng.seed());
+  LayerFixture& f = fixture_for(workload);
   expect_quantized_input_matches_bf16(rng, f.spec, f.packed, {1, 7, 128, 1000, 4096});
 }
 
@@ -547,7 +547,7 @@ TEST(MoeLayer, QuantizedInputTakesTheCallersScales) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case c{"small", Precision::fp8_block, 96, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   const Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
   const int blocks = f.spec.hidden / quant::kQuantBlock, stride = c.tokens + 1;
   QuantizedX q{std::vector<uint8_t>(static_cast<size_t>(c.tokens) * f.spec.hidden),
@@ -607,7 +607,7 @@ TEST(MoeLayer, UnsupportedOptionsAreRefused) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   const std::pair<MoeLayerOptions, const char*> refused[] = {{{.token_tile = 48}, "options.token_tile"},
                                                              {{.num_sms = -2}, "options.num_sms"}};
   for (const auto& [options, field] : refused) {
@@ -626,7 +626,7 @@ TEST(MoeLayer, DescribesThePlanItLaunches) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   MoeLayer layer(f.spec, f.packed, kMaxTokens, {.token_tile = 32, .num_sms = 20});
   const std::string plan = layer.describe_plan(7, CombineMode::fast);
   for (const char* part : {"token tile 32", "grid 20", "combine fast", "options.token_tile"}) {
@@ -645,7 +645,7 @@ TEST(MoeLayer, PerCallRoutingMatchesALayerBuiltWithThatRouting) {
   const Case softmax{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
   const Case grouped{"small", Precision::fp8_block, 7, RoutingKind::grouped, Skew::uniform, CombineMode::deterministic};
   const MoeSpec grouped_spec = spec_for(grouped, rng.seed());
-  LayerFixture& f = fixture_for(softmax, rng.seed());
+  LayerFixture& f = fixture_for(softmax);
   MoeLayer layer(f.spec, f.packed, kMaxTokens);
   MoeLayer built(grouped_spec, f.packed, kMaxTokens);
   const Inputs in = make_inputs(rng, f.spec, 100, Skew::uniform);
@@ -672,7 +672,7 @@ TEST(MoeLayer, GraphsReplayTheRoutingTheyCaptured) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case grouped{"small", Precision::fp8_block, 7, RoutingKind::grouped, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = fixture_for(grouped, rng.seed());
+  LayerFixture& f = fixture_for(grouped);
   MoeLayer layer(f.spec, f.packed, kMaxTokens);
   DeepseekGrouped other = std::get<DeepseekGrouped>(f.spec.routing);
   for (float& b : other.e_score_correction_bias) b = -4.0f * b + 0.3f;  // another choice of experts
@@ -762,7 +762,7 @@ TEST(MoeLayer, RunsOnEveryGpuOfOneProcess) {
 // routing they hold, and a count past num_tokens is clamped. At 16 tokens one router block routes
 // them all; at 128 several blocks do.
 void expect_only_valid_rows_computed(test::SeededRng& rng, const Case& c) {
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   const int H = f.spec.hidden;
   Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
   // The last token, padding for every count but the clamped one, holds x's largest values: a
@@ -822,7 +822,7 @@ TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case c{"small", Precision::fp8_block, 64, RoutingKind::precomputed, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   Inputs in = make_inputs(rng, f.spec, c.tokens, c.skew);
   const int k = f.spec.top_k;
   in.ids[0 * k + 1] = -1;                   // not routed here
@@ -841,7 +841,7 @@ TEST(MoeLayer, BadRoutingIsFlaggedAndNaNLogitsStayValid) {
   expect_tight(f.spec.precision, tight);
 
   const Case softmax{"small", Precision::fp8_block, 8, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& g = fixture_for(softmax, rng.seed());
+  LayerFixture& g = fixture_for(softmax);
   Inputs nan_in = make_inputs(rng, g.spec, softmax.tokens, Skew::uniform);
   for (int e = 0; e < g.spec.num_experts; ++e) nan_in.logits[e] = NAN;  // token 0: all NaN
   nan_in.logits[g.spec.num_experts + 3] = INFINITY;                    // token 1: one +inf
@@ -927,7 +927,7 @@ TEST(MoeLayer, RejectsBadCallsBeforeLaunching) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case c{"small", Precision::bf16, 4, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = fixture_for(c, rng.seed());
+  LayerFixture& f = fixture_for(c);
   test::DeviceBuffer<bf16_t> x(static_cast<size_t>(kMaxTokens + 1) * f.spec.hidden), y(x.bytes() / 2);
   test::DeviceBuffer<float> logits(static_cast<size_t>(kMaxTokens + 1) * f.spec.num_experts);
   y.poison();

@@ -32,7 +32,7 @@ using test::DeviceCall;
 // The small fp8 layer with softmax routing most of these tests run.
 LayerFixture& small_layer(test::SeededRng& rng) {
   const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  return test::fixture_for(c, rng.seed());
+  return test::fixture_for(c);
 }
 
 bool same_bits(const std::vector<bf16_t>& a, const std::vector<bf16_t>& b) {
@@ -157,7 +157,7 @@ TEST(MoeLayerFaults, ForwardBesideKernelsHoldingMostSms) {
   for (const char* workload : {"small", "qwen35-a3b"}) {
     SCOPED_TRACE(workload);
     const Case c{workload, Precision::fp8_block, 128, RoutingKind::workload, Skew::uniform, CombineMode::deterministic};
-    LayerFixture& f = test::fixture_for(c, rng.seed());
+    LayerFixture& f = test::fixture_for(c);
     const std::vector<int> token_counts = {1, 128, 1000};
     std::vector<Inputs> inputs;
     std::vector<std::vector<bf16_t>> alone;

@@ -40,8 +40,7 @@ using test::DeviceCall;
 
 LayerFixture& qwen_layer(test::SeededRng& rng) {
   return test::fixture_for(
-      Case{"qwen35-a3b", Precision::fp8_block, 1, RoutingKind::workload, Skew::uniform, CombineMode::deterministic},
-      rng.seed());
+      Case{"qwen35-a3b", Precision::fp8_block, 1, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
 }
 
 // The plan says what launches, and what the single kernel cannot take is refused by name.
@@ -166,7 +165,7 @@ TEST(SingleKernelForward, DeviceTokenCountAndBadIds) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case c{"small", Precision::fp8_block, 200, RoutingKind::precomputed, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = test::fixture_for(c, rng.seed());
+  LayerFixture& f = test::fixture_for(c);
   MoeLayer per_stage(f.spec, f.packed, 256, kPerStage);
   MoeLayer single(f.spec, f.packed, 256, kSingle);
   Inputs in = test::make_inputs(rng, f.spec, c.tokens, c.skew);
@@ -215,7 +214,7 @@ TEST(SingleKernelForward, ThousandCallsOfFreshSizes) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
   const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
-  LayerFixture& f = test::fixture_for(c, rng.seed());
+  LayerFixture& f = test::fixture_for(c);
   constexpr int kMax = 512;
   MoeLayer per_stage(f.spec, f.packed, kMax, kPerStage);
   MoeLayer single(f.spec, f.packed, kMax, kSingle);
