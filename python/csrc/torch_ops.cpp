@@ -520,12 +520,8 @@ at::Tensor forward(int64_t handle, const at::Tensor& x, const std::optional<at::
     check_input(*router_logits, "router_logits", at::kFloat, T, spec.num_experts, entry->device);
   }
   at::Tensor y = at::empty({T, spec.hidden}, x.options());
-  if (T == 0) {
-    // MoeLayer::forward, which checks the routing of a batch with tokens, is not called for an empty
-    // one: a routing the layer cannot take is refused here instead, whatever the batch.
-    translating_errors([&] { validate_routing(routing, spec); });
-    return y;
-  }
+  // An empty batch goes through MoeLayer::forward too (it launches nothing): a routing the layer
+  // cannot take is refused whatever the batch, by the layer's own checks (the kernels' limits too).
   c10::cuda::CUDAGuard guard(entry->device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(entry->device).stream();
   MoeInputs inputs;

@@ -369,6 +369,11 @@ def test_routing_can_change_between_calls(hopper):
     for tokens in (0, 3):
         with pytest.raises(ValueError, match="e_score_correction_bias"):
             megamoe.fused_moe(x[:tokens], p.weights, logits[:tokens], routing=short_bias)
+    # And one past the kernels' limits (valid for the spec: 64 groups of 4 experts).
+    too_many_groups = megamoe.DeepseekRouting(n_group=64, topk_group=2, e_score_correction_bias=bias)
+    for tokens in (0, 3):
+        with pytest.raises(NotImplementedError, match="n_group=64 exceeds the 32 the routing kernel holds"):
+            megamoe.fused_moe(x[:tokens], p.weights, logits[:tokens], routing=too_many_groups)
 
 
 @pytest.mark.gpu
