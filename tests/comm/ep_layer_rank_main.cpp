@@ -23,8 +23,8 @@
 // --precision: the layer's (default fp8_block); bf16 and fp8_tensor layers send bf16 rows, which an
 // fp8_tensor owner encodes with its own activation scale: static ones calibrated for the whole
 // layer (every rank's the same here, so the reference quantizes alike), or with --dynamic-scales
-// each owner's amax over the rows it received, which the reference (the amax of this rank's tokens)
-// does not share: its bound is wider. --fused: the layer under test
+// each owner's amax over the rows it received, so that y is checked against the owners' passes
+// (ref::owner_passes_forward) instead of the single-GPU reference. --fused: the layer under test
 // runs its forward as one launch (EpLayerOptions::fused), so every check above applies to it and its
 // y must equal the staged bf16-rows layer's bit for bit; it refuses the staged phases; with --hang
 // or --die its own waits must end in the diagnostic; and the FP8 partial sums' layer is fused too,
