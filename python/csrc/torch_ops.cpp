@@ -562,10 +562,10 @@ int64_t workspace_bytes(int64_t handle) { return static_cast<int64_t>(registry()
 // owner encodes the rows it receives with its own), or [0]. partial_sums: "bf16" or "fp8"
 // (comm::EpPartialSums); symmetric_memory: "cuda_ipc" or "nvshmem" (comm::SymmetricBackend).
 int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
-                        const at::Tensor& w2_scales, const at::Tensor& input_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
-                        int64_t top_k, const std::string& precision, const std::string& scale_format,
-                        int64_t max_tokens, const std::string& rendezvous_dir, int64_t rank, int64_t world_size,
-                        int64_t device_index, const std::string& token_rows, const std::string& partial_sums,
+                        const at::Tensor& w2_scales, const at::Tensor& input_scales, int64_t num_experts,
+                        int64_t hidden, int64_t intermediate, int64_t top_k, const std::string& precision,
+                        const std::string& scale_format, int64_t max_tokens, const std::string& rendezvous_dir,
+                        int64_t rank, int64_t world_size, int64_t device_index, const std::string& token_rows, const std::string& partial_sums,
                         const std::string& symmetric_memory, const std::string& launch) {
   // The kernels' limits apply to the experts of one rank (num_experts / world_size, checked below).
   const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
@@ -685,8 +685,9 @@ TORCH_LIBRARY(megamoe, m) {
   m.def("invalid_routing_ids(int layer) -> int", &invalid_routing_ids);
   m.def("workspace_bytes(int layer) -> int", &workspace_bytes);
   m.def("create_ep_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, Tensor input_scales, "
-        "int num_experts, int hidden, int intermediate, int top_k, str precision, str scale_format, int max_tokens, str rendezvous_dir, int rank, "
-        "int world_size, int device_index, str token_rows, str partial_sums, str symmetric_memory, str launch) -> int",
+        "int num_experts, int hidden, int intermediate, int top_k, str precision, str scale_format, int max_tokens, "
+        "str rendezvous_dir, int rank, int world_size, int device_index, str token_rows, str partial_sums, "
+        "str symmetric_memory, str launch) -> int",
         &create_ep_layer);
   m.def("destroy_ep_layer(int layer) -> ()", &destroy_ep_layer);
   m.def("ep_forward(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights) -> Tensor");

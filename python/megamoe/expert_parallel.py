@@ -251,14 +251,12 @@ def prepare_ep_weights(
     handle = ops.create_ep_layer(*packed, num_experts, checked.hidden, checked.intermediate, top_k, precision,
                                  scale_format, max_tokens, layer_folder, rank, world_size, device.index, token_rows,
                                  partial_sums, symmetric_memory, launch)
-    input_scales = None
-    if precision == "fp8_tensor":
-        input_scales = "dynamic" if checked.w13_input_scale is None else "from_checkpoint"
     return EpMoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=checked.hidden,
                         intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
                         max_tokens=max_tokens, rank=rank, world_size=world_size, device=device,
                         token_rows=ops.ep_token_rows(handle), partial_sums=partial_sums,
-                        symmetric_memory=symmetric_memory, launch=launch, input_scales=input_scales)
+                        symmetric_memory=symmetric_memory, launch=launch,
+                        input_scales=checked.input_scales(precision))
 
 
 def ep_fused_moe(x: torch.Tensor, weights: EpMoeWeights, topk_ids: torch.Tensor,

@@ -191,7 +191,8 @@ def prepare_weights(
              require_str(fc1_token_rows, "fc1_token_rows"), optional_int(num_sms, "num_sms"),
              require_str(launch, "launch"))
     ops.check_layer(*layer)
-    if launch == "single_kernel" and precision == "fp8_tensor" and checked.w13_input_scale is None:
+    input_scales = checked.input_scales(precision)
+    if launch == "single_kernel" and input_scales == "dynamic":
         # The layer refuses it too, but only on the device.
         raise ValueError("megamoe: launch='single_kernel' with precision 'fp8_tensor' takes static activation scales "
                          "(w13_input_scale and w2_input_scale); dynamic ones run as seven launches (launch='auto' or "
@@ -200,9 +201,6 @@ def prepare_weights(
     device = torch.device("cuda", ops.check_device(device_index(device)))
     packed = packed_on(checked, precision, scale_format, device)
     handle = ops.create_layer(*packed, *layer, device.index)
-    input_scales = None
-    if precision == "fp8_tensor":
-        input_scales = "dynamic" if checked.w13_input_scale is None else "from_checkpoint"
     return MoeWeights(handle=handle, num_experts=checked.num_experts, top_k=top_k, hidden=checked.hidden,
                       intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
                       routing=routing, options=options, input_scales=input_scales, max_tokens=max_tokens,
@@ -257,6 +255,13 @@ class CheckedWeights:
     intermediate: int
     w13_input_scale: Optional[torch.Tensor] = None
     w2_input_scale: Optional[torch.Tensor] = None
+
+    def input_scales(self, precision: str) -> Optional[str]:
+        """Where a `precision` layer of these weights takes its activation scales from: fp8_tensor's
+        "from_checkpoint" (static ones given) or "dynamic", None for the other precisions."""
+        if precision != "fp8_tensor":
+            return None
+        return "dynamic" if self.w13_input_scale is None else "from_checkpoint"
 
     def require_finite(self) -> None:
         """ValueError for a NaN or inf weight: a pass over every weight, so it comes after the cheap checks."""

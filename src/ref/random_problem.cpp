@@ -64,6 +64,14 @@ WeightsView RandomWeights::view() const {
   return view;
 }
 
+WeightsView RandomWeights::view_from_expert(const MoeSpec& spec, int first_expert) const {
+  WeightsView share = view();
+  const size_t first = static_cast<size_t>(first_expert);
+  share.w13 = w13.data() + first * 2 * spec.intermediate * spec.hidden;
+  share.w2 = w2.data() + first * spec.hidden * spec.intermediate;
+  return share;
+}
+
 RandomRouting make_random_routing(int tokens, int top_k, int num_experts, uint64_t seed) {
   std::mt19937_64 engine(seed);
   RandomRouting r;

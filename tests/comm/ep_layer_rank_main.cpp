@@ -115,6 +115,13 @@ struct DeviceCall {
   }
 };
 
+// bf16 outputs as the doubles ref::relative_l2 compares.
+std::vector<double> widened(const std::vector<bf16_t>& values) {
+  std::vector<double> wide(values.size());
+  for (size_t i = 0; i < values.size(); ++i) wide[i] = values[i].to_float();
+  return wide;
+}
+
 // Relative L2 error of `got` (the call's y) against the fp64 reference of `spec` with `weights`.
 double error_against_reference(const MoeSpec& spec, const PackedWeights& weights, const RankInputs& in,
                                const std::vector<bf16_t>& got) {
@@ -122,9 +129,7 @@ double error_against_reference(const MoeSpec& spec, const PackedWeights& weights
   std::vector<bf16_t> want(got.size());
   const ref::ReferenceReport report = ref::reference_forward(
       spec, weights, MoeInputs{tokens, in.x.data(), nullptr, in.ids.data(), in.weights.data()}, MoeOutputs{want.data()});
-  std::vector<double> device(got.size());
-  for (size_t i = 0; i < got.size(); ++i) device[i] = got[i].to_float();
-  return ref::relative_l2(device, report.y);
+  return ref::relative_l2(widened(got), report.y);
 }
 
 // The same for the owners' passes (ref::owner_passes_forward): each owner's layer of `local` experts
@@ -139,10 +144,7 @@ double error_against_owner_passes(const MoeSpec& local, const std::vector<Packed
     sources.push_back({static_cast<int>(everyone[r].ids.size() / local.top_k), everyone[r].x.data(),
                        everyone[r].weights.data()});
   }
-  const std::vector<double> want = ref::owner_passes_forward(local, owners, plan, sources, rank);
-  std::vector<double> device(got.size());
-  for (size_t i = 0; i < got.size(); ++i) device[i] = got[i].to_float();
-  return ref::relative_l2(device, want);
+  return ref::relative_l2(widened(got), ref::owner_passes_forward(local, owners, plan, sources, rank));
 }
 
 // Rank 0 of --hang or --die, whose peer never calls forward: what the caller sees after the
@@ -329,15 +331,10 @@ int run(int argc, char** argv) {
   const PackedWeights all = prepare_weights(spec, weights.view());
   MoeSpec local = spec;
   local.num_experts = spec.num_experts / world;
-  const size_t w13_per_expert = 2ull * spec.intermediate * spec.hidden, w2_per_expert = 1ull * spec.hidden * spec.intermediate;
   // Every rank's share, packed as its owner packs it (with the layer's activation scales, if static).
   std::vector<PackedWeights> shares;
   for (int owner = 0; owner < world; ++owner) {
-    WeightsView share = weights.view();
-    const size_t first = static_cast<size_t>(owner) * local.num_experts;
-    share.w13 = weights.w13.data() + first * w13_per_expert;
-    share.w2 = weights.w2.data() + first * w2_per_expert;
-    shares.push_back(prepare_weights(local, share));
+    shares.push_back(prepare_weights(local, weights.view_from_expert(spec, owner * local.num_experts)));
   }
   const PackedWeights& mine = shares[rank];
   comm::EpLayerOptions options;
@@ -487,11 +484,7 @@ int run(int argc, char** argv) {
           return 1;
         }
       }
-      std::vector<double> exact(y_under_test.size()), approx(y_under_test.size());
-      for (size_t i = 0; i < exact.size(); ++i) {
-        exact[i] = y_under_test[i].to_float(), approx[i] = y_fp8_partials[i].to_float();
-      }
-      const double partials_err = ref::relative_l2(approx, exact);
+      const double partials_err = ref::relative_l2(widened(y_fp8_partials), widened(y_under_test));
       worst_fp8_partials = std::max(worst_fp8_partials, partials_err);
       fp8_partials_differ = fp8_partials_differ || partials_err > 0.0;
       if (!(partials_err < 5e-2)) {

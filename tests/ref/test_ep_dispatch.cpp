@@ -110,10 +110,7 @@ double owner_passes_against_one_gpu(Precision precision, InputScales scales, int
   local.num_experts = spec.num_experts / world;
   std::vector<PackedWeights> shares;
   for (int owner = 0; owner < world; ++owner) {
-    WeightsView share = weights.view();
-    share.w13 = weights.w13.data() + static_cast<size_t>(owner) * local.num_experts * 2 * spec.intermediate * spec.hidden;
-    share.w2 = weights.w2.data() + static_cast<size_t>(owner) * local.num_experts * spec.hidden * spec.intermediate;
-    shares.push_back(prepare_weights(local, share));
+    shares.push_back(prepare_weights(local, weights.view_from_expert(spec, owner * local.num_experts)));
   }
   std::vector<std::vector<bf16_t>> x(world);
   std::vector<std::vector<int32_t>> ids(world);
