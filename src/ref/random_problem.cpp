@@ -64,12 +64,18 @@ WeightsView RandomWeights::view() const {
   return view;
 }
 
-WeightsView RandomWeights::view_from_expert(const MoeSpec& spec, int first_expert) const {
-  WeightsView share = view();
-  const size_t first = static_cast<size_t>(first_expert);
-  share.w13 = w13.data() + first * 2 * spec.intermediate * spec.hidden;
-  share.w2 = w2.data() + first * spec.hidden * spec.intermediate;
-  return share;
+std::vector<PackedWeights> RandomWeights::pack_rank_shares(const MoeSpec& spec, int world) const {
+  MoeSpec local = spec;
+  local.num_experts = spec.num_experts / world;
+  std::vector<PackedWeights> shares;
+  for (int rank = 0; rank < world; ++rank) {
+    WeightsView share = view();
+    const size_t first = static_cast<size_t>(rank) * local.num_experts;
+    share.w13 = w13.data() + first * 2 * spec.intermediate * spec.hidden;
+    share.w2 = w2.data() + first * spec.hidden * spec.intermediate;
+    shares.push_back(prepare_weights(local, share));
+  }
+  return shares;
 }
 
 RandomRouting make_random_routing(int tokens, int top_k, int num_experts, uint64_t seed) {

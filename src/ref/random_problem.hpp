@@ -20,9 +20,9 @@ struct RandomWeights {
   float fc2_input_scale = 0.0f;
   // The weights, with the activation scales where there are some.
   WeightsView view() const;
-  // The same from expert `first_expert` of `spec`'s shapes on (an expert-parallel rank's share:
-  // the caller packs as many experts as its own spec holds).
-  WeightsView view_from_expert(const MoeSpec& spec, int first_expert) const;
+  // Every expert-parallel rank's share of a layer of `spec` (these weights): rank r's experts
+  // [r E / world, (r + 1) E / world), activation scales included, packed as a layer of E / world.
+  std::vector<PackedWeights> pack_rank_shares(const MoeSpec& spec, int world) const;
 };
 
 // Tokens an fp8_tensor spec's activation scales are calibrated on.

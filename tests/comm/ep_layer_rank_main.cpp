@@ -332,10 +332,7 @@ int run(int argc, char** argv) {
   MoeSpec local = spec;
   local.num_experts = spec.num_experts / world;
   // Every rank's share, packed as its owner packs it (with the layer's activation scales, if static).
-  std::vector<PackedWeights> shares;
-  for (int owner = 0; owner < world; ++owner) {
-    shares.push_back(prepare_weights(local, weights.view_from_expert(spec, owner * local.num_experts)));
-  }
+  const std::vector<PackedWeights> shares = weights.pack_rank_shares(spec, world);
   const PackedWeights& mine = shares[rank];
   comm::EpLayerOptions options;
   options.barrier_timeout = barrier_timeout;

@@ -108,10 +108,7 @@ double owner_passes_against_one_gpu(Precision precision, InputScales scales, int
   const PackedWeights all = prepare_weights(spec, weights.view());
   MoeSpec local = spec;
   local.num_experts = spec.num_experts / world;
-  std::vector<PackedWeights> shares;
-  for (int owner = 0; owner < world; ++owner) {
-    shares.push_back(prepare_weights(local, weights.view_from_expert(spec, owner * local.num_experts)));
-  }
+  const std::vector<PackedWeights> shares = weights.pack_rank_shares(spec, world);
   std::vector<std::vector<bf16_t>> x(world);
   std::vector<std::vector<int32_t>> ids(world);
   std::vector<std::vector<float>> routing_weights(world);
