@@ -27,7 +27,7 @@ enum class Fc1TokenRows {
 enum class ForwardLaunch {
   automatic,      // the planner's choice per call
   per_stage,      // five kernels: router, gather, FC1, FC2, combine
-  single_kernel,  // one persistent kernel; FC1 reads the pool, token tiles of 16 or 32
+  single_kernel,  // one persistent kernel; FC1 reads the pool, token tiles of 16, 32 or 64
 };
 
 struct MoeLayerOptions {

@@ -51,9 +51,9 @@ void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
                   "options.launch=single_kernel reads FC1's rows from the pool: it takes fc1_token_rows=auto or pool, "
                   "not row_copy");
     }
-    if (tile == 64 || tile == 128) {
-      throw Error(ErrorCode::invalid_argument, "options.launch=single_kernel takes token tiles of 16 or 32 (or 0), not " +
-                                                   std::to_string(tile));
+    if (tile == 128) {
+      throw Error(ErrorCode::invalid_argument,
+                  "options.launch=single_kernel takes token tiles of 16, 32 or 64 (or 0), not " + std::to_string(tile));
     }
   }
   if (options.num_sms < 0) {

@@ -30,7 +30,7 @@ using test::Skew;
 using test::DeviceCall;
 
 // The small fp8 layer with softmax routing most of these tests run.
-LayerFixture& small_layer(test::SeededRng& rng) {
+LayerFixture& small_layer() {
   const Case c{"small", Precision::fp8_block, 7, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic};
   return test::fixture_for(c);
 }
@@ -53,7 +53,7 @@ size_t free_device_bytes() {
 TEST(MoeLayerFaults, ThreadsSharingALayerAndAStream) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
-  LayerFixture& f = small_layer(rng);
+  LayerFixture& f = small_layer();
   constexpr int kThreads = 4, kCallsPerThread = 200;
   const int token_counts[kThreads] = {1, 37, 128, 300};
   std::vector<Inputs> inputs;
@@ -117,7 +117,7 @@ TEST(MoeLayerFaults, FailedAllocationLeavesTheProcessAsItWas) {
   EXPECT_NEAR(static_cast<double>(free_device_bytes()), static_cast<double>(free_before), 4 << 20)
       << "the failed constructions left device memory allocated";
 
-  LayerFixture& f = small_layer(rng);
+  LayerFixture& f = small_layer();
   const Inputs in = test::make_inputs(rng, f.spec, 7, Skew::uniform);
   const std::vector<bf16_t> y = test::run_device(*f.layer, f.spec, in, 7, CombineMode::deterministic);
   for (const bf16_t v : y) ASSERT_TRUE(std::isfinite(v.to_float()));
@@ -127,7 +127,7 @@ TEST(MoeLayerFaults, FailedAllocationLeavesTheProcessAsItWas) {
 TEST(MoeLayerFaults, SizesOutsideTheLimitsAreRefusedByName) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
-  LayerFixture& f = small_layer(rng);
+  LayerFixture& f = small_layer();
   for (int max_tokens : {0, -1, (1 << 24) + 1, 2147483647}) {
     try {
       MoeLayer layer(f.spec, f.packed, max_tokens);
@@ -199,7 +199,7 @@ TEST(MoeLayerFaults, ForwardBesideKernelsHoldingMostSms) {
 TEST(MoeLayerFaults, SoakOfTenThousandCalls) {
   MEGAMOE_REQUIRE_HOPPER();
   test::SeededRng rng;
-  LayerFixture& f = small_layer(rng);
+  LayerFixture& f = small_layer();
   constexpr int kCalls = 10000, kMaxSoakTokens = 256;
   const Inputs fixed = test::make_inputs(rng, f.spec, 64, Skew::uniform);
   const std::vector<bf16_t> fixed_y = test::run_device(*f.layer, f.spec, fixed, 64, CombineMode::deterministic);

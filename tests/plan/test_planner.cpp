@@ -188,7 +188,7 @@ TEST(Planner, OptionsReplaceThePlannersChoices) {
   EXPECT_EQ(forward_plan(spec, 1, 8192, {.num_sms = 1000}).grid, 132) << "never more CTAs than SMs";
 }
 
-// The single kernel runs where options.launch names it, with its token tile capped at 32 and FC1
+// The single kernel runs where options.launch names it, with its token tile capped at 64 and FC1
 // reading the pool; under auto it runs where kMaxSingleKernelTokens lets it (today nowhere: it
 // was slower than the five kernels in every bucket measured, docs/design.md#single-kernel-forward).
 TEST(Planner, TheSingleKernelRunsWhereTheOptionOrTheRuleSaysSo) {
@@ -208,6 +208,30 @@ TEST(Planner, TheSingleKernelRunsWhereTheOptionOrTheRuleSaysSo) {
     os << single;
     EXPECT_NE(os.str().find("one kernel"), std::string::npos) << os.str();
     EXPECT_NE(os.str().find("options.launch=single_kernel"), std::string::npos) << os.str();
+  }
+}
+
+// A rank's fused expert-parallel forward runs the same kernel with its own roles around the GEMMs,
+// whose build spills at 64-token tiles: its plans stop at kMaxFusedEpTokenTile where the one-GPU
+// single kernel takes 64.
+TEST(Planner, TheFusedExpertParallelForwardTakesNarrowerTiles) {
+  static_assert(kMaxFusedEpTokenTile < kMaxSingleKernelTokenTile);
+  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  const DeviceFacts facts = DeviceFacts::h200_measured();
+  const MoeLayerOptions options{.launch = ForwardLaunch::single_kernel};
+  const LayerPlan layer = plan_layer(spec, 8192, options, facts);
+  for (int tokens : {1, 128, 2048, 8192}) {
+    SCOPED_TRACE(tokens);
+    const ForwardPlan one_gpu = plan_forward(spec, layer, tokens, CombineMode::deterministic, facts);
+    const ForwardPlan fused = plan_forward(spec, layer, tokens, CombineMode::deterministic, facts,
+                                           PlanDetail::explained, SingleKernelHost::fused_ep);
+    EXPECT_TRUE(fused.single_kernel);
+    EXPECT_EQ(fused.token_tile, std::min(one_gpu.token_tile, kMaxFusedEpTokenTile));
+    EXPECT_EQ(fused.fc1.token_tile, fused.token_tile);
+    if (tokens >= 2048) {
+      EXPECT_EQ(one_gpu.token_tile, 64);
+      EXPECT_EQ(fused.token_tile, kMaxFusedEpTokenTile);
+    }
   }
 }
 

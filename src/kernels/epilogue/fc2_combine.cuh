@@ -11,23 +11,29 @@
 
 namespace megamoe::kernels::gemm_detail {
 
-// The slot (token * k + j) of each pool row whose column this thread holds in an FC2 tile. Loaded
-// when the tile starts, so that the global round trip overlaps the mainloop instead of delaying
-// the epilogue, during which no stage is released and the weight stream stalls.
+// The slots (token * k + j) of an FC2 tile's pool rows, loaded when the tile starts, so that the
+// global round trip overlaps the mainloop instead of delaying the epilogue, during which no stage
+// is released and the weight stream stalls. Each lane keeps two of them across the mainloop, the
+// columns 2 lane and 2 lane + 1 (8 (lane / 4) + base_col + v0, base_col = 2 (lane % 4)), and the
+// epilogue takes each column's from its lane by a shuffle: 16 registers held through the
+// mainloop were what made the single kernel's 64-token tiles spill
+// (docs/design.md#single-kernel-forward).
 template <class Config>
 struct Fc2TileSlots {
   static constexpr int kColGroups = Config::kBlockN / 8;
-  int slot[kColGroups][2];  // [v2][v0]; 0 for padding columns
+  int slot[2];  // of columns 8 (lane / 4) + base_col + v0; 0 for padding columns
 
   template <class Params>
-  __device__ __forceinline__ void load(const Params& p, const GroupedTile& tile, int base_col) {
+  __device__ __forceinline__ void load(const Params& p, const GroupedTile& tile, int base_col, int lane) {
 #pragma unroll
-    for (int v2 = 0; v2 < kColGroups; ++v2)
-#pragma unroll
-      for (int v0 = 0; v0 < 2; ++v0) {
-        const int col = base_col + 8 * v2 + v0;
-        slot[v2][v0] = col < tile.valid_rows ? p.pool_slot[tile.pool_row + col] : 0;
-      }
+    for (int v0 = 0; v0 < 2; ++v0) {
+      const int col = 8 * (lane / 4) + base_col + v0;
+      slot[v0] = lane / 4 < kColGroups && col < tile.valid_rows ? p.pool_slot[tile.pool_row + col] : 0;
+    }
+  }
+  // Column 8 v2 + base_col + v0's slot, by every lane of the warp at once.
+  __device__ __forceinline__ int at(int v2, int v0, int lane) const {
+    return __shfl_sync(0xffffffffu, slot[v0], 4 * v2 + lane % 4);
   }
 };
 
@@ -35,7 +41,7 @@ struct Fc2TileSlots {
 // or is weighted and added into the fp32 output accumulator (fast combine).
 template <class Config, class Params, class Accumulators>
 __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile& tile, Accumulators& acc,
-                                             const int (&base_row)[Config::kMBlocks], int base_col,
+                                             const int (&base_row)[Config::kMBlocks], int base_col, int lane,
                                              const Fc2TileSlots<Config>& slots) {
   constexpr int kColGroups = Config::kBlockN / 8;
   // Per m64 block, once per tile: slot store: this lane holds rows r and r + 8, its neighbour
@@ -57,7 +63,7 @@ __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile&
     for (int v0 = 0; v0 < 2; ++v0) {
       const int col = base_col + 8 * v2 + v0;
       const bool valid = col < tile.valid_rows;  // the same in lanes whose lane / 4 differ
-      const int slot = slots.slot[v2][v0];
+      const int slot = slots.at(v2, v0, lane);
       if constexpr (Config::kGemmOp == GemmOp::fc2_atomic_combine) {
         if (!valid) continue;
         const float weight = p.routed_weights[slot];

@@ -112,7 +112,7 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
     };
 
     gemm_detail::Fc2TileSlots<Columns> slots;
-    if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, base_col);
+    if constexpr (Config::kGemmOp != GemmOp::fc1_swiglu) slots.load(p, tile, base_col, lane);
     [[maybe_unused]] gemm_detail::TensorScales tensor_scales;
     if constexpr (Config::kTensorScales) tensor_scales.load<Config>(p, tile);
     clear(acc);
@@ -155,7 +155,7 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
     if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
       gemm_detail::fc1_swiglu_epilogue<Columns>(p, tile, acc, base_row, base_col, smem, consumer_thread);
     } else {
-      gemm_detail::fc2_epilogue<Columns>(p, tile, acc, base_row, base_col, slots);
+      gemm_detail::fc2_epilogue<Columns>(p, tile, acc, base_row, base_col, lane, slots);
     }
     publish_tile<Config>(p, tile, consumer_thread);
   };
