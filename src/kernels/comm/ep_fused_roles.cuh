@@ -221,20 +221,20 @@ __device__ __forceinline__ void gather_virtual_token(const GatherParams& g, cons
   if (v % l.max_tokens_per_rank >= region_of<const int32_t>(p, p.rank, l.source_counts)[v / l.max_tokens_per_rank]) {
     return;
   }
-  if (threadIdx.x < g.top_k) s.slot_rows[threadIdx.x] = place_slot(g, v, threadIdx.x);
+  if (threadIdx.x < g.top_k) s.slot_rows[0][threadIdx.x] = place_slot(g, v, threadIdx.x);
   __syncthreads();
   bool used = false;
-  for (int j = 0; j < g.top_k; ++j) used |= s.slot_rows[j] >= 0;
+  for (int j = 0; j < g.top_k; ++j) used |= s.slot_rows[0][j] >= 0;
   if (used && !rank_fault_seen(p.fault)) {
     const int source = v / l.max_tokens_per_rank;
     const size_t t = static_cast<size_t>(v % l.max_tokens_per_rank);
     const uint4* row = reinterpret_cast<const uint4*>(region_of<const char>(p, source, l.rows) + t * l.row_bytes());
     if (l.fp8_rows) {
-      copy_row_to_slots<kFrontThreads, true>(g, s.slot_rows, row, l.hidden / 16,
+      copy_row_to_slots<kFrontThreads, true>(g, s.slot_rows[0], row, l.hidden / 16,
                                              region_of<const float>(p, source, l.row_scales) + t,
                                              static_cast<size_t>(l.max_tokens_per_rank));
     } else {
-      copy_row_to_slots<kFrontThreads, false>(g, s.slot_rows, row, l.hidden / 8, nullptr, 0);
+      copy_row_to_slots<kFrontThreads, false>(g, s.slot_rows[0], row, l.hidden / 8, nullptr, 0);
     }
   }
   __syncthreads();  // slot_rows is rewritten by the next token

@@ -17,6 +17,7 @@ enum class NamedBarrier : uint32_t {
   kRowAmaxExchanged = 6,  // both math warpgroups wrote their half's row amaxes (tokens-on-M FC1, short tile)
   kEpChunkClaimed = 7,    // the math threads know their CTA's next chunk (fused expert parallelism)
   kEpChunkStored = 8,     // every math thread has stored its part of that chunk
+  kGatherGroupFirst = 9,  // 9 + g: gather group g's threads (single-kernel front role; kGatherGroups of them)
 };
 
 }  // namespace megamoe::kernels

@@ -95,28 +95,31 @@ __device__ __forceinline__ int place_slot(const GatherParams& p, int token, int 
   return row;
 }
 
-// One token by a whole block of kThreads threads, one 8-channel chunk per thread at a time, one load
-// ahead (every thread calls it; `slot_rows` is kMaxTopK ints of the block's shared memory). `wait`
+// One token by a group of kThreads threads (whole warps; `thread` is this one's index in the group,
+// `sync()` the group's barrier), one 8-channel chunk per thread at a time, one load ahead (every
+// thread of the group calls it; `slot_rows` is kMaxTopK ints of the group's shared memory). `wait`
 // runs between the first load of x and the first read of the routing: the per-stage kernel's
 // dependency wait.
-template <Precision kPrecision, int kThreads, class Wait>
-__device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int token, int32_t* slot_rows, Wait wait) {
+template <Precision kPrecision, int kThreads, class Wait, class Sync>
+__device__ __forceinline__ void gather_token_by_group(const GatherParams& p, int token, int32_t* slot_rows, int thread,
+                                                      Wait wait, Sync sync) {
+  static_assert(kThreads % 32 == 0, "write_chunk is called by whole warps");
   const int chunks = p.hidden / kGatherChunkElements;
   const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(token) * p.hidden);
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  int chunk = threadIdx.x;
+  int chunk = thread;
   uint4 raw = chunk < chunks ? source[chunk] : zero;
   if (!wait()) return;
   [[maybe_unused]] float tensor_factor = 0.0f;
   if constexpr (kPrecision == Precision::fp8_tensor) tensor_factor = *p.tensor_factor;
   // Thread j < k looks up slot j's pool row while the first chunk is on its way.
-  if (threadIdx.x < p.top_k) {
-    const int row = place_slot(p, token, threadIdx.x);
-    slot_rows[threadIdx.x] = p.rows_by_token ? token : row;
+  if (thread < p.top_k) {
+    const int row = place_slot(p, token, thread);
+    slot_rows[thread] = p.rows_by_token ? token : row;
   }
-  __syncthreads();
+  sync();
   const int num_rows = p.rows_by_token ? 1 : p.top_k;
-  // Block-uniform trip count, so every lane reaches the shuffles of each chunk.
+  // Group-uniform trip count, so every lane reaches the shuffles of each chunk.
   for (int first = 0; first < chunks; first += kThreads) {
     const int next = chunk + kThreads;
     const uint4 next_raw = next < chunks ? source[next] : zero;
@@ -124,7 +127,14 @@ __device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int
     chunk = next;
     raw = next_raw;
   }
-  __syncthreads();  // the next token rewrites slot_rows
+  sync();  // the next token rewrites slot_rows
+}
+
+// The same by a whole block.
+template <Precision kPrecision, int kThreads, class Wait>
+__device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int token, int32_t* slot_rows, Wait wait) {
+  gather_token_by_group<kPrecision, kThreads>(p, token, slot_rows, static_cast<int>(threadIdx.x), wait,
+                                              [] { __syncthreads(); });
 }
 
 // A row already in the pool's encoding (`vectors` 16-byte vectors of E4M3 codes or of bf16 values)

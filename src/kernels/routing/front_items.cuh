@@ -1,9 +1,9 @@
 // Front role of the single-kernel forward (scheduler/forward_items.hpp): the whole CTA takes route
 // items and gather items until none is left. A route item routes one token per warp
 // (route_token); the last route item to finish scans the expert segments and publishes them. A
-// gather item waits for that publication and quantizes its tokens into the pool, the whole CTA on
-// one token after another (gather_token_by_block), then publishes itself for FC1's token
-// producers. Where one route item holds every token (a decode batch), it counts in shared memory
+// gather item waits for that publication and quantizes its tokens into the pool (kGatherGroups
+// groups of threads, a token each at a time: gather_token_by_group), then publishes itself for
+// FC1's token producers. Where one route item holds every token (a decode batch), it counts in shared memory
 // and scans, and where those are at most kLoneGatherTokens it gathers them itself: no global
 // counter and no hand-off between CTAs before FC1. A CTA leaves once no front item is left and the
 // routing is published, while other CTAs may still gather: its FC1 weight stream needs only the
@@ -12,12 +12,14 @@
 
 #include <cstdint>
 
+#include "kernels/epilogue/gemm_op.hpp"
 #include "kernels/layout/forward_timeline.hpp"
 #include "kernels/permute/gather_quantize.cuh"
 #include "kernels/pipeline/last_block.cuh"
 #include "kernels/pipeline/timeline.cuh"
 #include "kernels/ptx/mbarrier.cuh"
 #include "kernels/ptx/memory.cuh"
+#include "kernels/ptx/sync.cuh"
 #include "kernels/routing/route_token.cuh"
 #include "kernels/routing/routing_limits.hpp"
 #include "kernels/scheduler/forward_items.hpp"
@@ -30,7 +32,7 @@ struct FrontScratch {
   float scores[kFrontWarps][kMaxRoutingExperts];
   int32_t counts[kMaxRoutingExperts];                // expert counters of a lone route item
   int2 scan_sums[kFrontWarps];                       // scan_expert_segments' warp sums
-  int32_t slot_rows[kMaxTopK];                       // gather_token_by_block's
+  int32_t slot_rows[kGatherGroups][kMaxTopK];        // gather_token_by_group's, one row per group
   int ticket;
   bool last;
 };
@@ -65,23 +67,45 @@ __device__ __forceinline__ void wait_for(const ForwardItems& items, ForwardCount
   __syncthreads();
 }
 
-// Tokens [first, end) into the pool, one after another by the whole CTA (gather_one(token)), then
-// published.
-template <class GatherOne>
-__device__ __forceinline__ void gather_and_publish(const FrontParams& p, int first, int end, GatherOne gather_one) {
-  for (int token = first; token < end; ++token) gather_one(token);
+// Every thread, once a gather item's tokens are in the pool: thread 0 publishes the item.
+__device__ __forceinline__ void publish_gathered(const FrontParams& p) {
   ptx::fence_proxy_async_global();  // FC1 reads the rows by TMA
   __syncthreads();
   publish(p.items.counter(kGatheredItems));
   p.timeline.mark(layout::kGatherItemDone);
 }
 
-// The caller's tokens [first, end), quantized into the pool.
+// Tokens [first, end) into the pool, one after another by the whole CTA (gather_one(token)), then
+// published.
+template <class GatherOne>
+__device__ __forceinline__ void gather_and_publish(const FrontParams& p, int first, int end, GatherOne gather_one) {
+  for (int token = first; token < end; ++token) gather_one(token);
+  publish_gathered(p);
+}
+
+// Every thread: the caller's tokens [first, end), quantized into the pool, then published. Items of
+// at least kGatherGroups tokens are gathered by kGatherGroups groups of threads at once, a token
+// each (a token's chain of round trips, x and its routing, then its pool rows, left the whole CTA
+// waiting on it: docs/design.md#single-kernel-gather); fewer by the whole CTA, one after another.
 template <Precision kPrecision>
 __device__ __forceinline__ void gather_tokens(const FrontParams& p, FrontScratch& s, int first, int end) {
-  gather_and_publish(p, first, end, [&](int token) {
-    gather_token_by_block<kPrecision, kFrontThreads>(p.gather, token, s.slot_rows, [] { return true; });
-  });
+  const auto always = [] { return true; };
+  if (end - first < kGatherGroups) {
+    return gather_and_publish(p, first, end, [&](int token) {
+      gather_token_by_block<kPrecision, kFrontThreads>(p.gather, token, s.slot_rows[0], always);
+    });
+  }
+  constexpr int kGroupThreads = kFrontThreads / kGatherGroups;
+  const int group = static_cast<int>(threadIdx.x) / kGroupThreads;
+  const uint32_t barrier = static_cast<uint32_t>(NamedBarrier::kGatherGroupFirst) + group;
+  // Groups run different token counts, so their barriers are not the same instruction in every
+  // thread of the CTA: the unaligned form (compute-sanitizer racecheck flagged bar.sync here).
+  const auto group_sync = [barrier] { ptx::named_barrier_sync_from_anywhere(barrier, kGroupThreads); };
+  for (int token = first + group; token < end; token += kGatherGroups) {
+    gather_token_by_group<kPrecision, kGroupThreads>(p.gather, token, s.slot_rows[group],
+                                                     static_cast<int>(threadIdx.x) % kGroupThreads, always, group_sync);
+  }
+  publish_gathered(p);
 }
 
 // The route item that finished last, every thread: the expert segments from the global counts.
