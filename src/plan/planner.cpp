@@ -201,7 +201,8 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   const bool caps_for_row_copy = o.token_tile == 0 && o.fc1_token_rows == Fc1TokenRows::row_copy &&
                                  layout::gemm_tokens_on_m(p.token_tile);
   if (caps_for_row_copy) p.token_tile = layout::kGemmSwapAbMaxTokenTile;
-  const int single_kernel_tile = host == SingleKernelHost::fused_ep ? kMaxFusedEpTokenTile : kMaxSingleKernelTokenTile;
+  const int single_kernel_tile =
+      host == SingleKernelHost::fused_ep ? kMaxFusedEpTokenTile : kMaxSingleKernelTokenTile;
   switch (o.launch) {
     case ForwardLaunch::automatic:
       // The single kernel takes fp8_tensor with static activation scales only (plan_layer).

@@ -17,7 +17,7 @@ namespace megamoe::kernels::gemm_detail {
 // columns 2 lane and 2 lane + 1 (8 (lane / 4) + base_col + v0, base_col = 2 (lane % 4)), and the
 // epilogue takes each column's from its lane by a shuffle: 16 registers held through the
 // mainloop were what made the single kernel's 64-token tiles spill
-// (docs/design.md#single-kernel-forward).
+// (docs/design.md#single-kernel-token-tiles).
 template <class Config>
 struct Fc2TileSlots {
   static constexpr int kColGroups = Config::kBlockN / 8;

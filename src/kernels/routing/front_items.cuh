@@ -3,11 +3,11 @@
 // (route_token); the last route item to finish scans the expert segments and publishes them. A
 // gather item waits for that publication and quantizes its tokens into the pool (kGatherGroups
 // groups of threads, a token each at a time: gather_token_by_group), then publishes itself for
-// FC1's token producers. Where one route item holds every token (a decode batch), it counts in shared memory
-// and scans, and where those are at most kLoneGatherTokens it gathers them itself: no global
-// counter and no hand-off between CTAs before FC1. A CTA leaves once no front item is left and the
-// routing is published, while other CTAs may still gather: its FC1 weight stream needs only the
-// expert segments, and FC1's token producer waits for the rows.
+// FC1's token producers. Where one route item holds every token (a decode batch), it counts in
+// shared memory and scans, and where those are at most kLoneGatherTokens it gathers them itself:
+// no global counter and no hand-off between CTAs before FC1. A CTA leaves once no front item is
+// left and the routing is published, while other CTAs may still gather: its FC1 weight stream
+// needs only the expert segments, and FC1's token producer waits for the rows.
 #pragma once
 
 #include <cstdint>
