@@ -565,8 +565,9 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
                         const at::Tensor& w2_scales, const at::Tensor& input_scales, int64_t num_experts,
                         int64_t hidden, int64_t intermediate, int64_t top_k, const std::string& precision,
                         const std::string& scale_format, int64_t max_tokens, const std::string& rendezvous_dir,
-                        int64_t rank, int64_t world_size, int64_t device_index, const std::string& token_rows, const std::string& partial_sums,
-                        const std::string& symmetric_memory, const std::string& launch) {
+                        int64_t rank, int64_t world_size, int64_t device_index, const std::string& token_rows,
+                        const std::string& partial_sums, const std::string& symmetric_memory,
+                        const std::string& launch) {
   // The kernels' limits apply to the experts of one rank (num_experts / world_size, checked below).
   const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
                                      false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0, "auto", 0)

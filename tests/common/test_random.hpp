@@ -44,7 +44,7 @@ class SeededRng {
   SeededRng()
       : seed_(test_seed()),
         engine_(seed_),
-        trace_(__FILE__, __LINE__, "MEGAMOE_TEST_SEED=" + std::to_string(run_seed()) + " replays this run")  {}
+        trace_(__FILE__, __LINE__, "MEGAMOE_TEST_SEED=" + std::to_string(run_seed()) + " replays this run") {}
   uint64_t seed() const { return seed_; }
   std::mt19937_64& engine() { return engine_; }
 
