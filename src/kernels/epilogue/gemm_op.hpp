@@ -1,5 +1,6 @@
-// What a grouped GEMM does with its accumulators, and the named barriers of its math warpgroups
-// (every one of them synchronizes an epilogue step).
+// What a grouped GEMM does with its accumulators, and the named barriers of the GEMM's block: its
+// math warpgroups' epilogue steps, and, in the single-kernel forward, its front role's gather
+// groups, the ring between the GEMMs, the combine and expert parallelism's chunks.
 #pragma once
 
 #include <cstdint>
