@@ -5,7 +5,8 @@
 //   whole CTA            front role: route and gather items (routing/front_items.cuh)
 //   producer warpgroup   FC1's producer roles, then FC2's (impls/sm90_grouped_gemm_swapab.cuh)
 //   math warpgroups      FC1's mainloop and epilogue, then FC2's (mma/swapab_mainloop.cuh), then
-//                        their CTA's share of the combine (combine/combine_share.cuh)
+//                        their CTA's share of the combine (combine/combine_share.cuh), its rows
+//                        staged in the idle stage ring
 // Between its FC1 and FC2 tiles a CTA joins all of its threads and sets its stage ring up again
 // (the two GEMMs share one ring layout); FC2 tiles wait per expert for FC1's, as between the
 // per-stage kernels, and the combine for every FC2 tile. The last CTA past its last counter access
@@ -23,6 +24,7 @@
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mbarrier.cuh"
 #include "kernels/routing/front_items.cuh"
+#include "kernels/routing/routing_limits.hpp"
 #include "kernels/scheduler/forward_items.hpp"
 
 namespace megamoe::kernels {
@@ -55,10 +57,11 @@ __device__ __forceinline__ void run_front_role(const SingleKernelParams<Fc1Param
 // following it.
 template <bool kDeterministic, class Fc1Params, class Fc2Params, class CountersDone>
 __device__ __forceinline__ void run_back_role(const SingleKernelParams<Fc1Params, Fc2Params>& p, FrontScratch&,
-                                              int math_thread, int math_threads, CountersDone counters_done) {
+                                              const CombineStaging& staging, int math_thread, int math_threads,
+                                              CountersDone counters_done) {
   combine_share<kDeterministic>(p.combine, p.front.items.counter(kFc2TilesStored),
                                 static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread, math_threads,
-                                p.front.timeline, counters_done);
+                                p.front.timeline, staging, counters_done);
 }
 
 template <class Fc1Config, class Fc2Config>
@@ -71,6 +74,12 @@ struct SingleKernelLayout {
   static_assert(sizeof(FrontScratch) <= sizeof(Fc1Config::SharedStorage::a),
                 "the front role's scratch fits in the weight stages");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(typename Fc1Config::SharedStorage));
+  // The combine stages its slot rows in the weight and token stages (combine_share), idle by then.
+  using Storage = typename Fc2Config::SharedStorage;
+  static_assert(sizeof(Storage::a) % 1024 == 0, "the token stages start where the weight stages end");
+  static constexpr int kCombineStagingBytes = static_cast<int>(sizeof(Storage::a) + sizeof(Storage::b));
+  static_assert(kCombineStagingBytes >= kMaxTopK * combine_detail::kStagedRowBytes * Fc2Config::kConsumerThreads,
+                "the combine stages a token's kMaxTopK rows a math thread");
   static_assert(kSmemBytes <= layout::kSm90SmemPerBlockOptin, "shared memory over the sm_90 limit");
 };
 
@@ -167,7 +176,8 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
       timeline.mark(layout::kForwardDone, kMathLead);
     }
   };
-  run_back_role<kDeterministic>(p, front_scratch, math_thread, Fc2Config::kConsumerThreads, counters_done);
+  const CombineStaging staging{smem_raw, Layout::kCombineStagingBytes};
+  run_back_role<kDeterministic>(p, front_scratch, staging, math_thread, Fc2Config::kConsumerThreads, counters_done);
   timeline.mark(layout::kCombineDone, kMathLead);
 }
 
