@@ -130,6 +130,14 @@ __device__ __forceinline__ void gather_token_by_group(const GatherParams& p, int
   sync();  // the next token rewrites slot_rows
 }
 
+// The barriers of one gather_token_by_group call without its work, by a group that has no token in
+// a round where other groups have one: every group then takes its barrier equally often.
+template <class Sync>
+__device__ __forceinline__ void skip_token_by_group(Sync sync) {
+  sync();
+  sync();
+}
+
 // The same by a whole block.
 template <Precision kPrecision, int kThreads, class Wait>
 __device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int token, int32_t* slot_rows, Wait wait) {

@@ -98,12 +98,20 @@ __device__ __forceinline__ void gather_tokens(const FrontParams& p, FrontScratch
   constexpr int kGroupThreads = kFrontThreads / kGatherGroups;
   const int group = static_cast<int>(threadIdx.x) / kGroupThreads;
   const uint32_t barrier = static_cast<uint32_t>(NamedBarrier::kGatherGroupFirst) + group;
-  // Groups run different token counts, so their barriers are not the same instruction in every
-  // thread of the CTA: the unaligned form (compute-sanitizer racecheck flagged bar.sync here).
+  // A group without a token takes its barriers at other instructions (skip_token_by_group), so not
+  // the same instruction in every thread of the CTA: the unaligned form.
   const auto group_sync = [barrier] { ptx::named_barrier_sync_from_anywhere(barrier, kGroupThreads); };
-  for (int token = first + group; token < end; token += kGatherGroups) {
-    gather_token_by_group<kPrecision, kGroupThreads>(p.gather, token, s.slot_rows[group],
-                                                     static_cast<int>(threadIdx.x) % kGroupThreads, always, group_sync);
+  // Every group runs every round (one without a token only its barriers): compute-sanitizer
+  // racecheck reported the next front item's ticket as racing where groups had taken their
+  // barriers different numbers of times.
+  for (int round = first; round < end; round += kGatherGroups) {
+    const int token = round + group;
+    if (token < end) {
+      gather_token_by_group<kPrecision, kGroupThreads>(p.gather, token, s.slot_rows[group],
+                                                       static_cast<int>(threadIdx.x) % kGroupThreads, always, group_sync);
+    } else {
+      skip_token_by_group(group_sync);
+    }
   }
   publish_gathered(p);
 }
