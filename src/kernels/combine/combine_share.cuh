@@ -62,16 +62,26 @@ struct StagedRows {
   __device__ __forceinline__ int row(int stage, int slot) const { return (stage * top_k + slot) * threads; }
 };
 
-// Starts copying output vector `index`'s slot rows and weights into `stage` (a used slot's row and
-// weight; zeros for an unused one, which then adds nothing) and commits them as one group. The
-// token's routed ids are read first, up to eight at once.
-__device__ __forceinline__ void stage_vector(const CombineParams& p, const StagedRows& staged, long index, int stage,
-                                             uint64_t read_once) {
-  constexpr int kIds = 8;
+// Where an output vector lies: its token and its first channel.
+struct VectorPlace {
+  int token;
+  int column;
+};
+
+// Output vector `index` (token index * (H/8) + its 8-channel group)'s place.
+__device__ __forceinline__ VectorPlace vector_place(const CombineParams& p, long index) {
   const int vectors_per_token = p.hidden / Bf16x8Sum::kChannels;
-  const int token = static_cast<int>(index / vectors_per_token);
-  const int column = static_cast<int>(index % vectors_per_token) * Bf16x8Sum::kChannels;
-  const size_t first_slot = static_cast<size_t>(token) * p.top_k;
+  return {static_cast<int>(index / vectors_per_token),
+          static_cast<int>(index % vectors_per_token) * Bf16x8Sum::kChannels};
+}
+
+// Starts copying the slot rows and weights of the output vector at `place` into `stage` (a used
+// slot's row and weight; zeros for an unused one, which then adds nothing) and commits them as one
+// group. The token's routed ids are read first, up to eight at once.
+__device__ __forceinline__ void stage_vector(const CombineParams& p, const StagedRows& staged, VectorPlace place,
+                                             int stage, uint64_t read_once) {
+  constexpr int kIds = 8;
+  const size_t first_slot = static_cast<size_t>(place.token) * p.top_k;
   for (int first = 0; first < p.top_k; first += kIds) {
     int32_t id[kIds];
 #pragma unroll
@@ -82,7 +92,7 @@ __device__ __forceinline__ void stage_vector(const CombineParams& p, const Stage
       const size_t slot = first_slot + first + i;
       const int row = staged.row(stage, first + i);
       const bool used = id[i] >= 0;
-      ptx::cp_async_16_or_zero(staged.rows + row, p.slot_outputs + (used ? slot * p.hidden + column : 0), used,
+      ptx::cp_async_16_or_zero(staged.rows + row, p.slot_outputs + (used ? slot * p.hidden + place.column : 0), used,
                                read_once);
       ptx::cp_async_4_or_zero(staged.weights + row, p.routed_weights + slot, used);
     }
@@ -90,19 +100,16 @@ __device__ __forceinline__ void stage_vector(const CombineParams& p, const Stage
   ptx::cp_async_commit_group();
 }
 
-// Output vector `index` from its staged rows, summed in slot order as add_rows_batched sums them.
-template <class Output>
-__device__ __forceinline__ void combine_staged_vector(const CombineParams& p, const StagedRows& staged, long index,
-                                                      int stage, const Output& output) {
-  const int vectors_per_token = p.hidden / Bf16x8Sum::kChannels;
-  const int token = static_cast<int>(index / vectors_per_token);
-  const int column = static_cast<int>(index % vectors_per_token) * Bf16x8Sum::kChannels;
+// The output vector at `place` into y from its rows staged in `stage`, summed in slot order as
+// add_rows_batched sums them.
+__device__ __forceinline__ void combine_staged_vector(const CombineParams& p, const StagedRows& staged,
+                                                      VectorPlace place, int stage) {
   Bf16x8Sum sum;
   for (int j = 0; j < p.top_k; ++j) {
     const int row = staged.row(stage, j);
     sum.add(staged.rows[row], staged.weights[row]);
   }
-  reinterpret_cast<uint4*>(output.row(p, token) + column)[0] = sum.rounded();
+  reinterpret_cast<uint4*>(CombineIntoY{}.row(p, place.token) + place.column)[0] = sum.rounded();
 }
 
 }  // namespace combine_detail
@@ -143,13 +150,14 @@ __device__ __forceinline__ void combine_share(const CombineParams& p, const uint
     // A pipeline of `depth` vectors: vector i is staged in stage i % depth, and once it is summed
     // the stage takes vector i + depth.
     const uint64_t read_once = ptx::l2_policy_evict_first();
-    for (int i = 0; i < min(count, staged.depth); ++i) stage_vector(p, staged, mine + i * wave, i, read_once);
+    const auto place = [&](int i) { return vector_place(p, mine + i * wave); };
+    for (int i = 0; i < min(count, staged.depth); ++i) stage_vector(p, staged, place(i), i, read_once);
     for (int i = 0; i < count; ++i) {
       const int stage = i % staged.depth;
       ptx::cp_async_wait_pending<kMaxStagedVectors - 1>(min(count, i + staged.depth) - 1 - i);
-      combine_staged_vector(p, staged, mine + i * wave, stage, CombineIntoY{});
+      combine_staged_vector(p, staged, place(i), stage);
       if (i + staged.depth < count) {
-        stage_vector(p, staged, mine + (i + staged.depth) * wave, stage, read_once);
+        stage_vector(p, staged, place(i + staged.depth), stage, read_once);
         if (i + staged.depth + 1 < count)
           prefetch_token_routing(p, static_cast<int>((mine + (i + staged.depth + 1) * wave) / vectors_per_token));
       }

@@ -99,21 +99,26 @@ __device__ __forceinline__ int place_slot(const GatherParams& p, int token, int 
 // `sync()` the group's barrier), one 8-channel chunk per thread at a time, one load ahead (every
 // thread of the group calls it; `slot_rows` is kMaxTopK ints of the group's shared memory). `wait`
 // runs between the first load of x and the first read of the routing: the per-stage kernel's
-// dependency wait.
+// dependency wait. Token -1 (none this round, where the caller's other groups have one): the group
+// loads and stores nothing but takes the same barriers as with a token, so that every group takes
+// its barrier equally often.
 template <Precision kPrecision, int kThreads, class Wait, class Sync>
 __device__ __forceinline__ void gather_token_by_group(const GatherParams& p, int token, int32_t* slot_rows, int thread,
                                                       Wait wait, Sync sync) {
   static_assert(kThreads % 32 == 0, "write_chunk is called by whole warps");
-  const int chunks = p.hidden / kGatherChunkElements;
+  const bool has_token = token >= 0;
+  const int chunks = has_token ? p.hidden / kGatherChunkElements : 0;  // none: no load and no write
   const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(token) * p.hidden);
   const uint4 zero = make_uint4(0, 0, 0, 0);
   int chunk = thread;
   uint4 raw = chunk < chunks ? source[chunk] : zero;
   if (!wait()) return;
   [[maybe_unused]] float tensor_factor = 0.0f;
-  if constexpr (kPrecision == Precision::fp8_tensor) tensor_factor = *p.tensor_factor;
+  if constexpr (kPrecision == Precision::fp8_tensor) {
+    if (has_token) tensor_factor = *p.tensor_factor;
+  }
   // Thread j < k looks up slot j's pool row while the first chunk is on its way.
-  if (thread < p.top_k) {
+  if (has_token && thread < p.top_k) {
     const int row = place_slot(p, token, thread);
     slot_rows[thread] = p.rows_by_token ? token : row;
   }
@@ -128,14 +133,6 @@ __device__ __forceinline__ void gather_token_by_group(const GatherParams& p, int
     raw = next_raw;
   }
   sync();  // the next token rewrites slot_rows
-}
-
-// The barriers of one gather_token_by_group call without its work, by a group that has no token in
-// a round where other groups have one: every group then takes its barrier equally often.
-template <class Sync>
-__device__ __forceinline__ void skip_token_by_group(Sync sync) {
-  sync();
-  sync();
 }
 
 // The same by a whole block.

@@ -98,20 +98,17 @@ __device__ __forceinline__ void gather_tokens(const FrontParams& p, FrontScratch
   constexpr int kGroupThreads = kFrontThreads / kGatherGroups;
   const int group = static_cast<int>(threadIdx.x) / kGroupThreads;
   const uint32_t barrier = static_cast<uint32_t>(NamedBarrier::kGatherGroupFirst) + group;
-  // A group without a token takes its barriers at other instructions (skip_token_by_group), so not
-  // the same instruction in every thread of the CTA: the unaligned form.
+  // A group without a token branches past its loads and stores where the others do not, and an
+  // aligned barrier requires every thread of the CTA to take the same branches to it: the unaligned
+  // form.
   const auto group_sync = [barrier] { ptx::named_barrier_sync_from_anywhere(barrier, kGroupThreads); };
-  // Every group runs every round (one without a token only its barriers): compute-sanitizer
+  // Every group runs every round (one without a token, -1, only its barriers): compute-sanitizer
   // racecheck reported the next front item's ticket as racing where groups had taken their
   // barriers different numbers of times.
   for (int round = first; round < end; round += kGatherGroups) {
-    const int token = round + group;
-    if (token < end) {
-      gather_token_by_group<kPrecision, kGroupThreads>(p.gather, token, s.slot_rows[group],
-                                                       static_cast<int>(threadIdx.x) % kGroupThreads, always, group_sync);
-    } else {
-      skip_token_by_group(group_sync);
-    }
+    const int token = round + group < end ? round + group : -1;
+    gather_token_by_group<kPrecision, kGroupThreads>(p.gather, token, s.slot_rows[group],
+                                                     static_cast<int>(threadIdx.x) % kGroupThreads, always, group_sync);
   }
   publish_gathered(p);
 }
