@@ -10,13 +10,16 @@
 // baseline (all-gather tokens -> local experts over all tokens -> reduce-scatter), each the
 // slowest rank's median; and, in the same run, the one-way peer copy bandwidth and the cost of one
 // cross-rank barrier. Each timed phase starts after a device barrier, so that no rank's timing
-// includes a late peer. The EP output is checked against the baseline's (where it runs), a fused
-// layer's (--fused) against the staged layer's bit for bit. --timeline also prints,
-// per rank, when the first and the last block reached each point of a call (layout/ep_timeline.hpp;
-// with --fused the fused layer's too, layout/forward_timeline.hpp), from the global timer, median of
-// the timed calls. Where ranks share a GPU (megamoe-run --one-gpu) everything but the NCCL
-// baseline runs (NCCL takes one GPU a rank): the figures are of time-sliced ranks, not of NVLink,
-// and the header line and the JSON (ranks_share_one_gpu) say so.
+// includes a late peer. The EP output is checked against the baseline's (where it runs). --fused
+// also times both fused layers (EpLayerOptions::fused, one launch a rank), each after checking its
+// y against the staged layer's as its combine promises: combine=owner_sums bit for bit,
+// combine=fc2_stores (the single-GPU layer's sums, not the staged layer's) within a relative L2
+// of 1e-2 (not with --partial-sums fp8: FP8 partial sums are owner_sums' only). --timeline also
+// prints, per rank, when the first and the last block reached each point of a call
+// (layout/ep_timeline.hpp; with --fused the fused layers' too, layout/forward_timeline.hpp), from
+// the global timer, median of the timed calls. Where ranks share a GPU (megamoe-run --one-gpu)
+// everything but the NCCL baseline runs (NCCL takes one GPU a rank): the figures are of
+// time-sliced ranks, not of NVLink, and the header line and the JSON (ranks_share_one_gpu) say so.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -59,6 +62,13 @@ using bench::StampTimeline;
 constexpr int kWarmup = 3;
 constexpr int kTimed = 20;
 constexpr size_t kPeerCopyBytes = size_t{1} << 30;
+// How far (relative L2) a fused layer with combine=fc2_stores may be from the staged layer: the two
+// differ by the staged layer's bf16 rounding of each owner's partial sum (~1e-3); a row lost or
+// summed twice is far more.
+constexpr double kFc2StoresBound = 1e-2;
+// Why --fused --partial-sums fp8 times no combine=fc2_stores layer (EpLayer refuses one).
+constexpr const char* kFc2StoresNotWithFp8Sums =
+    "--partial-sums fp8 is for combine=owner_sums: FC2 stores each expert's bf16 row into its source";
 
 void nccl_check(ncclResult_t result, const char* what) {
   if (result != ncclSuccess) {
@@ -90,6 +100,11 @@ struct Events {
   }
 };
 
+// What the printed lines call a fused layer.
+const char* fused_label(comm::EpCombine combine) {
+  return combine == comm::EpCombine::fc2_stores ? "fused, FC2 stores" : "fused";
+}
+
 // Runs `call` kTimed times with the EP timeline on and prints, for each point, the median time
 // from the first block's start (the count launch's; a fused layer's one launch) to the first and
 // the last block reaching it.
@@ -108,7 +123,7 @@ void print_timeline(comm::EpLayer& ep, cudaStream_t stream, int rank, int tokens
   ep.set_timeline(nullptr);
   std::fputs(timeline
                  .lines("timeline rank " + std::to_string(rank) + ", " + std::to_string(tokens) + " tokens" +
-                        (fused ? ", fused: " : ": "))
+                        (fused ? std::string(", ") + fused_label(ep.combine()) + ": " : std::string(": ")))
                  .c_str(),
              stdout);
   std::fflush(stdout);
@@ -127,6 +142,69 @@ double max_over_ranks(const comm::FileRendezvous& rendezvous, const std::string&
     worst = std::max(worst, std::stod(std::string(theirs.begin(), theirs.end())));
   }
   return worst;
+}
+
+std::vector<bf16_t> download(const bf16_t* device, size_t count) {
+  std::vector<bf16_t> host(count);
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(host.data(), device, count * sizeof(bf16_t), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// ||y - reference|| / ||reference|| in fp64.
+double relative_l2(const std::vector<bf16_t>& y, const std::vector<bf16_t>& reference) {
+  std::vector<double> a(y.size()), b(reference.size());
+  for (size_t i = 0; i < y.size(); ++i) a[i] = y[i].to_float(), b[i] = reference[i].to_float();
+  return ref::relative_l2(a, b);
+}
+
+struct FusedFigures {
+  double forward_ms = 0.0;        // this rank's median forward
+  double rel_l2_vs_staged = 0.0;  // of y from the staged layer's (0: bit for bit)
+};
+
+// One fused layer at one batch: a forward whose y is checked against the staged layer's as the
+// layer's combine promises (owner_sums: bit for bit; fc2_stores: within kFc2StoresBound), then
+// timed as the staged forward is (each call after a device barrier), then, with `timeline`, its
+// timeline. A failed check throws: the figure would not be of the same layer. Collective: every
+// rank calls it for the same layers in the same order.
+FusedFigures time_fused_layer(comm::EpLayer& fused, cudaStream_t stream, const MoeInputs& inputs,
+                              const std::vector<bf16_t>& staged_y, bool timeline, int rank) {
+  const int tokens = inputs.num_tokens;
+  const bench::DeviceBuffer y(staged_y.size() * sizeof(bf16_t));
+  const MoeOutputs outputs{y.as<bf16_t>()};
+  fused.forward(stream, inputs, outputs);
+  fused.check_peers(stream);
+  const std::vector<bf16_t> fused_y = download(y.as<bf16_t>(), staged_y.size());
+  const std::string where = "rank " + std::to_string(rank) + ", " + std::to_string(tokens) + " tokens: ";
+  FusedFigures figures;
+  if (fused.combine() == comm::EpCombine::owner_sums) {
+    if (std::memcmp(staged_y.data(), fused_y.data(), staged_y.size() * sizeof(bf16_t)) != 0) {
+      throw std::runtime_error(where + "the fused layer's y differs from the staged layer's");
+    }
+  } else {
+    figures.rel_l2_vs_staged = relative_l2(fused_y, staged_y);
+    if (!(figures.rel_l2_vs_staged <= kFc2StoresBound)) {  // NaN fails too
+      char message[320];
+      std::snprintf(message, sizeof message,
+                    "the fused layer with combine=fc2_stores: its y differs from the staged layer's by a "
+                    "relative L2 of %.2e, over the %.0e bound (the staged layer's bf16 rounding of each "
+                    "owner's partial sum accounts for ~1e-3)",
+                    figures.rel_l2_vs_staged, kFc2StoresBound);
+      throw std::runtime_error(where + message);
+    }
+  }
+  figures.forward_ms = bench::median_ms(
+      stream, bench::Replays{kWarmup, kTimed}, [&] { fused.forward(stream, inputs, outputs); },
+      [&] { fused.synchronize_ranks(stream); });
+  if (timeline) {
+    // Each call after a device barrier, as the staged timeline's: a rank's host lag after the
+    // previous call's collection is not the peers' wait.
+    print_timeline(fused, stream, rank, tokens, [&] {
+      fused.synchronize_ranks(stream);
+      fused.forward(stream, inputs, outputs);
+    });
+  }
+  return figures;
 }
 
 // Whether any two ranks run on the same GPU (megamoe-run --one-gpu), by the devices' PCI bus ids.
@@ -199,8 +277,11 @@ void print_usage() {
       "               per 128 channels: half the bytes, not bf16's bits; the table's last column says how far from the baseline)\n"
       "  --symmetric-memory where the expert-parallel buffer lives: cuda_ipc (default) or nvshmem (NVSHMEM's\n"
       "               symmetric heap; a build with MEGAMOE_NVSHMEM)\n"
-      "  --fused      also time a fused layer (EpLayerOptions::fused: the forward as one launch) in the same\n"
-      "               run, after checking its y against the staged layer's bit for bit\n"
+      "  --fused      also time the fused layers (EpLayerOptions::fused: the forward as one launch) in the same\n"
+      "               run: combine=owner_sums after checking its y against the staged layer's bit for bit, and\n"
+      "               combine=fc2_stores (FC2 stores each expert's row into its source, the single-GPU layer's\n"
+      "               sums) after checking its y within a relative L2 of 1e-2 of the staged layer's (not with\n"
+      "               --partial-sums fp8)\n"
       "  --json PATH  rank 0 also writes the measured figures as JSON (one record per token count)\n"
       "  --timeline   also print when each rank's blocks reached each point of a call\n"
       "Ranks sharing one GPU (megamoe-run --one-gpu) skip the NCCL baseline (NCCL takes one GPU a rank).\n");
@@ -304,11 +385,17 @@ int run(const Options& o) {
   ep_options.partial_sums = o.partial_sums;
   comm::EpLayer ep(spec, weights, max_tokens, rendezvous, ep_options);
   const bool fp8_rows = ep.token_rows() == comm::EpTokenRows::fp8;
-  std::unique_ptr<comm::EpLayer> fused;
+  // The fused layers, each with a symmetric buffer of its own; every rank builds them in this order.
+  std::unique_ptr<comm::EpLayer> fused, fused_fc2_stores;
   if (o.fused) {
     ep_options.fused = true;
     ep_options.buffer_name = "ep-fused";
     fused = std::make_unique<comm::EpLayer>(spec, weights, max_tokens, rendezvous, ep_options);
+    if (ep_options.partial_sums == comm::EpPartialSums::bf16) {
+      ep_options.combine = comm::EpCombine::fc2_stores;
+      ep_options.buffer_name = "ep-fused-fc2-stores";
+      fused_fc2_stores = std::make_unique<comm::EpLayer>(spec, weights, max_tokens, rendezvous, ep_options);
+    }
   }
   // Ranks sharing a GPU (megamoe-run --one-gpu) time-slice it: no NCCL baseline (NCCL refuses two
   // ranks on one device), and the header line and the JSON say that the figures are not NVLink's.
@@ -437,33 +524,14 @@ int run(const Options& o) {
     const double total_ms = bench::median_ms(
         stream, bench::Replays{kWarmup, kTimed}, [&] { ep.forward(stream, inputs, MoeOutputs{y_ep}); },
         [&] { ep.synchronize_ranks(stream); });
-    // The fused layer, timed alike; its y must be the staged layer's, bit for bit (a mismatch
-    // fails the run: the figure would not be of the same layer).
-    double fused_ms = 0.0;
+    // The fused layers, timed alike, each after its y is checked against the staged layer's.
+    FusedFigures owner_sums_figures, fc2_stores_figures;
     if (fused) {
-      bf16_t* y_fused = cuda_alloc<bf16_t>(x.size());
-      fused->forward(stream, inputs, MoeOutputs{y_fused});
-      fused->check_peers(stream);
-      std::vector<bf16_t> staged_y(x.size()), fused_y(x.size());
-      MEGAMOE_CUDA_CHECK(cudaMemcpy(staged_y.data(), y_ep, x.size() * 2, cudaMemcpyDeviceToHost));
-      MEGAMOE_CUDA_CHECK(cudaMemcpy(fused_y.data(), y_fused, x.size() * 2, cudaMemcpyDeviceToHost));
-      if (std::memcmp(staged_y.data(), fused_y.data(), x.size() * 2) != 0) {
-        cudaFree(y_fused);
-        throw std::runtime_error("rank " + std::to_string(rank) + ", " + std::to_string(tokens) +
-                                 " tokens: the fused layer's y differs from the staged layer's");
+      const std::vector<bf16_t> staged_y = download(y_ep, x.size());
+      owner_sums_figures = time_fused_layer(*fused, stream, inputs, staged_y, timeline, rank);
+      if (fused_fc2_stores) {
+        fc2_stores_figures = time_fused_layer(*fused_fc2_stores, stream, inputs, staged_y, timeline, rank);
       }
-      fused_ms = bench::median_ms(
-          stream, bench::Replays{kWarmup, kTimed}, [&] { fused->forward(stream, inputs, MoeOutputs{y_fused}); },
-          [&] { fused->synchronize_ranks(stream); });
-      if (timeline) {
-        // Each call after a device barrier, as the staged timeline's: a rank's host lag after the
-        // previous call's collection is not the peers' wait.
-        print_timeline(*fused, stream, rank, tokens, [&] {
-          fused->synchronize_ranks(stream);
-          fused->forward(stream, inputs, MoeOutputs{y_fused});
-        });
-      }
-      cudaFree(y_fused);
     }
     // Bytes that crossed NVLink: token rows other ranks pushed here (codes and a scale per 128
     // channels, or bf16); as many partial sums go back (likewise FP8 or bf16).
@@ -479,19 +547,18 @@ int run(const Options& o) {
     double rel_diff = 0.0;
     if (!shared_gpu) {
       baseline_ms = time_nccl_baseline(nccl, *baseline_experts, spec, rendezvous, stream, ev, inputs, y_base);
-      std::vector<bf16_t> a(x.size()), b(x.size());
-      MEGAMOE_CUDA_CHECK(cudaMemcpy(a.data(), y_ep, a.size() * 2, cudaMemcpyDeviceToHost));
-      MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), y_base, b.size() * 2, cudaMemcpyDeviceToHost));
-      std::vector<double> da(a.size()), db(b.size());
-      for (size_t i = 0; i < a.size(); ++i) da[i] = a[i].to_float(), db[i] = b[i].to_float();
-      rel_diff = ref::relative_l2(da, db);
+      rel_diff = relative_l2(download(y_ep, x.size()), download(y_base, x.size()));
     }
     const std::string key = "T" + std::to_string(tokens);
     const double agreement = max_over_ranks(rendezvous, key + "-agree", rel_diff);
     const double d_us = 1e3 * max_over_ranks(rendezvous, key + "-dispatch", median(dispatch_ms));
     const double c_us = 1e3 * max_over_ranks(rendezvous, key + "-combine", median(combine_ms));
     const double t_us = 1e3 * max_over_ranks(rendezvous, key + "-total", total_ms);
-    const double f_us = 1e3 * max_over_ranks(rendezvous, key + "-fused", fused_ms);
+    const double f_us = 1e3 * max_over_ranks(rendezvous, key + "-fused", owner_sums_figures.forward_ms);
+    const double fc2_stores_us =
+        1e3 * max_over_ranks(rendezvous, key + "-fused-fc2-stores", fc2_stores_figures.forward_ms);
+    const double fc2_stores_rel_l2 =
+        max_over_ranks(rendezvous, key + "-fused-fc2-stores-rel-l2", fc2_stores_figures.rel_l2_vs_staged);
     const double b_us = shared_gpu ? 0.0 : 1e3 * max_over_ranks(rendezvous, key + "-baseline", median(baseline_ms));
     const double rt_us = 1e3 * max_over_ranks(rendezvous, key + "-round-trip", round_trips_ms / kRoundTrips);
     const double bytes = max_over_ranks(rendezvous, key + "-bytes", remote_bytes);
@@ -538,6 +605,16 @@ int run(const Options& o) {
         record.set("fused_forward_us", f_us);
         std::printf("  %6s   fused: %.1f us a forward (one launch a rank; staged %.1f), y the staged layer's "
                     "bit for bit\n", "", f_us, t_us);
+        if (fused_fc2_stores) {
+          record.set("fused_fc2_stores_forward_us", fc2_stores_us)
+              .set("fused_fc2_stores_rel_l2_vs_staged", fc2_stores_rel_l2);
+          std::printf("  %6s   %s: %.1f us a forward (one launch a rank; y within %.1e of the staged layer's)\n",
+                      "", fused_label(comm::EpCombine::fc2_stores), fc2_stores_us, fc2_stores_rel_l2);
+        } else {
+          record.set("fused_fc2_stores", std::string("not run: ") + kFc2StoresNotWithFp8Sums);
+          std::printf("  %6s   %s: not run (%s)\n", "", fused_label(comm::EpCombine::fc2_stores),
+                      kFc2StoresNotWithFp8Sums);
+        }
       }
       records.push(std::move(bench::set_provenance(record, o.provenance)));
     }

@@ -560,14 +560,16 @@ int64_t workspace_bytes(int64_t handle) { return static_cast<int64_t>(registry()
 // call. The ranks meet in rendezvous_dir, a folder they share that no other layer uses.
 // input_scales: an fp8_tensor rank's static activation scales as pack_weights gives them (each
 // owner encodes the rows it receives with its own), or [0]. partial_sums: "bf16" or "fp8"
-// (comm::EpPartialSums); symmetric_memory: "cuda_ipc" or "nvshmem" (comm::SymmetricBackend).
+// (comm::EpPartialSums); symmetric_memory: "cuda_ipc" or "nvshmem" (comm::SymmetricBackend);
+// launch: "staged" or "fused" (EpLayerOptions::fused); combine: "owner_sums" or "fc2_stores"
+// (comm::EpCombine; the schema defaults it to owner_sums, as prepare_ep_weights does).
 int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w2,
                         const at::Tensor& w2_scales, const at::Tensor& input_scales, int64_t num_experts,
                         int64_t hidden, int64_t intermediate, int64_t top_k, const std::string& precision,
                         const std::string& scale_format, int64_t max_tokens, const std::string& rendezvous_dir,
                         int64_t rank, int64_t world_size, int64_t device_index, const std::string& token_rows,
                         const std::string& partial_sums, const std::string& symmetric_memory,
-                        const std::string& launch) {
+                        const std::string& launch, const std::string& combine) {
   // The kernels' limits apply to the experts of one rank (num_experts / world_size, checked below).
   const MoeSpec spec = checked_layer(num_experts, hidden, intermediate, top_k, precision, scale_format, "precomputed",
                                      false, 1, 1, 1.0, std::nullopt, max_tokens, 0, "auto", 0, "auto", 0)
@@ -594,6 +596,16 @@ int64_t create_ep_layer(const at::Tensor& w13, const at::Tensor& w13_scales, con
   TORCH_CHECK_NOT_IMPLEMENTED(!options.fused || spec.precision != Precision::fp8_tensor,
                               "megamoe: launch='fused' takes precision bf16 or fp8_block (the single-kernel forward "
                               "has no fp8_tensor path); an fp8_tensor layer runs staged (launch='staged')");
+  options.combine = choice_from<comm::EpCombine>(
+      combine, "combine", {{"owner_sums", comm::EpCombine::owner_sums}, {"fc2_stores", comm::EpCombine::fc2_stores}});
+  // The C++ EpLayer refuses these too, later: refused here before anything is checked against the ranks.
+  TORCH_CHECK_NOT_IMPLEMENTED(options.combine != comm::EpCombine::fc2_stores || options.fused,
+                              "megamoe: combine='fc2_stores' is the fused forward's (FC2's epilogue stores into the "
+                              "sources): set launch='fused', or keep combine='owner_sums' for the staged layer");
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      options.combine != comm::EpCombine::fc2_stores || options.partial_sums != comm::EpPartialSums::fp8,
+      "megamoe: combine='fc2_stores' returns each expert's bf16 row as FC2 stores it: partial_sums='fp8' is for "
+      "combine='owner_sums'");
   checked_int(world_size, "world_size", 1);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "megamoe: rank ", rank, " must be in [0, world_size=", world_size,
                     ")");
@@ -688,7 +700,7 @@ TORCH_LIBRARY(megamoe, m) {
   m.def("create_ep_layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, Tensor input_scales, "
         "int num_experts, int hidden, int intermediate, int top_k, str precision, str scale_format, int max_tokens, "
         "str rendezvous_dir, int rank, int world_size, int device_index, str token_rows, str partial_sums, "
-        "str symmetric_memory, str launch) -> int",
+        "str symmetric_memory, str launch, str combine='owner_sums') -> int",
         &create_ep_layer);
   m.def("destroy_ep_layer(int layer) -> ()", &destroy_ep_layer);
   m.def("ep_forward(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights) -> Tensor");

@@ -36,11 +36,11 @@ class EpMoeWeights(LayerHandle):
     `max_tokens` tokens per rank and call. Freeing it is collective (close(), or the garbage
     collector, or the process's exit): a rank that lets go while its peers keep theirs waits up to
     a minute for them. Its repr says how it was built: token_rows as they travel ("automatic"
-    resolved), partial_sums, symmetric_memory and launch, and for fp8_tensor where its activation
-    scales come from (input_scales: "from_checkpoint" or "dynamic")."""
+    resolved), partial_sums, symmetric_memory, launch and combine, and for fp8_tensor where its
+    activation scales come from (input_scales: "from_checkpoint" or "dynamic")."""
 
     def __init__(self, *, rank: int, world_size: int, token_rows: str, partial_sums: str, symmetric_memory: str,
-                 launch: str, input_scales: Optional[str] = None, **layer):
+                 launch: str, combine: str, input_scales: Optional[str] = None, **layer):
         super().__init__(**layer)
         self.input_scales = input_scales
         self.rank = rank
@@ -49,6 +49,7 @@ class EpMoeWeights(LayerHandle):
         self.partial_sums = partial_sums
         self.symmetric_memory = symmetric_memory
         self.launch = launch
+        self.combine = combine
 
     @property
     def experts(self) -> range:
@@ -89,7 +90,7 @@ class EpMoeWeights(LayerHandle):
                 f"hidden={self.hidden}, intermediate={self.intermediate}, precision={self.precision!r}{scales}, "
                 f"max_tokens={self.max_tokens}, rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"token_rows={self.token_rows!r}, partial_sums={self.partial_sums!r}, "
-                f"symmetric_memory={self.symmetric_memory!r}, launch={self.launch!r})")
+                f"symmetric_memory={self.symmetric_memory!r}, launch={self.launch!r}, combine={self.combine!r})")
 
 
 def _rank_and_world(rank: Optional[int], world_size: Optional[int]):
@@ -164,6 +165,7 @@ def prepare_ep_weights(
     partial_sums: str = "bf16",
     symmetric_memory: str = "cuda_ipc",
     launch: str = "staged",
+    combine: str = "owner_sums",
 ) -> EpMoeWeights:
     """Collective: packs this rank's experts (w13 [E / world, 2I, H], w2 [E / world, H, I], in
     prepare_weights' layouts, dtypes and scales) and joins the other ranks' shares into a layer
@@ -191,7 +193,15 @@ def prepare_ep_weights(
     "fused" (each rank's forward as one launch, designed to give the staged output bit for bit,
     with either partial_sums; with the default token_rows; bf16 and fp8_block only; correct on one
     GPU with ranks sharing it, not yet measured on two:
-    docs/design.md#expert-parallelism-inside-the-persistent-kernel).
+    docs/design.md#expert-parallelism-inside-the-persistent-kernel). combine: how a fused layer's
+    owners return their experts' outputs, "owner_sums" (each owner sums its experts' rows of a
+    token and sends that partial sum, as partial_sums says; the source adds the owners' sums in rank
+    order: the staged layer's output bit for bit) or "fc2_stores" (FC2's epilogue stores each
+    expert's bf16 output row straight into its token's source rank, which sums the token's k rows in
+    slot order: the single-GPU layer's output bit for bit, about 1e-3 relative L2 from the staged
+    layer's, which rounds each owner's partial sum to bf16; up to k rows a token cross NVLink instead
+    of one per owner, and the owners have no combine phase; launch="fused" with partial_sums="bf16"
+    only; correct on one GPU with ranks sharing it, not yet measured on two).
     """
     # Every call takes the next layer number, refused or not: a refusal on some ranks only (a NaN in
     # this rank's experts) would otherwise leave the ranks' numbers, and so their folders, apart
@@ -208,6 +218,14 @@ def prepare_ep_weights(
         raise ValueError(f"megamoe: symmetric_memory={symmetric_memory!r} must be 'cuda_ipc' or 'nvshmem'")
     if require_str(launch, "launch") not in ("staged", "fused"):
         raise ValueError(f"megamoe: launch={launch!r} must be 'staged' or 'fused'")
+    if require_str(combine, "combine") not in ("owner_sums", "fc2_stores"):
+        raise ValueError(f"megamoe: combine={combine!r} must be 'owner_sums' or 'fc2_stores'")
+    if combine == "fc2_stores" and launch != "fused":
+        raise NotImplementedError("megamoe: combine='fc2_stores' is the fused forward's (FC2's epilogue stores into "
+                                  "the sources): set launch='fused', or keep combine='owner_sums' for the staged layer")
+    if combine == "fc2_stores" and partial_sums == "fp8":
+        raise NotImplementedError("megamoe: combine='fc2_stores' returns each expert's bf16 row as FC2 stores it: "
+                                  "partial_sums='fp8' is for combine='owner_sums'")
     if launch == "fused" and precision == "fp8_tensor":
         raise NotImplementedError("megamoe: launch='fused' takes precision bf16 or fp8_block (the single-kernel "
                                   "forward has no fp8_tensor path); an fp8_tensor layer runs staged (launch='staged')")
@@ -250,12 +268,12 @@ def prepare_ep_weights(
     os.makedirs(layer_folder, exist_ok=True)
     handle = ops.create_ep_layer(*packed, num_experts, checked.hidden, checked.intermediate, top_k, precision,
                                  scale_format, max_tokens, layer_folder, rank, world_size, device.index, token_rows,
-                                 partial_sums, symmetric_memory, launch)
+                                 partial_sums, symmetric_memory, launch, combine)
     return EpMoeWeights(handle=handle, num_experts=num_experts, top_k=top_k, hidden=checked.hidden,
                         intermediate=checked.intermediate, precision=precision, scale_format=scale_format,
                         max_tokens=max_tokens, rank=rank, world_size=world_size, device=device,
                         token_rows=ops.ep_token_rows(handle), partial_sums=partial_sums,
-                        symmetric_memory=symmetric_memory, launch=launch,
+                        symmetric_memory=symmetric_memory, launch=launch, combine=combine,
                         input_scales=checked.input_scales(precision))
 
 

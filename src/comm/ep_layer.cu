@@ -37,6 +37,14 @@ const char* to_string(EpPartialSums sums) {
   return "(not an EpPartialSums value)";
 }
 
+const char* to_string(EpCombine combine) {
+  switch (combine) {
+    case EpCombine::owner_sums: return "owner_sums";
+    case EpCombine::fc2_stores: return "fc2_stores";
+  }
+  return "(not an EpCombine value)";
+}
+
 EpLayer::EpLayer(const MoeSpec& spec, const PackedWeights& local_weights, int max_tokens_per_rank,
                  const FileRendezvous& rendezvous, const EpLayerOptions& options)
     : EpLayer(spec, local_weights.view(), max_tokens_per_rank, rendezvous, options) {}
@@ -93,6 +101,19 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
                                             std::to_string(spec.hidden) + " is not a multiple of 128");
   }
   if (options.buffer_name.empty()) throw Error(ErrorCode::invalid_argument, "buffer_name must not be empty");
+  if (options.combine != EpCombine::owner_sums && options.combine != EpCombine::fc2_stores) {
+    throw Error(ErrorCode::invalid_argument, "combine=" + std::to_string(static_cast<int>(options.combine)) +
+                                                 " names no EpCombine value (owner_sums, fc2_stores)");
+  }
+  const bool fc2_stores = options.combine == EpCombine::fc2_stores;
+  if (fc2_stores && !options.fused) {
+    throw Error(ErrorCode::unsupported, "combine=fc2_stores is the fused forward's (FC2's epilogue stores into the "
+                                        "sources): set fused=true, or keep combine=owner_sums for the staged layer");
+  }
+  if (fc2_stores && fp8_partials) {
+    throw Error(ErrorCode::unsupported, "combine=fc2_stores returns each expert's bf16 row as FC2 stores it: "
+                                        "partial_sums=fp8 is for combine=owner_sums");
+  }
   fused_ = options.fused;
   if (fused_) {
     if (fp8_rows != (spec.precision == Precision::fp8_block)) {
@@ -111,7 +132,7 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
   layout_ = layout::EpBufferLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank,
                                          fp8_rows, fp8_partials);
   fused_layout_ = layout::EpFusedLayout::make(world, spec.num_experts, spec.top_k, spec.hidden, max_tokens_per_rank,
-                                              fp8_rows, fp8_partials);
+                                              fp8_rows, fp8_partials, fc2_stores);
   signals_offset_ = fused_ ? fused_layout_.signals : layout_.signals;
 
   // The local pass: every local expert of each received token (each virtual token, where fused),

@@ -52,6 +52,20 @@ enum class EpPartialSums {
 };
 const char* to_string(EpPartialSums sums);
 
+// How a fused layer's owners return their experts' outputs to each token's source
+// (docs/design.md#expert-parallelism-inside-the-persistent-kernel); the staged layer's way is
+// owner_sums.
+enum class EpCombine {
+  owner_sums,  // once FC2 is done, the owner sums its experts' rows of each token and stores that
+               // partial sum into the source (as EpLayerOptions::partial_sums says), which adds the
+               // owners' sums in rank order: the staged layer's y, bit for bit
+  fc2_stores,  // FC2's epilogue stores each expert's output row straight into its source as the
+               // tile finishes, and the source sums the token's k rows in slot order: the
+               // single-GPU layer's y, bit for bit; up to k rows a token cross NVLink instead of
+               // one per owner, with no combine phase on the owner. bf16 rows only.
+};
+const char* to_string(EpCombine combine);
+
 struct EpLayerOptions {
   // How long a device-side barrier waits for a peer.
   std::chrono::milliseconds barrier_timeout = kDefaultBarrierTimeout;
@@ -72,6 +86,8 @@ struct EpLayerOptions {
   // for bit); every rank must choose the same. The phases (dispatch, compute, combine) and
   // last_delivered are the staged layer's only.
   bool fused = false;
+  // fused=true only (with partial_sums=bf16 for fc2_stores); every rank must choose the same.
+  EpCombine combine = EpCombine::owner_sums;
 };
 
 // The fused forward's cross-rank waits run inside a kernel whose own waits trap after ~17 s
@@ -139,6 +155,7 @@ class EpLayer {
   EpTokenRows token_rows() const { return layout_.fp8_rows ? EpTokenRows::fp8 : EpTokenRows::bf16; }
   EpPartialSums partial_sums() const { return layout_.fp8_partials ? EpPartialSums::fp8 : EpPartialSums::bf16; }
   bool fused() const { return fused_; }
+  EpCombine combine() const { return fused_layout_.fc2_stores ? EpCombine::fc2_stores : EpCombine::owner_sums; }
   SymmetricBackend symmetric_memory() const { return buffer_->backend(); }
 
   // Diagnosis (megamoe-ep-bench --timeline): later calls fold the global timer at the points of

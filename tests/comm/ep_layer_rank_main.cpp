@@ -2,7 +2,7 @@
 // --one-gpu) every rank on one GPU (rank r takes visible device r mod count):
 //   ep_layer_rank [--iterations N] [--tokens T] [--hidden H] [--ue8m0]
 //                 [--precision bf16|fp8_block|fp8_tensor [--dynamic-scales]] [--fused]
-//                 [--symmetric-memory cuda_ipc|nvshmem] [--hang | --die [--fp8-partials]]
+//                 [--symmetric-memory cuda_ipc|nvshmem] [--hang | --die [--fp8-partials | --fc2-stores]]
 //                 [--barrier-timeout-ms MS]
 // Every iteration draws fresh routing on every rank (uniform, skewed onto few experts, with -1
 // holes and some ranks empty), runs EpLayer::forward, checks that dispatch delivered exactly the
@@ -15,7 +15,8 @@
 // rank 0 then checks what a caller sees: check_peers throws a timeout error naming rank 1, y is
 // NaN, the next forward throws at once, and the process still runs a single-GPU layer correctly.
 // --die: the same with rank 1's process gone (it exits without cleaning up after building the
-// layer) instead of stalled; with --fp8-partials the layer under test returns FP8 partial sums.
+// layer) instead of stalled; with --fp8-partials the layer under test returns FP8 partial sums, with
+// --fc2-stores (and --fused) its FC2 stores each expert row into the token's source.
 // Before any layer, every run checks the refusals a caller can meet: symmetric buffers whose sizes
 // differ between ranks, and EpLayer::forward given x_scales.
 // --hidden: the model width (default 256; 384 and 7168 reach the source's FP8 quantizer with a
@@ -27,8 +28,11 @@
 // (ref::owner_passes_forward) instead of the single-GPU reference. --fused: the layer under test
 // runs its forward as one launch (EpLayerOptions::fused), so every check above applies to it and its
 // y must equal the staged bf16-rows layer's bit for bit; it refuses the staged phases; with --hang
-// or --die its own waits must end in the diagnostic; and the FP8 partial sums' layer is fused too,
-// its y required to equal a staged FP8 partial sums layer's bit for bit.
+// or --die its own waits must end in the diagnostic; the FP8 partial sums' layer is fused too,
+// its y required to equal a staged FP8 partial sums layer's bit for bit; and a fourth layer, fused
+// with EpCombine::fc2_stores (FC2 stores every expert row into its source, which sums them), must
+// give the single-GPU layer's y (all experts on this rank) bit for bit, in every iteration and
+// graph replay. Combinations of the options that are refused are refused before any collective step.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -270,10 +274,53 @@ bool refusals_hold(const comm::FileRendezvous& rendezvous, comm::SymmetricBacken
   return true;
 }
 
+// The option combinations EpLayer refuses, each before any collective step (so every rank may try
+// them alone): an EpCombine value that names none, fc2_stores without fused, and fc2_stores with FP8
+// partial sums (an fp8_tensor layer is refused fused whatever its combine: checked in run).
+bool combinations_refused(const MoeSpec& spec, const PackedWeights& mine, int max_tokens,
+                          const comm::FileRendezvous& rendezvous) {
+  struct Refusal {
+    comm::EpCombine combine;
+    bool fused;
+    comm::EpPartialSums partial_sums;
+    ErrorCode code;
+    const char* named;  // what the message must say
+  };
+  const Refusal refusals[] = {
+      {static_cast<comm::EpCombine>(7), false, comm::EpPartialSums::bf16, ErrorCode::invalid_argument,
+       "names no EpCombine value"},
+      {comm::EpCombine::fc2_stores, false, comm::EpPartialSums::bf16, ErrorCode::unsupported, "set fused=true"},
+      {comm::EpCombine::fc2_stores, true, comm::EpPartialSums::fp8, ErrorCode::unsupported,
+       "partial_sums=fp8 is for combine=owner_sums"},
+  };
+  for (const Refusal& r : refusals) {
+    if (r.fused && spec.precision == Precision::fp8_tensor) continue;
+    comm::EpLayerOptions options;
+    options.combine = r.combine;
+    options.fused = r.fused;
+    options.partial_sums = r.partial_sums;
+    options.buffer_name = "ep-refused";
+    try {
+      comm::EpLayer refused(spec, mine, max_tokens, rendezvous, options);
+      std::fprintf(stderr, "FAILED: rank %d: a layer was built that must be refused (%s)\n", rendezvous.rank(),
+                   r.named);
+      return false;
+    } catch (const Error& e) {
+      if (e.code() != r.code || std::string(e.what()).find(r.named) == std::string::npos) {
+        std::fprintf(stderr, "FAILED: rank %d: refused without saying \"%s\": %s\n", rendezvous.rank(), r.named,
+                     e.what());
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 int run(int argc, char** argv) {
   int iterations = 20, max_tokens = 64, hidden = 256;
   comm::SymmetricBackend backend = comm::SymmetricBackend::cuda_ipc;
-  bool hang = false, die = false, ue8m0 = false, fused = false, fp8_partials_under_test = false;
+  bool hang = false, die = false, ue8m0 = false, fused = false, fp8_partials_under_test = false,
+       fc2_stores_under_test = false;
   Precision precision = Precision::fp8_block;
   InputScales input_scales = InputScales::from_checkpoint;
   std::chrono::milliseconds barrier_timeout = comm::kDefaultBarrierTimeout;
@@ -300,6 +347,7 @@ int run(int argc, char** argv) {
     else if (arg == "--dynamic-scales") input_scales = InputScales::dynamic;
     else if (arg == "--fused") fused = true;
     else if (arg == "--fp8-partials") fp8_partials_under_test = true;
+    else if (arg == "--fc2-stores") fc2_stores_under_test = true;
     else if (arg == "--die") hang = die = true;
     else if (arg == "--barrier-timeout-ms" && i + 1 < argc) barrier_timeout = std::chrono::milliseconds(std::atoi(argv[++i]));
     else throw Error(ErrorCode::invalid_argument, "unknown argument " + arg);
@@ -310,6 +358,10 @@ int run(int argc, char** argv) {
   if (fp8_partials_under_test && !hang) {
     throw Error(ErrorCode::invalid_argument, "--fp8-partials is for the lost-peer cases (--hang or --die): the "
                                              "other runs compare FP8 partial sums with bf16 ones themselves");
+  }
+  if (fc2_stores_under_test && !(hang && fused)) {
+    throw Error(ErrorCode::invalid_argument, "--fc2-stores is for the fused lost-peer cases (--fused with --hang or "
+                                             "--die): the other fused runs compare it with the single-GPU layer");
   }
   const auto rendezvous = comm::FileRendezvous::from_environment();
   const int rank = rendezvous.rank(), world = rendezvous.world_size();
@@ -339,7 +391,15 @@ int run(int argc, char** argv) {
   options.symmetric_memory = backend;
   options.fused = fused;
   if (fp8_partials_under_test) options.partial_sums = comm::EpPartialSums::fp8;
+  if (fc2_stores_under_test) options.combine = comm::EpCombine::fc2_stores;
+  if (!combinations_refused(spec, mine, max_tokens, rendezvous)) return 1;
   comm::EpLayer layer(spec, mine, max_tokens, rendezvous, options);
+  if (layer.combine() != options.combine) {
+    std::fprintf(stderr, "FAILED: rank %d: a layer asked to combine by %s combines by %s\n", rank,
+                 comm::to_string(options.combine), comm::to_string(layer.combine()));
+    return 1;
+  }
+  options.combine = comm::EpCombine::owner_sums;
   options.fused = false;  // the layers it is compared with are staged
   options.partial_sums = comm::EpPartialSums::bf16;
   if (layer.symmetric_memory() != backend) {
@@ -392,10 +452,19 @@ int run(int argc, char** argv) {
   options.fused = fused;
   comm::EpLayer fp8_partials(spec, mine, max_tokens, rendezvous, options);
   std::unique_ptr<comm::EpLayer> fp8_partials_staged;  // with --fused: what fp8_partials must equal
+  // With --fused: FC2 storing into the sources, and what it must equal, the single-GPU layer.
+  std::unique_ptr<comm::EpLayer> fc2_stores;
+  std::unique_ptr<MoeLayer> single_gpu;
   if (fused) {
     options.fused = false;
     options.buffer_name = "ep-fp8-partials-staged";
     fp8_partials_staged = std::make_unique<comm::EpLayer>(spec, mine, max_tokens, rendezvous, options);
+    options.fused = true;
+    options.partial_sums = comm::EpPartialSums::bf16;
+    options.combine = comm::EpCombine::fc2_stores;
+    options.buffer_name = "ep-fc2-stores";
+    fc2_stores = std::make_unique<comm::EpLayer>(spec, mine, max_tokens, rendezvous, options);
+    single_gpu = std::make_unique<MoeLayer>(spec, all, max_tokens);
   }
   if (fp8_partials.partial_sums() != comm::EpPartialSums::fp8) {
     std::fprintf(stderr, "FAILED: rank %d: a layer asked for FP8 partial sums sends %s ones\n", rank,
@@ -419,6 +488,8 @@ int run(int argc, char** argv) {
     const DeviceCall call_bf16_rows(spec, in);
     const DeviceCall call_fp8_partials(spec, in);
     const DeviceCall call_fp8_partials_staged(spec, in);
+    const DeviceCall call_fc2_stores(spec, in);
+    const DeviceCall call_single_gpu(spec, in);
     // The staged layer's delivery is read right after its forward: once this rank has run a later
     // layer's forward, a peer may start its next iteration, whose first forward (bf16_rows)
     // rewrites the counts here before its first barrier (compute-sanitizer's slowdown showed it
@@ -432,6 +503,10 @@ int run(int argc, char** argv) {
     }
     layer.forward(stream, call.inputs(), MoeOutputs{call.y});
     if (!fused) delivered = layer.last_delivered(stream);
+    if (fc2_stores) {
+      fc2_stores->forward(stream, call_fc2_stores.inputs(), MoeOutputs{call_fc2_stores.y});
+      if (T > 0) single_gpu->forward(stream, call_single_gpu.inputs(), MoeOutputs{call_single_gpu.y});
+    }
 
     // Dispatch: exactly the rows the CPU model predicts, in canonical order, with each slot's
     // local expert (the staged layer's; a fused one's delivery is checked by its y below).
@@ -468,6 +543,14 @@ int run(int argc, char** argv) {
                    "layer's with bf16 rows\n",
                    it, rank, comm::to_string(layer.token_rows()), fused ? ", fused" : "");
       return 1;
+    }
+    if (fc2_stores && T > 0) {
+      const std::vector<bf16_t> y_fc2_stores = call_fc2_stores.output(spec), y_single = call_single_gpu.output(spec);
+      if (std::memcmp(y_fc2_stores.data(), y_single.data(), y_single.size() * sizeof(bf16_t)) != 0) {
+        std::fprintf(stderr, "FAILED: iteration %d: rank %d y of the fused layer whose FC2 stores into the sources "
+                             "differs from the single-GPU layer's\n", it, rank);
+        return 1;
+      }
     }
     if (T > 0) {
       // FP8 partial sums: each remote owner's partial sum re-rounded to E4M3 (3 mantissa bits) per
@@ -534,6 +617,7 @@ int run(int argc, char** argv) {
       if (!replays_match(layer, call, "the layer") || !replays_match(fp8_partials, call_fp8_partials, "FP8 partial sums")) {
         return 1;
       }
+      if (fc2_stores && !replays_match(*fc2_stores, call_fc2_stores, "FC2 storing into the sources")) return 1;
     }
   }
   // With one rank every partial sum is the source's own (bf16): nothing to tell apart.
@@ -541,8 +625,9 @@ int run(int argc, char** argv) {
     std::fprintf(stderr, "FAILED: rank %d: FP8 partial sums gave bf16's bits in every iteration (not taken?)\n", rank);
     return 1;
   }
-  std::printf("rank %d ok (%s): %d iterations, worst rel. L2 error %.3e; FP8 partial sums within %.3e of bf16 ones\n",
-              rank, comm::to_string(backend), iterations, worst, worst_fp8_partials);
+  std::printf("rank %d ok (%s): %d iterations, worst rel. L2 error %.3e; FP8 partial sums within %.3e of bf16 ones%s\n",
+              rank, comm::to_string(backend), iterations, worst, worst_fp8_partials,
+              fc2_stores ? "; FC2 storing into the sources gave the single-GPU layer's y" : "");
   return 0;
 }
 

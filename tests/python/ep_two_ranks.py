@@ -11,8 +11,9 @@ bits of a second layer sending bf16 rows (token_rows="bf16"), and a third return
 an invalid id is counted on the rank that sent it, and bad calls raise before anything collective.
 An argument, "cuda_ipc" (default) or "nvshmem", says where the layers' symmetric buffers live; a
 second, "staged" (default) or "fused", how the layer under test launches (fused: its y must be the
-staged bf16-rows layer's bit for bit, in both precisions, and a fused layer's with FP8 partial sums
-the staged FP8 partial sums layer's; fp8_tensor is refused, it runs staged).
+staged bf16-rows layer's bit for bit, in both precisions, a fused layer's with FP8 partial sums
+the staged FP8 partial sums layer's, and a fused layer's with combine="fc2_stores" (FC2 stores each
+expert row into its token's source) the single-GPU layer's; fp8_tensor is refused, it runs staged).
 Prints "rank R ok" last; exits 1 on the first failure."""
 
 import math
@@ -123,7 +124,7 @@ def main() -> None:
         # The same layer staged, sending its token rows as bf16, for the bits (fp8_block, or a fused
         # layer of either precision; built in the same order on every rank, as every collective is).
         # And one returning FP8 partial sums, within a bound of the bf16 ones.
-        bf16_rows = fp8_partials = fused_fp8_partials = None
+        bf16_rows = fp8_partials = fused_fp8_partials = fc2_stores = None
         if precision == "fp8_block" or LAUNCH == "fused":
             bf16_rows = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
                                                    precision=precision, max_tokens=MAX_TOKENS, token_rows="bf16",
@@ -136,6 +137,15 @@ def main() -> None:
                 fused_fp8_partials = megamoe.prepare_ep_weights(
                     w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K, precision=precision, max_tokens=MAX_TOKENS,
                     partial_sums="fp8", symmetric_memory=SYMMETRIC_MEMORY, launch="fused")
+        # FC2 storing each expert row into its source, which sums a token's rows in slot order: the
+        # single-GPU layer's y (`whole`, every expert), bit for bit.
+        if LAUNCH == "fused":
+            fc2_stores = megamoe.prepare_ep_weights(w13[mine], w2[mine], num_experts=EXPERTS, top_k=TOP_K,
+                                                    precision=precision, max_tokens=MAX_TOKENS,
+                                                    symmetric_memory=SYMMETRIC_MEMORY, launch="fused",
+                                                    combine="fc2_stores")
+            if fc2_stores.combine != "fc2_stores":
+                fail(rank, f"{name}: the FC2-stores layer says combine={fc2_stores.combine!r}")
         whole = megamoe.prepare_weights(w13, w2, top_k=TOP_K, precision=precision,
                                         routing=megamoe.PrecomputedRouting(), max_tokens=MAX_TOKENS, **scales)
         reference_scales = None if static_scales is None else tuple(torch.tensor(v) for v in static_scales)
@@ -162,8 +172,16 @@ def main() -> None:
                 if tokens > 0 and not relative_l2(y_fp8_partials, y) < 5e-2:
                     fail(rank, f"{name} iteration {iteration}: FP8 partial sums are "
                                f"{relative_l2(y_fp8_partials, y):.3e} from bf16 ones")
+            # Collective: called with 0 tokens too; compared where there are tokens.
+            y_fc2_stores = None if fc2_stores is None else megamoe.ep_fused_moe(x, fc2_stores, ids, weights)
             if tokens == 0:
                 continue
+            if y_fc2_stores is not None:
+                y_single_gpu = megamoe.fused_moe(x, whole, topk_ids=ids, topk_weights=weights)
+                if not torch.equal(y_fc2_stores, y_single_gpu):
+                    fail(rank, f"{name} iteration {iteration}, {tokens} tokens: the fused layer with "
+                               f"combine='fc2_stores' differs from the single-GPU layer (relative L2 "
+                               f"{relative_l2(y_fc2_stores, y_single_gpu):.3e})")
             if static_scales is None and precision == "fp8_tensor":
                 # Each owner's own scales: the owners' passes, not one GPU's batch (which differs by
                 # the scales alone: 7.2e-2 at one token beside 256 on the other rank).
@@ -218,7 +236,7 @@ def main() -> None:
             except expected:
                 pass
         layer.close()
-        for other in (bf16_rows, fp8_partials):
+        for other in (bf16_rows, fp8_partials, fused_fp8_partials, fc2_stores):
             if other is not None:
                 other.close()
         del whole

@@ -71,7 +71,8 @@ def ep_weights(**overrides) -> megamoe.EpMoeWeights:
     """A handle naming no layer (closing it is a no-op), on the CPU so that the checks can run."""
     fields = dict(handle=-1, num_experts=8, top_k=2, hidden=128, intermediate=128, precision="bf16",
                   scale_format="fp32", max_tokens=16, rank=1, world_size=2, device=torch.device("cpu"),
-                  token_rows="bf16", partial_sums="bf16", symmetric_memory="cuda_ipc", launch="staged")
+                  token_rows="bf16", partial_sums="bf16", symmetric_memory="cuda_ipc", launch="staged",
+                  combine="owner_sums")
     fields.update(overrides)
     return megamoe.EpMoeWeights(**fields)
 
@@ -80,8 +81,10 @@ def test_the_repr_says_how_the_layer_was_built():
     text = repr(ep_weights(precision="fp8_block", token_rows="fp8", partial_sums="fp8", symmetric_memory="nvshmem",
                            launch="fused"))
     for part in ("precision='fp8_block'", "experts=range(4, 8)", "rank=1, world_size=2", "token_rows='fp8'",
-                 "partial_sums='fp8'", "symmetric_memory='nvshmem'", "launch='fused'"):
+                 "partial_sums='fp8'", "symmetric_memory='nvshmem'", "launch='fused'", "combine='owner_sums'"):
         assert part in text, text
+    text = repr(ep_weights(launch="fused", combine="fc2_stores"))
+    assert "launch='fused', combine='fc2_stores'" in text, text
     assert "input_scales" not in text
     text = repr(ep_weights(precision="fp8_tensor", input_scales="dynamic"))
     assert "precision='fp8_tensor', input_scales='dynamic'" in text, text
@@ -130,13 +133,16 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
     empty = torch.empty(0, dtype=torch.uint8)
     scales = torch.empty(0)
     good = dict(num_experts=8, hidden=128, top_k=2, precision="bf16", rank=0, world_size=2, token_rows="automatic",
-                partial_sums="bf16", symmetric_memory="cuda_ipc", launch="staged")
+                partial_sums="bf16", symmetric_memory="cuda_ipc", launch="staged", combine="owner_sums")
 
     def create(**changes):
         a = dict(good, **changes)
+        # combine=None leaves it out, for the schema's default.
+        combine = () if a["combine"] is None else (a["combine"],)
         torch.ops.megamoe.create_ep_layer(empty, scales, empty, scales, scales, a["num_experts"], a["hidden"], 128,
                                           a["top_k"], a["precision"], "fp32", 16, "/nowhere", a["rank"], a["world_size"], 0,
-                                          a["token_rows"], a["partial_sums"], a["symmetric_memory"], a["launch"])
+                                          a["token_rows"], a["partial_sums"], a["symmetric_memory"], a["launch"],
+                                          *combine)
 
     refusals = [
         (dict(world_size=3), ValueError, "must be a multiple of the world size 3"),
@@ -153,6 +159,15 @@ def test_ep_ops_refuse_bad_arguments_before_any_rendezvous():
         # Taken (FP8 partial sums in one launch): refused only later, for the empty weights.
         (dict(launch="fused", partial_sums="fp8"), ValueError, "packed w13 must be contiguous with"),
         (dict(num_experts=128, top_k=33), NotImplementedError, "top_k=33 exceeds the 32 slots per token"),
+        (dict(combine="sum"), ValueError, "combine must be 'owner_sums' or 'fc2_stores', not 'sum'"),
+        (dict(combine="fc2_stores"), NotImplementedError,
+         "combine='fc2_stores' is the fused forward's .* set launch='fused'"),
+        (dict(combine="fc2_stores", launch="fused", partial_sums="fp8"), NotImplementedError,
+         "partial_sums='fp8' is for combine='owner_sums'"),
+        # Taken (FC2 storing into the sources; left out, owner_sums): refused only later, for the
+        # empty weights.
+        (dict(combine="fc2_stores", launch="fused"), ValueError, "packed w13 must be contiguous with"),
+        (dict(combine=None), ValueError, "packed w13 must be contiguous with"),
     ]
     for changes, error, message in refusals:
         with pytest.raises(error, match=message):
@@ -197,6 +212,13 @@ def test_the_layer_limit_is_per_rank(monkeypatch, tmp_path):
      "launch='fused' takes token_rows='automatic' .the rows its layer computes on., not 'bf16'"),
     # Compared with the token rows' before its type was checked: "needs precision 'fp8_block', not None".
     (dict(precision=None, token_rows="fp8"), TypeError, "precision must be a str, not NoneType None"),
+    (dict(combine=1), TypeError, "combine must be a str, not int 1"),
+    (dict(combine="sum"), ValueError, "combine='sum' must be 'owner_sums' or 'fc2_stores'"),
+    (dict(combine="fc2_stores"), NotImplementedError,
+     "combine='fc2_stores' is the fused forward's .*: set launch='fused', or keep combine='owner_sums'"),
+    (dict(combine="fc2_stores", launch="fused", partial_sums="fp8"), NotImplementedError,
+     "combine='fc2_stores' returns each expert's bf16 row as FC2 stores it: partial_sums='fp8' is for "
+     "combine='owner_sums'"),
 ])
 def test_prepare_ep_weights_refuses_before_the_device(tmp_path, changes, error, message):
     arguments = dict(w13=W13, w2=W2, num_experts=8, top_k=2, rank=1, world_size=2, rendezvous_dir=str(tmp_path))

@@ -122,10 +122,16 @@ __device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratc
       uint4* copy = region_of<uint4>(p, p.rank, l.rows) + static_cast<size_t>(t) * (l.hidden / 8);
       ep_detail::block_copy_row(row, &copy, 1, l.hidden / 8);
     }
-    if (threadIdx.x < k) {
+    if (threadIdx.x < 32) {  // warp 0, whole: the duplicate test shuffles over it
       const size_t slot = static_cast<size_t>(t) * k + threadIdx.x;
-      region_of<int32_t>(p, p.rank, l.ids)[slot] = p.topk_ids[slot];
-      region_of<float>(p, p.rank, l.weights)[slot] = p.topk_weights[slot];
+      const int id = threadIdx.x < k ? p.topk_ids[slot] : -1;
+      // A slot that routes nowhere is published as -1, so that whoever reads the ids (the owners'
+      // route items, this rank's reduce of the expert rows) sees which slots have a row.
+      const bool routed = id >= 0 && id < p.num_experts && !repeats_an_earlier_slot(id, threadIdx.x, k);
+      if (threadIdx.x < k) {
+        region_of<int32_t>(p, p.rank, l.ids)[slot] = routed ? id : -1;
+        region_of<float>(p, p.rank, l.weights)[slot] = p.topk_weights[slot];
+      }
     }
     if (threadIdx.x == 32) {  // another warp than the copies': invalid ids are counted here, once
       int invalid = 0;
@@ -354,22 +360,48 @@ __device__ __forceinline__ void quantize_chunk(const CombineParams& c, const EpF
   }
 }
 
-// Reduce chunk `chunk`: this rank's tokens [chunk, chunk + 1) * kEpChunkTokens, each owner's
-// partial sum (the owners its ids name) in rank order into y; NaN where not every owner arrived
-// when this CTA waited (`arrived`): a vector is its sum or NaN, never a sum of what did not arrive.
+// fc2_stores: this rank's tokens as the single-GPU combine sees them, their expert rows stored here
+// by the owners' FC2 epilogues and their ids published with -1 for the slots that route nowhere.
+__device__ __forceinline__ CombineParams own_expert_rows(const EpFusedParams& p) {
+  const layout::EpFusedLayout& l = p.layout;
+  CombineParams c{};
+  c.num_tokens = p.num_tokens;
+  c.top_k = l.top_k;
+  c.hidden = l.hidden;
+  c.routed_ids = region_of<const int32_t>(p, p.rank, l.ids);
+  c.routed_weights = p.topk_weights;
+  c.slot_outputs = region_of<const __nv_bfloat16>(p, p.rank, l.expert_rows);
+  c.y = p.y;
+  return c;
+}
+
+// Reduce chunk `chunk`: this rank's tokens [chunk, chunk + 1) * kEpChunkTokens into y: each owner's
+// partial sum (the owners its ids name) in rank order, or with fc2_stores the token's expert rows,
+// weighted, in slot order (the single-GPU combine); NaN where not every owner arrived when this
+// CTA waited (`arrived`): a vector is its sum or NaN, never a sum of what did not arrive.
 __device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, int chunk, bool arrived, int math_thread,
                                              int math_threads) {
   const layout::EpFusedLayout& l = p.layout;
   const int vectors_per_token = l.hidden / Bf16x8Sum::kChannels;
   const int first_token = chunk * kEpChunkTokens, end_token = min(p.num_tokens, first_token + kEpChunkTokens);
-  for (long index = static_cast<long>(first_token) * vectors_per_token + math_thread;
-       index < static_cast<long>(end_token) * vectors_per_token; index += math_threads) {
+  const long first = static_cast<long>(first_token) * vectors_per_token + math_thread;
+  const long end = static_cast<long>(end_token) * vectors_per_token;
+  if (!arrived) {
+    for (long index = first; index < end; index += math_threads) {
+      reinterpret_cast<uint4*>(p.y)[index] = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
+    }
+    return;
+  }
+  if (l.fc2_stores) {
+    const CombineParams own = own_expert_rows(p);
+    for (long index = first; index < end; index += static_cast<long>(kCombineBatch) * math_threads) {
+      combine_vectors<true, kCombineBatch>(own, index, math_threads, end_token);
+    }
+    return;
+  }
+  for (long index = first; index < end; index += math_threads) {
     const int t = static_cast<int>(index / vectors_per_token), vector = static_cast<int>(index % vectors_per_token);
     uint4* out = reinterpret_cast<uint4*>(p.y) + index;
-    if (!arrived) {
-      *out = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);  // never a plausible output
-      continue;
-    }
     int invalid = 0;
     const uint64_t owners =
         layout::ep_token_destinations(p.topk_ids, l.top_k, p.num_experts, l.experts_per_rank, t, &invalid);
@@ -399,23 +431,13 @@ __device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, int chunk, 
   }
 }
 
-}  // namespace ep_fused_detail
-
-// The role after the GEMMs, by the math threads: claimed combine chunks once every FC2 tile is
-// stored (the CTA that completes the last one arrives at every source), then claimed reduce chunks
-// once every owner has arrived here. `s` is the front role's scratch, idle again: its ticket holds
-// the claimed chunk, `last` whether every owner arrived.
-__device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFusedParams& p, const ForwardItems& items,
-                                             const Timeline& timeline, uint32_t fc2_tiles, int math_thread,
-                                             int math_threads, FrontScratch& s) {
-  using namespace ep_fused_detail;
-  int* shared_chunk = &s.ticket;
+// Claimed combine chunks, once every FC2 tile is stored: each owner's partial sums into their
+// sources (EpCombine::owner_sums); the CTA that completes the last chunk arrives at every source.
+__device__ __forceinline__ void send_partial_sums(const CombineParams& c, const EpFusedParams& p,
+                                                  const ForwardItems& items, const Timeline& timeline, int math_thread,
+                                                  int math_threads, int* shared_chunk) {
   const auto stored = static_cast<uint32_t>(NamedBarrier::kEpChunkStored);
   const int lead = static_cast<int>(threadIdx.x) - math_thread;  // the timeline's marking thread
-  if (math_thread == 0) {
-    ptx::wait_until([&] { return ptx::ld_acquire_gpu(items.counter(kFc2TilesStored)) >= fc2_tiles; }, 64);
-  }
-  timeline.mark(layout::kCombineStarted, lead);
   const int combine_chunks = region_of<const int32_t>(p, p.rank, p.layout.chunk_prefix)[p.layout.world_size];
   for (;;) {
     const int chunk =
@@ -439,6 +461,33 @@ __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFus
   }
   // A rank with no token to combine here still arrives, once (the claim that found none first).
   if (combine_chunks == 0 && math_thread == 0 && atomicAdd(ep_counter(items, kCombineChunksDone), 1u) == 0) {
+    arrive_everywhere(p, p.layout.returned_from);
+    timeline.mark(layout::kEpPartialSumsSent, lead);
+  }
+}
+
+}  // namespace ep_fused_detail
+
+// The role after the GEMMs, by the math threads: once every FC2 tile is stored, the owner's
+// partial sums go to their sources in claimed combine chunks, or with fc2_stores (whose FC2 tiles
+// stored their rows in the sources, each fenced at system scope) one CTA arrives at every source
+// at once; then claimed reduce chunks once every owner has arrived here. `s` is the front role's
+// scratch, idle again: its ticket holds the claimed chunk, `last` whether every owner arrived.
+__device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFusedParams& p, const ForwardItems& items,
+                                             const Timeline& timeline, uint32_t fc2_tiles, int math_thread,
+                                             int math_threads, FrontScratch& s) {
+  using namespace ep_fused_detail;
+  int* shared_chunk = &s.ticket;
+  const auto stored = static_cast<uint32_t>(NamedBarrier::kEpChunkStored);
+  const int lead = static_cast<int>(threadIdx.x) - math_thread;  // the timeline's marking thread
+  if (math_thread == 0) {
+    ptx::wait_until([&] { return ptx::ld_acquire_gpu(items.counter(kFc2TilesStored)) >= fc2_tiles; }, 64);
+  }
+  timeline.mark(layout::kCombineStarted, lead);
+  if (!p.layout.fc2_stores) {
+    send_partial_sums(c, p, items, timeline, math_thread, math_threads, shared_chunk);
+  } else if (math_thread == 0 && atomicAdd(ep_counter(items, kCombineChunksDone), 1u) == 0) {
+    __threadfence_system();
     arrive_everywhere(p, p.layout.returned_from);
     timeline.mark(layout::kEpPartialSumsSent, lead);
   }

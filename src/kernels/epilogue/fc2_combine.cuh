@@ -76,7 +76,7 @@ __device__ __forceinline__ void fc2_epilogue(const Params& p, const GroupedTile&
             if (channel < p.out_channels) atomicAdd(y_row + channel, weight * acc(cute::make_coord(v0, v1, v2), m, 0));
           }
       } else {
-        __nv_bfloat16* slot_row = static_cast<__nv_bfloat16*>(p.out) + static_cast<size_t>(slot) * p.out_channels;
+        __nv_bfloat16* slot_row = p.slot_row(slot);
 #pragma unroll
         for (int m = 0; m < kMBlocks; ++m) {
           const float at_r = acc(cute::make_coord(v0, 0, v2), m, 0), at_r8 = acc(cute::make_coord(v0, 1, v2), m, 0);

@@ -63,7 +63,7 @@ __device__ __forceinline__ void fc2_tokens_on_m_epilogue(const Params& p, const 
           atomicAdd(y_row + channel + 1, weight * acc(cute::make_coord(1, v1, v2), 0, 0));
         }
       } else {
-        __nv_bfloat16* slot_row = static_cast<__nv_bfloat16*>(p.out) + static_cast<size_t>(slot) * p.out_channels;
+        __nv_bfloat16* slot_row = p.slot_row(slot);
 #pragma unroll
         for (int g = 0; g < kColGroups; g += 4) {
           uint32_t x[4];

@@ -4,6 +4,7 @@
 // (docs/design.md#expert-parallelism-inside-the-persistent-kernel).
 #pragma once
 
+#include "kernels/comm/ep_expert_rows.cuh"
 #include "kernels/comm/ep_fused_roles.cuh"
 #include "kernels/impls/sm90_moe_single_kernel.cuh"
 

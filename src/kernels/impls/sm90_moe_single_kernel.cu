@@ -39,7 +39,18 @@ ForwardItems forward_items(const EpFusedParams&, uint32_t* counters, int tokens,
   return items;
 }
 
-template <Precision kPrecision, int kTokenTile, GemmOp kFc2Op, class Extra>
+// FC2's parameters as launched: expert parallelism's fc2_stores sends the slot rows to their
+// sources (comm/ep_expert_rows.cuh).
+template <bool kFc2StoresToSources, class Fc2Params, class Extra>
+auto launched_fc2(const Fc2Params& fc2, const Extra& extra) {
+  if constexpr (kFc2StoresToSources) {
+    return stores_to_sources(fc2, extra);
+  } else {
+    return fc2;
+  }
+}
+
+template <Precision kPrecision, int kTokenTile, GemmOp kFc2Op, bool kFc2StoresToSources, class Extra>
 void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const MoeCall& call, const Extra& extra,
                    cudaStream_t stream) {
   using Fc1Config = GroupedGemmConfig<kPrecision, kTokenTile, GemmOp::fc1_swiglu>;
@@ -54,7 +65,8 @@ void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const Moe
   // Every tile is claimed (first_wave 0): see scheduler/forward_items.hpp.
   auto fc1_params = make_gemm_params<Fc1Config>(f, fc1, 0);
   auto fc2_params = make_gemm_params<Fc2Config>(f, fc2, 0);
-  auto p = kernel_params<decltype(fc1_params), decltype(fc2_params)>(extra);
+  using Fc2Launched = decltype(launched_fc2<kFc2StoresToSources>(fc2_params, extra));
+  auto p = kernel_params<decltype(fc1_params), Fc2Launched>(extra);
   using Params = decltype(p);
   p.front.routing = routing;
   p.front.gather = gather;
@@ -64,7 +76,7 @@ void launch_single(const MoeLayerParams& f, const MoeLaunchChoices& c, const Moe
   fc1_params.tokens_ready_count = p.front.items.gathered_when_ready();
   fc2_params.tiles_stored = p.front.items.counter(kFc2TilesStored);
   p.fc1 = fc1_params;
-  p.fc2 = fc2_params;
+  p.fc2 = launched_fc2<kFc2StoresToSources>(fc2_params, extra);
   p.combine = make_combine_params(f, call, routing);
   using Layout = SingleKernelLayout<Fc1Config, Fc2Config>;
   constexpr auto kernel = &sm90_moe_single_kernel<Fc1Config, Fc2Config, Params>;
@@ -77,12 +89,17 @@ void dispatch_combine(const MoeLayerParams& f, const MoeLaunchChoices& c, const 
                       cudaStream_t stream) {
   if constexpr (std::is_same_v<Extra, OneGpu>) {
     if (!c.deterministic) {
-      return launch_single<kPrecision, kTokenTile, GemmOp::fc2_atomic_combine>(f, c, call, extra, stream);
+      return launch_single<kPrecision, kTokenTile, GemmOp::fc2_atomic_combine, false>(f, c, call, extra, stream);
     }
-  } else if (!c.deterministic) {
-    throw Error(ErrorCode::unsupported, "internal: the fused expert-parallel forward combines deterministically");
+  } else {
+    if (!c.deterministic) {
+      throw Error(ErrorCode::unsupported, "internal: the fused expert-parallel forward combines deterministically");
+    }
+    if (extra.layout.fc2_stores) {
+      return launch_single<kPrecision, kTokenTile, GemmOp::fc2_slot_store, true>(f, c, call, extra, stream);
+    }
   }
-  launch_single<kPrecision, kTokenTile, GemmOp::fc2_slot_store>(f, c, call, extra, stream);
+  launch_single<kPrecision, kTokenTile, GemmOp::fc2_slot_store, false>(f, c, call, extra, stream);
 }
 
 template <Precision kPrecision, class Extra>

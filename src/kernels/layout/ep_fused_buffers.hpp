@@ -2,11 +2,14 @@
 // (docs/design.md#expert-parallelism-inside-the-persistent-kernel): every rank allocates the same
 // layout; a rank writes its own tokens into its ids, weights and rows regions, its owners read them
 // over NVLink and store their partial sums into its `returned` region (FP8 partial sums: into its
-// returned_codes and returned_scales).
+// returned_codes and returned_scales), or, where FC2 stores into the sources (fc2_stores), each
+// expert's output row into its expert_rows region.
 //
 //   counts_in      int32 [kSignalSlots]            each source's tokens in this call, written by the
 //                                                  source into every rank before it arrives
-//   ids            int32 [max_tokens][k]           their routing (global expert ids)
+//   ids            int32 [max_tokens][k]           their routing (global expert ids; -1 for a slot
+//                                                  that routes nowhere: out of range, or repeating
+//                                                  an earlier slot of its token)
 //   weights        fp32 [max_tokens][k]
 //   rows           e4m3 or bf16 [max_tokens][H]    their rows: quantized once here for fp8_block
 //                                                  layers (the gather's rule), bf16 otherwise
@@ -16,6 +19,10 @@
 //                                                  rank's token t, at [o][t]; with FP8 partial sums
 //                                                  this rank's own sums of every virtual token
 //                                                  (s, t) at [s][t], before they are quantized for s
+//                                                  (0 bytes with fc2_stores)
+//   expert_rows    bf16 [max_tokens][k][H]         fc2_stores only: the output row of token t's
+//                                                  slot j's expert, unweighted, at [t][j], stored
+//                                                  there by the expert's owner
 //   returned_codes e4m3 [world][max_tokens][H]     FP8 partial sums only: owner o's sum of token t,
 //   returned_scales fp32 [world][max_tokens][H/128]  quantized per 128 channels, at [o][t]
 //   published      uint64 [kSignalSlots]           arrivals of each source's publication: slot s
@@ -50,12 +57,14 @@ struct EpFusedLayout : EpShape {
   size_t returned = 0;
   size_t returned_codes = 0;   // FP8 partial sums only (0 bytes otherwise)
   size_t returned_scales = 0;  // likewise
+  size_t expert_rows = 0;      // fc2_stores only (0 bytes otherwise)
   size_t published = 0;
   size_t returned_from = 0;
   size_t signals = 0;
   size_t source_counts = 0;
   size_t chunk_prefix = 0;
   size_t total_bytes = 0;
+  bool fc2_stores = false;  // FC2's epilogue stores each expert's row into its source (EpCombine::fc2_stores)
 
   // The rows an owner's local pass sees: every source's slots, real or not.
   MEGAMOE_HOST_DEVICE constexpr long virtual_tokens() const {
@@ -65,10 +74,11 @@ struct EpFusedLayout : EpShape {
 
   MEGAMOE_HOST_DEVICE static constexpr EpFusedLayout make(int world_size, int num_experts, int top_k, int hidden,
                                                           int max_tokens_per_rank, bool fp8_rows,
-                                                          bool fp8_partials) {
+                                                          bool fp8_partials, bool fc2_stores) {
     EpFusedLayout l;
     static_cast<EpShape&>(l) =
         EpShape::of(world_size, num_experts, top_k, hidden, max_tokens_per_rank, fp8_rows, fp8_partials);
+    l.fc2_stores = fc2_stores;
     const size_t tokens = static_cast<size_t>(max_tokens_per_rank);
     RegionCursor regions;
     l.counts_in = regions.take(sizeof(int32_t) * kSignalSlots);
@@ -76,10 +86,11 @@ struct EpFusedLayout : EpShape {
     l.weights = regions.take(sizeof(float) * top_k * tokens);
     l.rows = regions.take(tokens * l.row_bytes());
     l.row_scales = regions.take(fp8_rows ? sizeof(float) * (hidden / 128) * tokens : 0);
-    l.returned = regions.take(static_cast<size_t>(world_size) * tokens * hidden * 2);
+    l.returned = regions.take(fc2_stores ? 0 : static_cast<size_t>(world_size) * tokens * hidden * 2);
     l.returned_codes = regions.take(fp8_partials ? static_cast<size_t>(world_size) * tokens * hidden : 0);
     l.returned_scales =
         regions.take(fp8_partials ? sizeof(float) * static_cast<size_t>(world_size) * tokens * (hidden / 128) : 0);
+    l.expert_rows = regions.take(fc2_stores ? tokens * top_k * hidden * 2 : 0);
     l.published = regions.take(sizeof(uint64_t) * kSignalSlots);
     l.returned_from = regions.take(sizeof(uint64_t) * kSignalSlots);
     l.signals = regions.take(sizeof(uint64_t) * kSignalSlots);

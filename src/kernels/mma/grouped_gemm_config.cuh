@@ -13,6 +13,8 @@
 #include <cutlass/bfloat16.h>
 #include <cutlass/float8.h>
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 #include <type_traits>
 
@@ -193,6 +195,11 @@ struct GemmTileColumns : Config {
 // Everything one launch needs; TMA descriptors travel by value as __grid_constant__.
 template <class TmaA, class TmaB, class TmaScales>
 struct GroupedGemmParams {
+  // Whether FC2's slot rows go to other GPUs' memory (expert parallelism's fused forward:
+  // comm/ep_expert_rows.cuh), whose tiles are then fenced at system scope before they count as
+  // stored.
+  static constexpr bool kStoresToPeers = false;
+
   TmaA tma_a;                    // weights [E][a_rows][K]
   TmaB tma_b;                    // pool [pool_rows][K]
   TmaScales tma_token_scales;    // fp8_block: [K/128][pool_rows]
@@ -227,6 +234,11 @@ struct GroupedGemmParams {
   const uint32_t* tokens_ready;
   uint32_t tokens_ready_count;
   uint32_t* tiles_stored;
+
+  // FC2 slot store: where slot `slot`'s expert output row goes.
+  __device__ __forceinline__ __nv_bfloat16* slot_row(int slot) const {
+    return static_cast<__nv_bfloat16*>(out) + static_cast<size_t>(slot) * out_channels;
+  }
 };
 
 }  // namespace megamoe::kernels

@@ -12,14 +12,21 @@ namespace {
 
 // Every source's count, a source's own tokens (ids, weights, rows: FP8 codes with scales
 // [H / 128][tokens], or bf16), every owner's partial sums of them [world][tokens][H] (and, FP8
-// partial sums, their codes and per-128 scales), the arrival counters and the
-// barrier's slots, and the owner's bookkeeping: aligned, disjoint, each of its size.
+// partial sums, their codes and per-128 scales) or, where FC2 stores into the sources, every
+// slot's expert row [tokens][k][H], the arrival counters and the barrier's slots, and the owner's
+// bookkeeping: aligned, disjoint, each of its size.
 TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
-  for (const auto& [fp8_rows, fp8_partials] : {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
-    const EpFusedLayout l = EpFusedLayout::make(4, 256, 8, 7168, 4096, fp8_rows, fp8_partials);
+  struct Case {
+    bool fp8_rows, fp8_partials, fc2_stores;
+  };
+  for (const Case c : {Case{false, false, false}, Case{true, false, false}, Case{false, true, false},
+                       Case{true, true, false}, Case{false, false, true}, Case{true, false, true}}) {
+    const auto [fp8_rows, fp8_partials, fc2_stores] = c;
+    const EpFusedLayout l = EpFusedLayout::make(4, 256, 8, 7168, 4096, fp8_rows, fp8_partials, fc2_stores);
     EXPECT_EQ(l.experts_per_rank, 64);
     EXPECT_EQ(l.fp8_rows, fp8_rows);
     EXPECT_EQ(l.fp8_partials, fp8_partials);
+    EXPECT_EQ(l.fc2_stores, fc2_stores);
     EXPECT_EQ(l.virtual_tokens(), 4 * 4096);
     EXPECT_EQ(l.row_bytes(), fp8_rows ? 7168u : 2u * 7168);
     const size_t tokens = 4096, slots = EpFusedLayout::kSignalSlots;
@@ -28,7 +35,7 @@ TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
         {l.ids, 4 * 8 * tokens},
         {l.weights, 4 * 8 * tokens},
         {l.rows, tokens * l.row_bytes()},
-        {l.returned, 4 * tokens * 7168 * 2},
+        {l.returned, fc2_stores ? 0 : 4 * tokens * 7168 * 2},
         {l.published, 8 * slots},
         {l.returned_from, 8 * slots},
         {l.signals, 8 * slots},
@@ -38,6 +45,11 @@ TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
       regions.insert(regions.begin() + 5, {{l.returned_codes, 4 * tokens * 7168},
                                            {l.returned_scales, 4 * 4 * tokens * (7168 / 128)}});
     }
+    if (fc2_stores) {  // after `returned` (FP8 partial sums never come with it)
+      regions.insert(regions.begin() + 5, {l.expert_rows, tokens * 8 * 7168 * 2});
+    } else {
+      EXPECT_EQ(l.expert_rows, l.published) << "no bytes without fc2_stores";
+    }
     if (fp8_rows) regions.insert(regions.begin() + 4, {l.row_scales, 4 * (7168 / 128) * tokens});
     test::expect_aligned_disjoint(regions, l.total_bytes, kRegionAlignment);
   }
@@ -46,7 +58,7 @@ TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
 // Both expert-parallel buffers are laid out for the same shape from the same arguments.
 TEST(EpFusedLayout, SharesTheStagedLayoutsShape) {
   const EpShape staged = EpBufferLayout::make(2, 16, 4, 256, 64, true, true);
-  const EpShape fused = EpFusedLayout::make(2, 16, 4, 256, 64, true, true);
+  const EpShape fused = EpFusedLayout::make(2, 16, 4, 256, 64, true, true, false);
   EXPECT_EQ(fused.world_size, staged.world_size);
   EXPECT_EQ(fused.experts_per_rank, staged.experts_per_rank);
   EXPECT_EQ(fused.top_k, staged.top_k);
