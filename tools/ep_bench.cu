@@ -165,11 +165,13 @@ struct FusedFigures {
 // One fused layer at one batch: a forward whose y is checked against the staged layer's as the
 // layer's combine promises (owner_sums: bit for bit; fc2_stores: within kFc2StoresBound), then
 // timed as the staged forward is (each call after a device barrier), then, with `timeline`, its
-// timeline. A failed check throws: the figure would not be of the same layer. Collective: every
-// rank calls it for the same layers in the same order.
+// timeline. A failed check throws, on every rank together (each checks its own tokens; a rank
+// that threw alone would leave its peers waiting in the next collective step): the figure would not
+// be of the same layer. Collective: every rank calls it for the same layers in the same order.
 FusedFigures time_fused_layer(comm::EpLayer& fused, cudaStream_t stream, const MoeInputs& inputs,
-                              const std::vector<bf16_t>& staged_y, bool timeline, int rank) {
-  const int tokens = inputs.num_tokens;
+                              const std::vector<bf16_t>& staged_y, bool timeline,
+                              const comm::FileRendezvous& rendezvous) {
+  const int tokens = inputs.num_tokens, rank = rendezvous.rank();
   const bench::DeviceBuffer y(staged_y.size() * sizeof(bf16_t));
   const MoeOutputs outputs{y.as<bf16_t>()};
   fused.forward(stream, inputs, outputs);
@@ -177,9 +179,10 @@ FusedFigures time_fused_layer(comm::EpLayer& fused, cudaStream_t stream, const M
   const std::vector<bf16_t> fused_y = download(y.as<bf16_t>(), staged_y.size());
   const std::string where = "rank " + std::to_string(rank) + ", " + std::to_string(tokens) + " tokens: ";
   FusedFigures figures;
+  std::string failure;  // this rank's check, empty where it held
   if (fused.combine() == comm::EpCombine::owner_sums) {
     if (std::memcmp(staged_y.data(), fused_y.data(), staged_y.size() * sizeof(bf16_t)) != 0) {
-      throw std::runtime_error(where + "the fused layer's y differs from the staged layer's");
+      failure = where + "the fused layer's y differs from the staged layer's";
     }
   } else {
     figures.rel_l2_vs_staged = relative_l2(fused_y, staged_y);
@@ -190,8 +193,15 @@ FusedFigures time_fused_layer(comm::EpLayer& fused, cudaStream_t stream, const M
                     "relative L2 of %.2e, over the %.0e bound (the staged layer's bf16 rounding of each "
                     "owner's partial sum accounts for ~1e-3)",
                     figures.rel_l2_vs_staged, kFc2StoresBound);
-      throw std::runtime_error(where + message);
+      failure = where + message;
     }
+  }
+  const std::string check_key =
+      "T" + std::to_string(tokens) + "-check-" + comm::to_string(fused.combine());
+  if (max_over_ranks(rendezvous, check_key, failure.empty() ? 0.0 : 1.0) > 0.0) {
+    throw std::runtime_error(failure.empty() ? where + "a peer's " + fused_label(fused.combine()) +
+                                                   " layer failed its check of y (its message says how)"
+                                             : failure);
   }
   figures.forward_ms = bench::median_ms(
       stream, bench::Replays{kWarmup, kTimed}, [&] { fused.forward(stream, inputs, outputs); },
@@ -528,9 +538,9 @@ int run(const Options& o) {
     FusedFigures owner_sums_figures, fc2_stores_figures;
     if (fused) {
       const std::vector<bf16_t> staged_y = download(y_ep, x.size());
-      owner_sums_figures = time_fused_layer(*fused, stream, inputs, staged_y, timeline, rank);
+      owner_sums_figures = time_fused_layer(*fused, stream, inputs, staged_y, timeline, rendezvous);
       if (fused_fc2_stores) {
-        fc2_stores_figures = time_fused_layer(*fused_fc2_stores, stream, inputs, staged_y, timeline, rank);
+        fc2_stores_figures = time_fused_layer(*fused_fc2_stores, stream, inputs, staged_y, timeline, rendezvous);
       }
     }
     // Bytes that crossed NVLink: token rows other ranks pushed here (codes and a scale per 128

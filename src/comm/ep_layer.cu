@@ -12,6 +12,7 @@
 #include "kernels/launch.hpp"
 #include "kernels/layout/ep_timeline.hpp"
 #include "megamoe/error.hpp"
+#include "megamoe/options.hpp"
 
 namespace megamoe::comm {
 namespace {
@@ -64,6 +65,14 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
   }
   barrier_timeout_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(barrier_timeout).count();
   const int world = rendezvous.world_size();
+  // The local pass runs over every rank's tokens (world x max_tokens_per_rank rows), whose limit is
+  // the single-GPU layer's.
+  if (max_tokens_per_rank < 1 || static_cast<long long>(world) * max_tokens_per_rank > kMaxLayerTokens) {
+    throw Error(ErrorCode::invalid_argument,
+                "max_tokens_per_rank=" + std::to_string(max_tokens_per_rank) + " must be in [1, " +
+                    std::to_string(kMaxLayerTokens / world) + "]: the " + std::to_string(world) +
+                    " ranks' tokens together at most " + std::to_string(kMaxLayerTokens) + " (kMaxLayerTokens)");
+  }
   if (!std::holds_alternative<Precomputed>(spec.routing)) {
     throw Error(ErrorCode::unsupported, "EpLayer takes precomputed routing (topk_ids, topk_weights)");
   }
@@ -149,9 +158,14 @@ EpLayer::EpLayer(const MoeSpec& spec, const PackedWeightsView& local_weights, in
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_sms_ = prop.multiProcessorCount;
+  // The modes that carve the buffer differently, which its size alone may not tell apart (with
+  // world == top_k, owner_sums' partial sums take as many bytes as fc2_stores' expert rows).
+  const std::string buffer_layout = std::string(fused_ ? "fused" : "staged") + " layer, token_rows=" +
+                                    to_string(token_rows()) + ", partial_sums=" + to_string(partial_sums()) +
+                                    ", combine=" + to_string(combine());
   buffer_ = std::make_unique<SymmetricMemory>(rendezvous, options.buffer_name,
                                              fused_ ? fused_layout_.total_bytes : layout_.total_bytes,
-                                             kBootstrapTimeout, options.symmetric_memory);
+                                             kBootstrapTimeout, options.symmetric_memory, buffer_layout);
   token_dest_ = cuda_alloc<int32_t>(static_cast<size_t>(max_tokens_per_rank) * world);
   tile_counts_ = cuda_alloc<int32_t>(static_cast<size_t>(kernels::ep_dispatch_tiles(max_tokens_per_rank)) * world);
   dest_base_ = cuda_alloc<int32_t>(world);

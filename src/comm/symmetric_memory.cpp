@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -26,6 +27,7 @@ struct SymmetricMemory::PublishedCopy {
   int32_t device;
   int32_t backend;
   uint64_t bytes;  // ranks that carve different layouts out of their buffers would write past each other's
+  char layout[kMaxLayoutChars + 1];  // or into each other's regions, with the same size
 };
 
 namespace {
@@ -57,7 +59,8 @@ void throw_first_refusal(const std::string& name, const std::vector<std::vector<
 }  // namespace
 
 SymmetricMemory::SymmetricMemory(const FileRendezvous& rendezvous, const std::string& name, size_t bytes,
-                                 std::chrono::milliseconds timeout, SymmetricBackend backend)
+                                 std::chrono::milliseconds timeout, SymmetricBackend backend,
+                                 const std::string& layout)
     : rendezvous_(rendezvous), name_(name), bytes_(bytes), rank_(rendezvous.rank()),
       peers_(rendezvous.world_size(), nullptr), timeout_(timeout), backend_(backend) {
   // Refusals that are this rank's alone still go to the peers, which would otherwise wait for a
@@ -66,6 +69,9 @@ SymmetricMemory::SymmetricMemory(const FileRendezvous& rendezvous, const std::st
   if (backend != SymmetricBackend::cuda_ipc && backend != SymmetricBackend::nvshmem) {
     refusal = refusal_record(Error(ErrorCode::invalid_argument, "backend " + std::to_string(static_cast<int>(backend)) +
                                                                     " names no SymmetricBackend value (cuda_ipc, nvshmem)"));
+  } else if (layout.size() > kMaxLayoutChars) {
+    refusal = refusal_record(Error(ErrorCode::invalid_argument, "layout '" + layout + "' is longer than " +
+                                                                    std::to_string(kMaxLayoutChars) + " characters"));
   } else if (backend == SymmetricBackend::nvshmem) {
     try {
       nvshmem_heap::require_built();
@@ -79,6 +85,7 @@ SymmetricMemory::SymmetricMemory(const FileRendezvous& rendezvous, const std::st
   mine.device = device;
   mine.backend = static_cast<int32_t>(backend);
   mine.bytes = bytes;
+  std::memcpy(mine.layout, layout.data(), std::min(layout.size(), kMaxLayoutChars));
   // With CUDA IPC the handle is published with the rest; NVSHMEM's allocation is collective and
   // comes after every rank has seen the others' sizes agree.
   if (backend == SymmetricBackend::cuda_ipc) {
@@ -111,6 +118,13 @@ void SymmetricMemory::map_peers(const PublishedCopy& mine, const std::vector<uin
   }
   throw_first_refusal(name_, records, sizeof(PublishedCopy));
   for (int r = 0; r < world_size(); ++r) {
+    theirs[r].layout[kMaxLayoutChars] = '\0';
+    if (std::strcmp(theirs[r].layout, mine.layout) != 0) {
+      throw Error(ErrorCode::invalid_argument, "symmetric memory '" + name_ + "': rank " + std::to_string(r) +
+                                                   " lays its buffer out as '" + theirs[r].layout + "' where rank " +
+                                                   std::to_string(rank_) + " lays it out as '" + mine.layout +
+                                                   "' (every rank must build the same layer)");
+    }
     if (theirs[r].bytes != mine.bytes) {
       throw Error(ErrorCode::invalid_argument,
                   "symmetric memory '" + name_ + "': rank " + std::to_string(r) + " has " +

@@ -24,14 +24,18 @@ const char* to_string(SymmetricBackend backend);
 
 class SymmetricMemory {
  public:
-  // Collective: every rank calls it with the same name and size, on its current device: one GPU
-  // per rank, or several ranks (processes) sharing one GPU, whose buffers then map through CUDA
-  // IPC on that device (with NVSHMEM: its processes-per-GPU mode). Zero-fills the buffer. Throws
-  // megamoe::Error when the ranks' sizes or backends differ, when a peer is not reachable by
-  // load/store (another GPU without P2P; with NVSHMEM, a peer on another node), when the backend
-  // is not built, or when a peer does not arrive within `timeout`.
+  // Collective: every rank calls it with the same name, size and `layout` (what the caller carves
+  // the buffer into, in words: two layouts of one size would write into each other's regions),
+  // on its current device: one GPU per rank, or several ranks (processes) sharing one GPU, whose
+  // buffers then map through CUDA IPC on that device (with NVSHMEM: its processes-per-GPU mode).
+  // Zero-fills the buffer. Throws megamoe::Error when the ranks' layouts, sizes or backends differ,
+  // when a peer is not reachable by load/store (another GPU without P2P; with NVSHMEM, a peer on
+  // another node), when the backend is not built, or when a peer does not arrive within `timeout`.
   SymmetricMemory(const FileRendezvous& rendezvous, const std::string& name, size_t bytes,
-                  std::chrono::milliseconds timeout, SymmetricBackend backend = SymmetricBackend::cuda_ipc);
+                  std::chrono::milliseconds timeout, SymmetricBackend backend = SymmetricBackend::cuda_ipc,
+                  const std::string& layout = "");
+  // The longest `layout` the ranks compare.
+  static constexpr size_t kMaxLayoutChars = 127;
   // Collective as well: waits until every rank has closed its mappings before freeing, unless the
   // peers were abandoned. An NVSHMEM copy is freed only where every rank frees its own (the free is
   // collective); otherwise it stays on the heap until the process ends.

@@ -48,6 +48,7 @@
 #include "comm/symmetric_memory.hpp"
 #include "kernels/cuda_check.hpp"
 #include "megamoe/error.hpp"
+#include "megamoe/options.hpp"
 #include "ref/ep_dispatch.hpp"
 #include "ref/moe_reference.hpp"
 #include "ref/random_problem.hpp"
@@ -203,9 +204,9 @@ int lost_peer_case(const MoeSpec& spec, const MoeSpec& local, const PackedWeight
 // what went wrong where it does not).
 template <class Named>
 bool buffer_refused(const comm::FileRendezvous& rendezvous, const char* what, const char* name, size_t bytes,
-                    comm::SymmetricBackend backend, Named named) {
+                    comm::SymmetricBackend backend, Named named, const std::string& layout = "") {
   try {
-    comm::SymmetricMemory odd(rendezvous, name, bytes, std::chrono::seconds(30), backend);
+    comm::SymmetricMemory odd(rendezvous, name, bytes, std::chrono::seconds(30), backend, layout);
     std::fprintf(stderr, "FAILED: rank %d built a symmetric buffer whose %s differs from its peers'\n",
                  rendezvous.rank(), what);
     return false;
@@ -218,10 +219,11 @@ bool buffer_refused(const comm::FileRendezvous& rendezvous, const char* what, co
 }
 
 // The refusals, collective: each rank asks for a buffer of another size than its peers (every rank
-// must refuse, naming the sizes), then for a buffer on another backend than its neighbours' (every
-// rank must refuse: the backends differ, or the build has no NVSHMEM for the ranks that ask for
-// it), then gives its layer x_scales, which expert parallelism does not take. Buffers that differ
-// need two ranks.
+// must refuse, naming the sizes), then for one of the same size laid out otherwise (as two fused
+// layers of different combines with world == top_k: every rank must refuse, naming the layouts),
+// then for a buffer on another backend than its neighbours' (every rank must refuse: the backends
+// differ, or the build has no NVSHMEM for the ranks that ask for it), then gives its layer
+// x_scales, which expert parallelism does not take. Buffers that differ need two ranks.
 bool refusals_hold(const comm::FileRendezvous& rendezvous, comm::SymmetricBackend backend, comm::EpLayer& layer,
                    const MoeSpec& spec, cudaStream_t stream) {
   const int rank = rendezvous.rank();
@@ -231,6 +233,13 @@ bool refusals_hold(const comm::FileRendezvous& rendezvous, comm::SymmetricBacken
                                         return e.code() == ErrorCode::invalid_argument &&
                                                std::string(e.what()).find("bytes where rank") != std::string::npos;
                                       });
+    const bool layouts = buffer_refused(
+        rendezvous, "layout", "layouts-differ", 4096, backend,
+        [](const Error& e) {
+          return e.code() == ErrorCode::invalid_argument &&
+                 std::string(e.what()).find("lays its buffer out as") != std::string::npos;
+        },
+        rank % 2 == 0 ? "fused layer, combine=owner_sums" : "fused layer, combine=fc2_stores");
     const comm::SymmetricBackend mixed =
         rank % 2 == 0 ? comm::SymmetricBackend::cuda_ipc : comm::SymmetricBackend::nvshmem;
     const bool backends = buffer_refused(rendezvous, "backend", "backends-differ", 4096, mixed, [](const Error& e) {
@@ -238,7 +247,7 @@ bool refusals_hold(const comm::FileRendezvous& rendezvous, comm::SymmetricBacken
       return (e.code() == ErrorCode::invalid_argument && what.find("uses backend") != std::string::npos) ||
              (e.code() == ErrorCode::unsupported && what.find("has no NVSHMEM") != std::string::npos);
     });
-    if (!sizes || !backends) return false;
+    if (!sizes || !layouts || !backends) return false;
   }
   RankInputs in = make_inputs(spec, rank, 0, 4);
   const DeviceCall call(spec, in);
@@ -275,8 +284,9 @@ bool refusals_hold(const comm::FileRendezvous& rendezvous, comm::SymmetricBacken
 }
 
 // The option combinations EpLayer refuses, each before any collective step (so every rank may try
-// them alone): an EpCombine value that names none, fc2_stores without fused, and fc2_stores with FP8
-// partial sums (an fp8_tensor layer is refused fused whatever its combine: checked in run).
+// them alone): more tokens a rank than the ranks together may hold, an EpCombine value that names
+// none, fc2_stores without fused, and fc2_stores with FP8 partial sums (an fp8_tensor layer is
+// refused fused whatever its combine: checked in run).
 bool combinations_refused(const MoeSpec& spec, const PackedWeights& mine, int max_tokens,
                           const comm::FileRendezvous& rendezvous) {
   struct Refusal {
@@ -293,6 +303,21 @@ bool combinations_refused(const MoeSpec& spec, const PackedWeights& mine, int ma
       {comm::EpCombine::fc2_stores, true, comm::EpPartialSums::fp8, ErrorCode::unsupported,
        "partial_sums=fp8 is for combine=owner_sums"},
   };
+  // Every rank's tokens past the single-GPU layer's limit, which the local pass runs over.
+  if (rendezvous.world_size() > 1) {
+    try {
+      comm::EpLayer refused(spec, mine, static_cast<int>(kMaxLayerTokens), rendezvous, comm::EpLayerOptions{});
+      std::fprintf(stderr, "FAILED: rank %d: a layer of %lld tokens a rank was built\n", rendezvous.rank(),
+                   kMaxLayerTokens);
+      return false;
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::invalid_argument ||
+          std::string(e.what()).find("ranks' tokens together") == std::string::npos) {
+        std::fprintf(stderr, "FAILED: rank %d: too many tokens refused unclearly: %s\n", rendezvous.rank(), e.what());
+        return false;
+      }
+    }
+  }
   for (const Refusal& r : refusals) {
     if (r.fused && spec.precision == Precision::fp8_tensor) continue;
     comm::EpLayerOptions options;
