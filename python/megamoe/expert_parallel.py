@@ -201,7 +201,7 @@ def prepare_ep_weights(
     slot order: the single-GPU layer's output bit for bit, about 1e-3 relative L2 from the staged
     layer's, which rounds each owner's partial sum to bf16; up to k rows a token cross NVLink instead
     of one per owner, and the owners have no combine phase; launch="fused" with partial_sums="bf16"
-    only; correct on one GPU with ranks sharing it, not yet measured on two).
+    only; built, not yet run on a GPU).
     """
     # Every call takes the next layer number, refused or not: a refusal on some ranks only (a NaN in
     # this rank's experts) would otherwise leave the ranks' numbers, and so their folders, apart

@@ -3,7 +3,7 @@
 //   ep_layer_rank [--iterations N] [--tokens T] [--hidden H] [--ue8m0]
 //                 [--precision bf16|fp8_block|fp8_tensor [--dynamic-scales]] [--fused]
 //                 [--symmetric-memory cuda_ipc|nvshmem] [--hang | --die [--fp8-partials | --fc2-stores]]
-//                 [--barrier-timeout-ms MS]
+//                 [--barrier-timeout-ms MS] [--progress]
 // Every iteration draws fresh routing on every rank (uniform, skewed onto few experts, with -1
 // holes and some ranks empty), runs EpLayer::forward, checks that dispatch delivered exactly the
 // token rows ref::plan_dispatch predicts (row by row, with each slot's local expert), that y
@@ -33,6 +33,8 @@
 // with EpCombine::fc2_stores (FC2 stores every expert row into its source, which sums them), must
 // give the single-GPU layer's y (all experts on this rank) bit for bit, in every iteration and
 // graph replay. Combinations of the options that are refused are refused before any collective step.
+// --progress: each forward of an iteration synchronized and named on stderr as it returns (where a
+// run stops).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -345,7 +347,7 @@ int run(int argc, char** argv) {
   int iterations = 20, max_tokens = 64, hidden = 256;
   comm::SymmetricBackend backend = comm::SymmetricBackend::cuda_ipc;
   bool hang = false, die = false, ue8m0 = false, fused = false, fp8_partials_under_test = false,
-       fc2_stores_under_test = false;
+       fc2_stores_under_test = false, progress = false;
   Precision precision = Precision::fp8_block;
   InputScales input_scales = InputScales::from_checkpoint;
   std::chrono::milliseconds barrier_timeout = comm::kDefaultBarrierTimeout;
@@ -373,6 +375,7 @@ int run(int argc, char** argv) {
     else if (arg == "--fused") fused = true;
     else if (arg == "--fp8-partials") fp8_partials_under_test = true;
     else if (arg == "--fc2-stores") fc2_stores_under_test = true;
+    else if (arg == "--progress") progress = true;
     else if (arg == "--die") hang = die = true;
     else if (arg == "--barrier-timeout-ms" && i + 1 < argc) barrier_timeout = std::chrono::milliseconds(std::atoi(argv[++i]));
     else throw Error(ErrorCode::invalid_argument, "unknown argument " + arg);
@@ -496,6 +499,7 @@ int run(int argc, char** argv) {
                  comm::to_string(fp8_partials.partial_sums()));
     return 1;
   }
+  if (progress) std::fprintf(stderr, "rank %d: every layer built\n", rank);
   double worst_fp8_partials = 0.0;  // rel. L2 of y with FP8 partial sums against y with bf16 ones
   bool fp8_partials_differ = false;
 
@@ -520,16 +524,26 @@ int run(int argc, char** argv) {
     // rewrites the counts here before its first barrier (compute-sanitizer's slowdown showed it
     // with --fused, where bf16_rows is the staged layer read).
     comm::EpLayer::Delivered delivered;
+    const auto returned = [&](const char* what) {
+      if (!progress) return;
+      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::fprintf(stderr, "rank %d iteration %d (%d tokens): %s returned\n", rank, it, T, what);
+    };
     bf16_rows.forward(stream, call_bf16_rows.inputs(), MoeOutputs{call_bf16_rows.y});
+    returned("the staged layer with bf16 rows");
     if (fused) delivered = bf16_rows.last_delivered(stream);
     fp8_partials.forward(stream, call_fp8_partials.inputs(), MoeOutputs{call_fp8_partials.y});
+    returned("the layer with FP8 partial sums");
     if (fp8_partials_staged) {
       fp8_partials_staged->forward(stream, call_fp8_partials_staged.inputs(), MoeOutputs{call_fp8_partials_staged.y});
+      returned("the staged layer with FP8 partial sums");
     }
     layer.forward(stream, call.inputs(), MoeOutputs{call.y});
+    returned("the layer under test");
     if (!fused) delivered = layer.last_delivered(stream);
     if (fc2_stores) {
       fc2_stores->forward(stream, call_fc2_stores.inputs(), MoeOutputs{call_fc2_stores.y});
+      returned("the layer whose FC2 stores into the sources");
       if (T > 0) single_gpu->forward(stream, call_single_gpu.inputs(), MoeOutputs{call_single_gpu.y});
     }
 

@@ -125,9 +125,12 @@ __device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratc
     if (threadIdx.x < 32) {  // warp 0, whole: the duplicate test shuffles over it
       const size_t slot = static_cast<size_t>(t) * k + threadIdx.x;
       const int id = threadIdx.x < k ? p.topk_ids[slot] : -1;
+      // Every lane, outside any condition: its shuffles wait for the whole warp (behind a
+      // short-circuit, lanes without an id never came and the warp hung).
+      const bool duplicate = repeats_an_earlier_slot(id, threadIdx.x, k);
       // A slot that routes nowhere is published as -1, so that whoever reads the ids (the owners'
       // route items, this rank's reduce of the expert rows) sees which slots have a row.
-      const bool routed = id >= 0 && id < p.num_experts && !repeats_an_earlier_slot(id, threadIdx.x, k);
+      const bool routed = id >= 0 && id < p.num_experts && !duplicate;
       if (threadIdx.x < k) {
         region_of<int32_t>(p, p.rank, l.ids)[slot] = routed ? id : -1;
         region_of<float>(p, p.rank, l.weights)[slot] = p.topk_weights[slot];
