@@ -192,7 +192,7 @@ def prepare_ep_weights(
     memory). launch: "staged" (dispatch, the local experts and the combine as separate launches) or
     "fused" (each rank's forward as one launch, designed to give the staged output bit for bit,
     with either partial_sums; with the default token_rows; bf16 and fp8_block only; correct on one
-    GPU with ranks sharing it, not yet measured on two:
+    GPU with ranks sharing it before the second combine came, not rerun since, nor measured on two:
     docs/design.md#expert-parallelism-inside-the-persistent-kernel). combine: how a fused layer's
     owners return their experts' outputs, "owner_sums" (each owner sums its experts' rows of a
     token and sends that partial sum, as partial_sums says; the source adds the owners' sums in rank
