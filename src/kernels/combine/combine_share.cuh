@@ -125,19 +125,18 @@ __device__ __forceinline__ void combine_share(const CombineParams& p, const uint
   using namespace combine_detail;
   constexpr uint32_t kBarrier = static_cast<uint32_t>(NamedBarrier::kCombineShare);
   const int valid = valid_tokens(p.num_tokens, p.num_valid_tokens);
-  const int vectors_per_token = p.hidden / Bf16x8Sum::kChannels;
-  const long vectors = static_cast<long>(valid) * vectors_per_token;
+  const long vectors = static_cast<long>(valid) * (p.hidden / Bf16x8Sum::kChannels);
   const long wave = static_cast<long>(gridDim.x) * math_threads;
   const long mine = static_cast<long>(blockIdx.x) * math_threads + math_thread;
   const StagedRows staged(staging, math_thread, math_threads, p.top_k);
   // Vectors mine + i * wave for i < count.
   const int count = mine < vectors ? static_cast<int>((vectors - mine + wave - 1) / wave) : 0;
+  const auto place = [&](int i) { return vector_place(p, mine + i * wave); };
   // The routing is final since the front role: the first vectors' ids and weights come into L1
   // while the last FC2 tiles finish, so that after the wait only the slot rows are a round trip
   // away (as in combine_kernel).
   if constexpr (kDeterministic) {
-    for (int i = 0; i < min(count, staged.depth); ++i)
-      prefetch_token_routing(p, static_cast<int>((mine + i * wave) / vectors_per_token));
+    for (int i = 0; i < min(count, staged.depth); ++i) prefetch_token_routing(p, place(i).token);
   }
   if (math_thread == 0) {
     ptx::wait_until([&] { return ptx::ld_acquire_gpu(fc2_tiles_stored) >= fc2_tiles; }, 64);
@@ -150,7 +149,6 @@ __device__ __forceinline__ void combine_share(const CombineParams& p, const uint
     // A pipeline of `depth` vectors: vector i is staged in stage i % depth, and once it is summed
     // the stage takes vector i + depth.
     const uint64_t read_once = ptx::l2_policy_evict_first();
-    const auto place = [&](int i) { return vector_place(p, mine + i * wave); };
     for (int i = 0; i < min(count, staged.depth); ++i) stage_vector(p, staged, place(i), i, read_once);
     for (int i = 0; i < count; ++i) {
       const int stage = i % staged.depth;
@@ -158,8 +156,7 @@ __device__ __forceinline__ void combine_share(const CombineParams& p, const uint
       combine_staged_vector(p, staged, place(i), stage);
       if (i + staged.depth < count) {
         stage_vector(p, staged, place(i + staged.depth), stage, read_once);
-        if (i + staged.depth + 1 < count)
-          prefetch_token_routing(p, static_cast<int>((mine + (i + staged.depth + 1) * wave) / vectors_per_token));
+        if (i + staged.depth + 1 < count) prefetch_token_routing(p, place(i + staged.depth + 1).token);
       }
     }
   } else {

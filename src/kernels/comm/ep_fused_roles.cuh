@@ -122,19 +122,15 @@ __device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratc
       uint4* copy = region_of<uint4>(p, p.rank, l.rows) + static_cast<size_t>(t) * (l.hidden / 8);
       ep_detail::block_copy_row(row, &copy, 1, l.hidden / 8);
     }
-    if (threadIdx.x < 32) {  // warp 0, whole: the duplicate test shuffles over it
+    if (threadIdx.x < k) {
       const size_t slot = static_cast<size_t>(t) * k + threadIdx.x;
-      const int id = threadIdx.x < k ? p.topk_ids[slot] : -1;
-      // Every lane, outside any condition: its shuffles wait for the whole warp (behind a
-      // short-circuit, lanes without an id never came and the warp hung).
-      const bool duplicate = repeats_an_earlier_slot(id, threadIdx.x, k);
-      // A slot that routes nowhere is published as -1, so that whoever reads the ids (the owners'
-      // route items, this rank's reduce of the expert rows) sees which slots have a row.
-      const bool routed = id >= 0 && id < p.num_experts && !duplicate;
-      if (threadIdx.x < k) {
-        region_of<int32_t>(p, p.rank, l.ids)[slot] = routed ? id : -1;
-        region_of<float>(p, p.rank, l.weights)[slot] = p.topk_weights[slot];
-      }
+      // A slot that routes nowhere is published as -1 (the staged layer's rule, counted below), so
+      // that whoever reads the ids (the owners' route items, this rank's reduce of the expert rows)
+      // sees which slots have a row.
+      bool invalid = false;
+      region_of<int32_t>(p, p.rank, l.ids)[slot] =
+          layout::ep_slot_expert(p.topk_ids, k, p.num_experts, static_cast<long>(slot), &invalid);
+      region_of<float>(p, p.rank, l.weights)[slot] = p.topk_weights[slot];
     }
     if (threadIdx.x == 32) {  // another warp than the copies': invalid ids are counted here, once
       int invalid = 0;

@@ -108,7 +108,7 @@ __device__ __forceinline__ void gather_token_by_group(const GatherParams& p, int
   static_assert(kThreads % 32 == 0, "write_chunk is called by whole warps");
   const bool has_token = token >= 0;
   const int chunks = has_token ? p.hidden / kGatherChunkElements : 0;  // none: no load and no write
-  const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(token) * p.hidden);
+  const uint4* source = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(has_token ? token : 0) * p.hidden);
   const uint4 zero = make_uint4(0, 0, 0, 0);
   int chunk = thread;
   uint4 raw = chunk < chunks ? source[chunk] : zero;
