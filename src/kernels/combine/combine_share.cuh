@@ -22,8 +22,9 @@
 
 namespace megamoe::kernels {
 
-// Vectors a thread combines at once where their rows come into registers (combine_vectors: the
-// atomic share, expert parallelism's chunks): each of them costs the round trips of one.
+// Vectors a thread combines at once where their rows come into registers (combine_vectors of the
+// atomic share, expert parallelism's reduce of partial sums): each of them costs the round trips of
+// one.
 inline constexpr int kCombineBatch = 2;
 
 // Shared memory the deterministic share stages its slot rows in (the stage ring, idle once the
@@ -33,6 +34,10 @@ struct CombineStaging {
   char* bytes;
   int size;
 };
+
+// Bytes at the end of the staging memory that a role after the GEMMs may keep for its own shared
+// state while it stages rows before them (expert parallelism's back role: its claimed chunk).
+inline constexpr int kCombineStagingReserve = 256;
 
 namespace combine_detail {
 
@@ -77,11 +82,13 @@ __device__ __forceinline__ VectorPlace vector_place(const CombineParams& p, long
 
 // Starts copying the slot rows and weights of the output vector at `place` into `stage` (a used
 // slot's row and weight; zeros for an unused one, which then adds nothing) and commits them as one
-// group. The token's routed ids are read first, up to eight at once.
-__device__ __forceinline__ void stage_vector(const CombineParams& p, const StagedRows& staged, VectorPlace place,
+// group. The token's routed ids are read first, up to eight at once. Returns whether any slot of
+// the token is used.
+__device__ __forceinline__ bool stage_vector(const CombineParams& p, const StagedRows& staged, VectorPlace place,
                                              int stage, uint64_t read_once) {
   constexpr int kIds = 8;
   const size_t first_slot = static_cast<size_t>(place.token) * p.top_k;
+  bool any_used = false;
   for (int first = 0; first < p.top_k; first += kIds) {
     int32_t id[kIds];
 #pragma unroll
@@ -92,27 +99,61 @@ __device__ __forceinline__ void stage_vector(const CombineParams& p, const Stage
       const size_t slot = first_slot + first + i;
       const int row = staged.row(stage, first + i);
       const bool used = id[i] >= 0;
+      any_used |= used;
       ptx::cp_async_16_or_zero(staged.rows + row, p.slot_outputs + (used ? slot * p.hidden + place.column : 0), used,
                                read_once);
       ptx::cp_async_4_or_zero(staged.weights + row, p.routed_weights + slot, used);
     }
   }
   ptx::cp_async_commit_group();
+  return any_used;
 }
 
-// The output vector at `place` into y from its rows staged in `stage`, summed in slot order as
-// add_rows_batched sums them.
+// The output vector at `place` from its rows staged in `stage`, summed in slot order as
+// add_rows_batched sums them, into `output`'s row of its token (with Output::kRoutedOnly only where
+// a slot is `used` and the row is not null).
+template <class Output>
 __device__ __forceinline__ void combine_staged_vector(const CombineParams& p, const StagedRows& staged,
-                                                      VectorPlace place, int stage) {
+                                                      VectorPlace place, int stage, bool used, const Output& output) {
   Bf16x8Sum sum;
   for (int j = 0; j < p.top_k; ++j) {
     const int row = staged.row(stage, j);
     sum.add(staged.rows[row], staged.weights[row]);
   }
-  reinterpret_cast<uint4*>(CombineIntoY{}.row(p, place.token) + place.column)[0] = sum.rounded();
+  __nv_bfloat16* out = output.row(p, place.token);
+  if constexpr (Output::kRoutedOnly) {
+    if (!used || out == nullptr) return;
+  }
+  reinterpret_cast<uint4*>(out + place.column)[0] = sum.rounded();
 }
 
 }  // namespace combine_detail
+
+// `count` output vectors of this thread, the i-th at place(i), summed from their slot rows staged
+// by cp.async `staged.depth` vectors deep: vector i in stage i % depth, and once it is summed the
+// stage takes vector i + depth. The first `depth` vectors' routing may already be in L1
+// (prefetch_token_routing); each later one's is prefetched a vector ahead of its staging.
+template <class Place, class Output = CombineIntoY>
+__device__ __forceinline__ void combine_staged_vectors(const CombineParams& p, const combine_detail::StagedRows& staged,
+                                                       int count, Place place, const Output& output = {}) {
+  using namespace combine_detail;
+  static_assert(kMaxStagedVectors <= 32, "a bit a stage says whether its vector's token uses a slot");
+  const uint64_t read_once = ptx::l2_policy_evict_first();
+  uint32_t used = 0;
+  for (int i = 0; i < min(count, staged.depth); ++i) {
+    if (stage_vector(p, staged, place(i), i, read_once)) used |= 1u << i;
+  }
+  for (int i = 0; i < count; ++i) {
+    const int stage = i % staged.depth;
+    ptx::cp_async_wait_pending<kMaxStagedVectors - 1>(min(count, i + staged.depth) - 1 - i);
+    combine_staged_vector(p, staged, place(i), stage, (used >> stage) & 1u, output);
+    if (i + staged.depth < count) {
+      used &= ~(1u << stage);
+      if (stage_vector(p, staged, place(i + staged.depth), stage, read_once)) used |= 1u << stage;
+      if (i + staged.depth + 1 < count) prefetch_token_routing(p, place(i + staged.depth + 1).token);
+    }
+  }
+}
 
 // By each of the `math_threads` math threads; `fc2_tiles_stored` reaches `fc2_tiles` when every
 // FC2 tile is stored. `waited()` runs in every math thread once all of them are past that wait, the
@@ -146,19 +187,7 @@ __device__ __forceinline__ void combine_share(const CombineParams& p, const uint
   waited();
   timeline.mark(layout::kCombineStarted, static_cast<int>(threadIdx.x) - math_thread);
   if constexpr (kDeterministic) {
-    // A pipeline of `depth` vectors: vector i is staged in stage i % depth, and once it is summed
-    // the stage takes vector i + depth.
-    const uint64_t read_once = ptx::l2_policy_evict_first();
-    for (int i = 0; i < min(count, staged.depth); ++i) stage_vector(p, staged, place(i), i, read_once);
-    for (int i = 0; i < count; ++i) {
-      const int stage = i % staged.depth;
-      ptx::cp_async_wait_pending<kMaxStagedVectors - 1>(min(count, i + staged.depth) - 1 - i);
-      combine_staged_vector(p, staged, place(i), stage);
-      if (i + staged.depth < count) {
-        stage_vector(p, staged, place(i + staged.depth), stage, read_once);
-        if (i + staged.depth + 1 < count) prefetch_token_routing(p, place(i + staged.depth + 1).token);
-      }
-    }
+    combine_staged_vectors(p, staged, count, place);
   } else {
     for (long first = mine; first < vectors; first += kCombineBatch * wave) {
       combine_vectors<false, kCombineBatch>(p, first, wave, valid);

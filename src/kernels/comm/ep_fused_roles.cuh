@@ -3,22 +3,25 @@
 // (docs/design.md#expert-parallelism-inside-the-persistent-kernel). Each rank publishes its tokens
 // in its own symmetric buffer (layout/ep_fused_buffers.hpp) and the owners pull what they need:
 //   publish items  (claimed first) this rank's rows quantized once (or copied) with their ids and
-//                  weights into its ids, weights and rows regions; the last to finish writes its
-//                  count into every rank and arrives there
+//                  weights into its ids, weights and rows regions, FP8 rows by groups of threads
+//                  a token each; the last to finish writes its count into every rank and arrives
+//                  there
 //   route items    an owner's virtual tokens v = (source s, token t), a warp each: s's arrival
 //                  and count acquired, the token's ids read over NVLink, the slots of this
 //                  rank's experts counted as local ids; the last scans the expert segments as the
 //                  single-GPU front does and lays out the combine's chunks per source
-//   gather items   each routed virtual token's row copied from its source into the pool
+//   gather items   each routed virtual token's row copied from its source into the pool, three
+//                  groups of threads a token each
 //   FC1, FC2       the single kernel's GEMMs, unchanged
-//   combine chunks (claimed) a chunk of a source's tokens: each token's weighted sum over this
-//                  rank's experts stored into the source's `returned` region over NVLink (FP8
-//                  partial sums: staged here, then quantized per 128 channels into the source's
-//                  returned_codes and returned_scales); the CTA that completes the last chunk
-//                  arrives at every source
-//   reduce chunks  (claimed) this rank's own tokens: every owner's arrival acquired, then the
-//                  owners' partial sums added in rank order (fp32, rounded once: the staged
-//                  reduce's arithmetic) into y
+//   combine chunks (claimed) a chunk of a source's tokens (as many chunks as CTAs while the
+//                  tokens allow): each token's weighted sum over this rank's experts, its slot
+//                  rows staged in the idle stage ring, stored into the source's `returned` region
+//                  over NVLink (FP8 partial sums: stored here, then quantized per 128 channels into
+//                  the source's returned_codes and returned_scales); the CTA that completes the
+//                  last chunk arrives at every source
+//   reduce chunks  (claimed, sized alike) this rank's own tokens: every owner's arrival acquired,
+//                  then the owners' partial sums added in rank order (fp32, rounded once: the
+//                  staged reduce's arithmetic) into y
 // Work that other work waits for is always claimed (never a fixed share), so CTAs that are not
 // resident slow the forward down and cannot hang it. The cross-rank waits end in a RankFault after
 // the layer's timeout, without printing (a printf in a kernel that issues wgmma serializes its
@@ -63,9 +66,27 @@ __device__ __forceinline__ uint32_t* ep_counter(const ForwardItems& items, EpFor
   return items.counters + c;
 }
 
-// Tokens of one source in a combine chunk, and of this rank in a reduce chunk: a CTA's math
-// threads take ~kEpChunkTokens * H / 8 / 256 vectors each between two claims.
+// Most tokens of one source in a combine chunk, and of this rank in a reduce chunk: a CTA's math
+// threads take up to ~kEpChunkTokens * H / 8 / 256 vectors each between two claims. Fewer where
+// the tokens would not give every CTA a chunk (ep_chunk_tokens).
 inline constexpr int kEpChunkTokens = 16;
+
+// Tokens a chunk takes when `tokens` are cut into chunks: as many chunks as CTAs while the tokens
+// allow it (a claim costs a round trip, a CTA without a chunk idles), at most kEpChunkTokens.
+__device__ __forceinline__ int ep_chunk_tokens(long tokens) {
+  const long per_cta = (tokens + gridDim.x - 1) / gridDim.x;
+  return static_cast<int>(max(1L, min(static_cast<long>(kEpChunkTokens), per_cta)));
+}
+
+// The back role's shared state, kept in the staging memory's reserve (kCombineStagingReserve) while
+// the rows before it are staged: the claimed chunk, whether every owner arrived, and the owners of
+// a reduce chunk's tokens.
+struct EpBackScratch {
+  uint64_t owners[kEpChunkTokens];
+  int chunk;
+  bool arrived;
+};
+static_assert(sizeof(EpBackScratch) + 16 <= kCombineStagingReserve, "the back role's scratch fits the reserve");
 
 
 namespace ep_fused_detail {
@@ -103,41 +124,55 @@ __device__ __forceinline__ bool all_arrived(const EpFusedParams& p, size_t offse
   return true;
 }
 
+// Threads that quantize one FP8 row together: a lane per 16 channels (block_quantize_row), whole
+// warps, at most the CTA.
+__device__ __forceinline__ int publish_group_threads(int hidden) {
+  return min(kFrontThreads, (hidden / 16 + 31) / 32 * 32);
+}
+
 // Publish item `item`, the whole CTA: its tokens' rows (FP8 codes and scales by the gather's rule,
 // or bf16 as given), ids and weights into this rank's buffer; the last item to finish writes the
-// count into every rank and arrives there.
+// count into every rank and arrives there. FP8 rows are quantized by groups of threads, a token
+// each at a time, so that one row's round trips do not leave the rest of the CTA idle.
 __device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratch& s, const ForwardItems& items,
                                              const Timeline& timeline, int item) {
   const layout::EpFusedLayout& l = p.layout;
   const int first = item * p.publish_tokens, end = min(p.num_tokens, first + p.publish_tokens);
   const int k = l.top_k;
-  for (int t = first; t < end; ++t) {
-    const uint4* row = p.x + static_cast<size_t>(t) * (l.hidden / 8);
-    if (l.fp8_rows) {
+  const auto x_row = [&](int t) { return p.x + static_cast<size_t>(t) * (l.hidden / 8); };
+  if (l.fp8_rows) {
+    const int group_threads = publish_group_threads(l.hidden), groups = kFrontThreads / group_threads;
+    const int group = static_cast<int>(threadIdx.x) / group_threads;
+    const int thread = static_cast<int>(threadIdx.x) % group_threads;
+    // A group's trip count is the same in each of its warps (the quantizer shuffles over whole warps).
+    for (int t = first + group; group < groups && t < end; t += groups) {
       uint4* codes = region_of<uint4>(p, p.rank, l.rows) + static_cast<size_t>(t) * (l.hidden / 16);
       float* scales = region_of<float>(p, p.rank, l.row_scales) + t;
-      ep_detail::block_quantize_row(row, &codes, &scales, 1, l.hidden, static_cast<size_t>(l.max_tokens_per_rank),
-                                    p.ue8m0);
-    } else {
+      ep_detail::block_quantize_row(x_row(t), &codes, &scales, 1, l.hidden,
+                                    static_cast<size_t>(l.max_tokens_per_rank), p.ue8m0, thread, group_threads);
+    }
+  } else {
+    for (int t = first; t < end; ++t) {
       uint4* copy = region_of<uint4>(p, p.rank, l.rows) + static_cast<size_t>(t) * (l.hidden / 8);
-      ep_detail::block_copy_row(row, &copy, 1, l.hidden / 8);
-    }
-    if (threadIdx.x < k) {
-      const size_t slot = static_cast<size_t>(t) * k + threadIdx.x;
-      // A slot that routes nowhere is published as -1 (the staged layer's rule, counted below), so
-      // that whoever reads the ids (the owners' route items, this rank's reduce of the expert rows)
-      // sees which slots have a row.
-      bool invalid = false;
-      region_of<int32_t>(p, p.rank, l.ids)[slot] =
-          layout::ep_slot_expert(p.topk_ids, k, p.num_experts, static_cast<long>(slot), &invalid);
-      region_of<float>(p, p.rank, l.weights)[slot] = p.topk_weights[slot];
-    }
-    if (threadIdx.x == 32) {  // another warp than the copies': invalid ids are counted here, once
-      int invalid = 0;
-      layout::ep_token_destinations(p.topk_ids, k, p.num_experts, l.experts_per_rank, t, &invalid);
-      if (invalid > 0) atomicAdd(p.error_flags, invalid);
+      ep_detail::block_copy_row(x_row(t), &copy, 1, l.hidden / 8);
     }
   }
+  // A slot that routes nowhere is published as -1 (the staged layer's rule, counted below), so that
+  // whoever reads the ids (the owners' route items, this rank's reduce of the expert rows) sees
+  // which slots have a row.
+  for (long slot = static_cast<long>(first) * k + threadIdx.x; slot < static_cast<long>(end) * k; slot += blockDim.x) {
+    bool invalid = false;
+    region_of<int32_t>(p, p.rank, l.ids)[slot] = layout::ep_slot_expert(p.topk_ids, k, p.num_experts, slot, &invalid);
+    region_of<float>(p, p.rank, l.weights)[slot] = p.topk_weights[slot];
+  }
+  // Invalid ids are counted here, once: a token a thread.
+  int invalid = 0;
+  for (int t = first + static_cast<int>(threadIdx.x); t < end; t += blockDim.x) {
+    int token_invalid = 0;
+    layout::ep_token_destinations(p.topk_ids, k, p.num_experts, l.experts_per_rank, t, &token_invalid);
+    invalid += token_invalid;
+  }
+  if (invalid > 0) atomicAdd(p.error_flags, invalid);
   if (!last_to_finish(ep_counter(items, kPublishItemsDone), static_cast<uint32_t>(p.publish_items), &s.last)) {
     return;
   }
@@ -187,19 +222,26 @@ __device__ __forceinline__ void route_virtual_token(const RoutingParams& r, cons
 }
 
 // The combine's chunks per source, from every source's count (the last route item, after every
-// publication was acquired or given up on): this rank's source_counts and chunk_prefix.
+// publication was acquired or given up on): this rank's source_counts, and chunk_prefix with the
+// tokens a chunk takes in its last entry.
 __device__ __forceinline__ void lay_out_combine_chunks(const EpFusedParams& p) {
   if (threadIdx.x != 0) return;
   const layout::EpFusedLayout& l = p.layout;
   int32_t* counts = region_of<int32_t>(p, p.rank, l.source_counts);
   int32_t* prefix = region_of<int32_t>(p, p.rank, l.chunk_prefix);
+  long tokens = 0;
+  for (int source = 0; source < l.world_size; ++source) {
+    counts[source] = rank_fault_seen(p.fault) ? 0 : region_of<const int32_t>(p, p.rank, l.counts_in)[source];
+    tokens += counts[source];
+  }
+  const int chunk_tokens = ep_chunk_tokens(tokens);
   int chunks = 0;
   for (int source = 0; source < l.world_size; ++source) {
     prefix[source] = chunks;
-    counts[source] = rank_fault_seen(p.fault) ? 0 : region_of<const int32_t>(p, p.rank, l.counts_in)[source];
-    chunks += (counts[source] + kEpChunkTokens - 1) / kEpChunkTokens;
+    chunks += (counts[source] + chunk_tokens - 1) / chunk_tokens;
   }
   prefix[l.world_size] = chunks;
+  prefix[layout::EpFusedLayout::kChunkTokensEntry] = chunk_tokens;
 }
 
 // Route item `item`, the whole CTA: a virtual token per warp; returns whether this CTA published
@@ -217,32 +259,34 @@ __device__ __forceinline__ bool route_item(const FrontParams& f, const EpFusedPa
   return true;
 }
 
-// Virtual token v, the whole CTA: its pool slots, then its row from its source into each. Slots
-// past their source's count (most of them, below max_tokens_per_rank tokens) route nowhere: they
-// return at once, every thread alike (the counts were laid out before the routing was published).
-__device__ __forceinline__ void gather_virtual_token(const GatherParams& g, const EpFusedParams& p, FrontScratch& s,
-                                                     int v) {
+// Virtual token v (-1: none this round) by a group of kGatherGroupThreads threads (`thread` its index
+// there, `sync` its barrier, `slot_rows` its row of the scratch): its pool slots, then its row from
+// its source into each. Slots past their source's count (most of them, below max_tokens_per_rank
+// tokens) route nowhere: the group takes only its barriers (the counts were laid out before the
+// routing was published).
+template <class Sync>
+__device__ __forceinline__ void gather_virtual_token(const GatherParams& g, const EpFusedParams& p, int32_t* slot_rows,
+                                                     int v, int thread, Sync sync) {
   const layout::EpFusedLayout& l = p.layout;
-  if (v % l.max_tokens_per_rank >= region_of<const int32_t>(p, p.rank, l.source_counts)[v / l.max_tokens_per_rank]) {
-    return;
-  }
-  if (threadIdx.x < g.top_k) s.slot_rows[0][threadIdx.x] = place_slot(g, v, threadIdx.x);
-  __syncthreads();
+  const bool live =
+      v >= 0 && v % l.max_tokens_per_rank < region_of<const int32_t>(p, p.rank, l.source_counts)[v / l.max_tokens_per_rank];
+  if (live && thread < g.top_k) slot_rows[thread] = place_slot(g, v, thread);
+  sync();
   bool used = false;
-  for (int j = 0; j < g.top_k; ++j) used |= s.slot_rows[0][j] >= 0;
+  for (int j = 0; live && j < g.top_k; ++j) used |= slot_rows[j] >= 0;
   if (used && !rank_fault_seen(p.fault)) {
     const int source = v / l.max_tokens_per_rank;
     const size_t t = static_cast<size_t>(v % l.max_tokens_per_rank);
     const uint4* row = reinterpret_cast<const uint4*>(region_of<const char>(p, source, l.rows) + t * l.row_bytes());
     if (l.fp8_rows) {
-      copy_row_to_slots<kFrontThreads, true>(g, s.slot_rows[0], row, l.hidden / 16,
-                                             region_of<const float>(p, source, l.row_scales) + t,
-                                             static_cast<size_t>(l.max_tokens_per_rank));
+      copy_row_to_slots<kGatherGroupThreads, true>(g, slot_rows, row, l.hidden / 16,
+                                                   region_of<const float>(p, source, l.row_scales) + t,
+                                                   static_cast<size_t>(l.max_tokens_per_rank), thread);
     } else {
-      copy_row_to_slots<kFrontThreads, false>(g, s.slot_rows[0], row, l.hidden / 8, nullptr, 0);
+      copy_row_to_slots<kGatherGroupThreads, false>(g, slot_rows, row, l.hidden / 8, nullptr, 0, thread);
     }
   }
-  __syncthreads();  // slot_rows is rewritten by the next token
+  sync();  // slot_rows is rewritten by the group's next token
 }
 
 }  // namespace ep_fused_detail
@@ -268,8 +312,9 @@ __device__ __forceinline__ void ep_front_items(const FrontParams& f, const EpFus
     routing_seen = true;
     const int first = (ticket - routes) * items.gather_tokens;
     const int end = static_cast<int>(min(static_cast<long>(first + items.gather_tokens), p.layout.virtual_tokens()));
-    front_detail::gather_and_publish(f, first, end,
-                                     [&](int v) { ep_fused_detail::gather_virtual_token(f.gather, p, s, v); });
+    front_detail::gather_by_groups_and_publish(f, first, end, [&](int v, int group, int thread, auto group_sync) {
+      ep_fused_detail::gather_virtual_token(f.gather, p, s.slot_rows[group], v, thread, group_sync);
+    });
   }
   if (!routing_seen) front_detail::wait_for(items, kRoutingReady, 1);
   f.timeline.mark(layout::kFrontDone);
@@ -315,25 +360,48 @@ struct ChunkTokens {
 };
 __device__ __forceinline__ ChunkTokens chunk_tokens(const EpFusedParams& p, int chunk) {
   const int32_t* prefix = region_of<const int32_t>(p, p.rank, p.layout.chunk_prefix);
+  const int per_chunk = prefix[layout::EpFusedLayout::kChunkTokensEntry];
   int source = 0;
   while (prefix[source + 1] <= chunk) ++source;
   const long source_first = static_cast<long>(source) * p.layout.max_tokens_per_rank;
-  const long first = source_first + static_cast<long>(chunk - prefix[source]) * kEpChunkTokens;
+  const long first = source_first + static_cast<long>(chunk - prefix[source]) * per_chunk;
   const int count = region_of<const int32_t>(p, p.rank, p.layout.source_counts)[source];
-  return ChunkTokens{source, first, min(first + kEpChunkTokens, source_first + count)};
+  return ChunkTokens{source, first, min(first + per_chunk, source_first + count)};
 }
 
-// A combine chunk's virtual tokens, kEpChunkTokens tokens of one source (none after a fault: a lost
-// peer's buffer may be gone).
+// This math thread's output vectors of the tokens [first, end): vector first * H/8 + math_thread +
+// i * math_threads for i < count.
+struct ChunkVectors {
+  long first;
+  int count;
+  int stride;
+};
+__device__ __forceinline__ ChunkVectors chunk_vectors(int hidden, long first_token, long end_token, int math_thread,
+                                                      int math_threads) {
+  const int vectors_per_token = hidden / Bf16x8Sum::kChannels;
+  const long first = first_token * vectors_per_token + math_thread, end = end_token * vectors_per_token;
+  return {first, first < end ? static_cast<int>((end - first + math_threads - 1) / math_threads) : 0, math_threads};
+}
+
+// The vectors of `tokens` (rows of `c`'s tables) summed from their slot rows staged in `staged`
+// (combine_staged_vectors) into `output`.
+template <class Output>
+__device__ __forceinline__ void combine_tokens_staged(const CombineParams& c, const combine_detail::StagedRows& staged,
+                                                      long first_token, long end_token, int math_thread,
+                                                      int math_threads, const Output& output) {
+  const ChunkVectors v = chunk_vectors(c.hidden, first_token, end_token, math_thread, math_threads);
+  combine_staged_vectors(
+      c, staged, v.count, [&](int i) { return combine_detail::vector_place(c, v.first + static_cast<long>(i) * v.stride); },
+      output);
+}
+
+// A combine chunk's virtual tokens, of one source (none after a fault: a lost peer's buffer may be
+// gone).
 __device__ __forceinline__ void combine_chunk(const CombineParams& c, const EpFusedParams& p, const ChunkTokens& tokens,
-                                              int math_thread, int math_threads) {
+                                              const combine_detail::StagedRows& staged, int math_thread,
+                                              int math_threads) {
   if (rank_fault_seen(p.fault)) return;
-  const int vectors_per_token = c.hidden / Bf16x8Sum::kChannels;
-  const EpPartialSumRows output{&p};
-  for (long first = tokens.first * vectors_per_token + math_thread; first < tokens.end * vectors_per_token;
-       first += static_cast<long>(kCombineBatch) * math_threads) {
-    combine_vectors<true, kCombineBatch>(c, first, math_threads, static_cast<int>(tokens.end), output);
-  }
+  combine_tokens_staged(c, staged, tokens.first, tokens.end, math_thread, math_threads, EpPartialSumRows{&p});
 }
 
 // FP8 partial sums: a combine chunk's rows, of a remote source, which the math threads stored here
@@ -374,66 +442,89 @@ __device__ __forceinline__ CombineParams own_expert_rows(const EpFusedParams& p)
   return c;
 }
 
-// Reduce chunk `chunk`: this rank's tokens [chunk, chunk + 1) * kEpChunkTokens into y: each owner's
-// partial sum (the owners its ids name) in rank order, or with fc2_stores the token's expert rows,
-// weighted, in slot order (the single-GPU combine); NaN where not every owner arrived when this
-// CTA waited (`arrived`): a vector is its sum or NaN, never a sum of what did not arrive.
-__device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, int chunk, bool arrived, int math_thread,
+// This rank's tokens [first, end) of a reduce chunk.
+struct ReduceTokens {
+  int first, end;
+};
+
+// Reduce chunk `chunk` of `tokens` a chunk: this rank's tokens into y: each owner's partial sum (the
+// owners its ids name, found once a token into `s.owners`) in rank order, or with fc2_stores the
+// token's expert rows, weighted, in slot order (the single-GPU combine, staged in `staged`); NaN
+// where not every owner arrived when this CTA waited (`s.arrived`): a vector is its sum or NaN,
+// never a sum of what did not arrive. Every math thread takes the barrier inside alike.
+__device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, ReduceTokens tokens, EpBackScratch& s,
+                                             const combine_detail::StagedRows& staged, int math_thread,
                                              int math_threads) {
   const layout::EpFusedLayout& l = p.layout;
-  const int vectors_per_token = l.hidden / Bf16x8Sum::kChannels;
-  const int first_token = chunk * kEpChunkTokens, end_token = min(p.num_tokens, first_token + kEpChunkTokens);
-  const long first = static_cast<long>(first_token) * vectors_per_token + math_thread;
-  const long end = static_cast<long>(end_token) * vectors_per_token;
-  if (!arrived) {
-    for (long index = first; index < end; index += math_threads) {
-      reinterpret_cast<uint4*>(p.y)[index] = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
+  const ChunkVectors v = chunk_vectors(l.hidden, tokens.first, tokens.end, math_thread, math_threads);
+  uint4* y = reinterpret_cast<uint4*>(p.y);
+  if (!s.arrived) {
+    for (int i = 0; i < v.count; ++i) {
+      y[v.first + static_cast<long>(i) * v.stride] = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
     }
     return;
   }
   if (l.fc2_stores) {
-    const CombineParams own = own_expert_rows(p);
-    for (long index = first; index < end; index += static_cast<long>(kCombineBatch) * math_threads) {
-      combine_vectors<true, kCombineBatch>(own, index, math_threads, end_token);
-    }
+    combine_tokens_staged(own_expert_rows(p), staged, tokens.first, tokens.end, math_thread, math_threads,
+                          CombineIntoY{});
     return;
   }
-  for (long index = first; index < end; index += math_threads) {
-    const int t = static_cast<int>(index / vectors_per_token), vector = static_cast<int>(index % vectors_per_token);
-    uint4* out = reinterpret_cast<uint4*>(p.y) + index;
-    int invalid = 0;
-    const uint64_t owners =
-        layout::ep_token_destinations(p.topk_ids, l.top_k, p.num_experts, l.experts_per_rank, t, &invalid);
-    Bf16x8Sum sum;
-    if (l.fp8_partials) {
-      const size_t blocks = l.hidden / 128;
+  if (math_thread < tokens.end - tokens.first) {
+    int invalid = 0;  // counted by the publish items
+    s.owners[math_thread] = layout::ep_token_destinations(p.topk_ids, l.top_k, p.num_experts, l.experts_per_rank,
+                                                          tokens.first + math_thread, &invalid);
+  }
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpChunkStored), static_cast<uint32_t>(math_threads));
+  const int vectors_per_token = l.hidden / Bf16x8Sum::kChannels;
+  // Owner o's partial sum of this rank's token t, at [o][t] of this rank's returned region.
+  const auto partial_row = [&](int owner, int t) {
+    return static_cast<size_t>(owner) * l.max_tokens_per_rank + t;
+  };
+  if (l.fp8_partials) {
+    const size_t blocks = l.hidden / 128;
+    for (int i = 0; i < v.count; ++i) {
+      const long index = v.first + static_cast<long>(i) * v.stride;
+      const int t = static_cast<int>(index / vectors_per_token), vector = static_cast<int>(index % vectors_per_token);
+      const uint64_t owners = s.owners[t - tokens.first];
+      Bf16x8Sum sum;
       add_fp8_partials_in_rank_order(
           sum, l.world_size, p.rank, [&](int owner, const uint4*& own, const uint2*& codes, const float*& scale) {
             if (!((owners >> owner) & 1u)) return false;
-            const size_t row = static_cast<size_t>(owner) * l.max_tokens_per_rank + t;
+            const size_t row = partial_row(owner, t);
             own = region_of<const uint4>(p, p.rank, l.returned) + row * vectors_per_token + vector;
             codes = region_of<const uint2>(p, p.rank, l.returned_codes) + row * vectors_per_token + vector;
             scale = region_of<const float>(p, p.rank, l.returned_scales) + row * blocks + vector / 16;
             return true;
           });
-      *out = sum.rounded();
-      continue;
+      y[index] = sum.rounded();
     }
-    sum.add_rows<8>(l.world_size, [&](int owner, const uint4*& row, float& weight) {
-      if (!((owners >> owner) & 1u)) return;
-      row = reinterpret_cast<const uint4*>(region_of<const __nv_bfloat16>(p, p.rank, l.returned) +
-                                           (static_cast<size_t>(owner) * l.max_tokens_per_rank + t) * l.hidden) +
-            vector;
+    return;
+  }
+  // bf16 partial sums: kCombineBatch vectors a thread, every owner's rows of them in flight at once.
+  const uint4* returned = region_of<const uint4>(p, p.rank, l.returned);
+  for (int i = 0; i < v.count; i += kCombineBatch) {
+    Bf16x8Sum sum[kCombineBatch];
+    add_rows_batched<kCombineBatch, 8>(sum, l.world_size, [&](int b, int owner, const uint4*& row, float& weight) {
+      if (i + b >= v.count) return;
+      const long index = v.first + static_cast<long>(i + b) * v.stride;
+      const int t = static_cast<int>(index / vectors_per_token);
+      if (!((s.owners[t - tokens.first] >> owner) & 1u)) return;
+      row = returned + partial_row(owner, t) * vectors_per_token + index % vectors_per_token;
       weight = 1.0f;
     });
-    *out = sum.rounded();
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) {
+      if (i + b < v.count) y[v.first + static_cast<long>(i + b) * v.stride] = sum[b].rounded();
+    }
   }
 }
 
 // Claimed combine chunks, once every FC2 tile is stored: each owner's partial sums into their
-// sources (EpCombine::owner_sums); the CTA that completes the last chunk arrives at every source.
+// sources (EpCombine::owner_sums), their slot rows staged in `staged`; the CTA that completes the
+// last chunk arrives at every source.
 __device__ __forceinline__ void send_partial_sums(const CombineParams& c, const EpFusedParams& p,
-                                                  const ForwardItems& items, const Timeline& timeline, int math_thread,
+                                                  const ForwardItems& items, const Timeline& timeline,
+                                                  const combine_detail::StagedRows& staged, int math_thread,
                                                   int math_threads, int* shared_chunk) {
   const auto stored = static_cast<uint32_t>(NamedBarrier::kEpChunkStored);
   const int lead = static_cast<int>(threadIdx.x) - math_thread;  // the timeline's marking thread
@@ -443,7 +534,7 @@ __device__ __forceinline__ void send_partial_sums(const CombineParams& c, const 
         claim_chunk(ep_counter(items, kCombineChunksClaimed), combine_chunks, math_thread, math_threads, shared_chunk);
     if (chunk < 0) break;
     const ChunkTokens tokens = chunk_tokens(p, chunk);
-    combine_chunk(c, p, tokens, math_thread, math_threads);
+    combine_chunk(c, p, tokens, staged, math_thread, math_threads);
     // A remote source's rows, stored here by every math thread, quantized for it (its own stay bf16).
     if (p.layout.fp8_partials && tokens.source != p.rank) {
       ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
@@ -470,21 +561,27 @@ __device__ __forceinline__ void send_partial_sums(const CombineParams& c, const 
 // The role after the GEMMs, by the math threads: once every FC2 tile is stored, the owner's
 // partial sums go to their sources in claimed combine chunks, or with fc2_stores (whose FC2 tiles
 // stored their rows in the sources, each fenced at system scope) one CTA arrives at every source
-// at once; then claimed reduce chunks once every owner has arrived here. `s` is the front role's
-// scratch, idle again: its ticket holds the claimed chunk, `last` whether every owner arrived.
+// at once; then claimed reduce chunks once every owner has arrived here. `staging` is the idle
+// stage ring: slot rows are staged there, and its reserve holds the role's shared state.
 __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFusedParams& p, const ForwardItems& items,
-                                             const Timeline& timeline, uint32_t fc2_tiles, int math_thread,
-                                             int math_threads, FrontScratch& s) {
+                                             const Timeline& timeline, uint32_t fc2_tiles,
+                                             const CombineStaging& staging, int math_thread, int math_threads) {
   using namespace ep_fused_detail;
-  int* shared_chunk = &s.ticket;
+  const int rows_bytes = (staging.size - kCombineStagingReserve) & ~15;
+  EpBackScratch& s = *reinterpret_cast<EpBackScratch*>(staging.bytes + rows_bytes);
+  const combine_detail::StagedRows staged(CombineStaging{staging.bytes, rows_bytes}, math_thread, math_threads,
+                                          p.layout.top_k);
   const auto stored = static_cast<uint32_t>(NamedBarrier::kEpChunkStored);
   const int lead = static_cast<int>(threadIdx.x) - math_thread;  // the timeline's marking thread
   if (math_thread == 0) {
     ptx::wait_until([&] { return ptx::ld_acquire_gpu(items.counter(kFc2TilesStored)) >= fc2_tiles; }, 64);
   }
   timeline.mark(layout::kCombineStarted, lead);
+  // Every math thread is done with the stage ring before any stages a row in it (and the first
+  // claim below writes the scratch).
+  ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
   if (!p.layout.fc2_stores) {
-    send_partial_sums(c, p, items, timeline, math_thread, math_threads, shared_chunk);
+    send_partial_sums(c, p, items, timeline, staged, math_thread, math_threads, &s.chunk);
   } else if (math_thread == 0 && atomicAdd(ep_counter(items, kCombineChunksDone), 1u) == 0) {
     __threadfence_system();
     arrive_everywhere(p, p.layout.returned_from);
@@ -492,16 +589,17 @@ __device__ __forceinline__ void ep_back_role(const CombineParams& c, const EpFus
   }
   // Every math thread has read the last claim before the next one rewrites the word; the owners'
   // partial sums are acquired (or given up on) by the first math thread.
-  if (math_thread == 0) s.last = all_arrived(p, p.layout.returned_from);
+  if (math_thread == 0) s.arrived = all_arrived(p, p.layout.returned_from);
   timeline.mark(layout::kEpOwnersArrived, lead);
   ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
-  const bool arrived = s.last;
-  const int reduce_chunks = (p.num_tokens + kEpChunkTokens - 1) / kEpChunkTokens;
+  const int per_chunk = ep_chunk_tokens(p.num_tokens);
+  const int reduce_chunks = (p.num_tokens + per_chunk - 1) / per_chunk;
   for (;;) {
     const int chunk =
-        claim_chunk(ep_counter(items, kReduceChunksClaimed), reduce_chunks, math_thread, math_threads, shared_chunk);
+        claim_chunk(ep_counter(items, kReduceChunksClaimed), reduce_chunks, math_thread, math_threads, &s.chunk);
     if (chunk < 0) break;
-    reduce_chunk(p, chunk, arrived, math_thread, math_threads);
+    reduce_chunk(p, ReduceTokens{chunk * per_chunk, min(p.num_tokens, (chunk + 1) * per_chunk)}, s, staged,
+                 math_thread, math_threads);
     ptx::named_barrier_sync(stored, static_cast<uint32_t>(math_threads));
   }
 }

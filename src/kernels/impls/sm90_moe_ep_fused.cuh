@@ -23,12 +23,12 @@ __device__ __forceinline__ void run_front_role(const EpFusedKernelParams<Fc1Para
 
 // Its chunks are claimed to the end, so the CTA's arrival at the done count comes last.
 template <bool kDeterministic, class Fc1Params, class Fc2Params, class CountersDone>
-__device__ __forceinline__ void run_back_role(const EpFusedKernelParams<Fc1Params, Fc2Params>& p, FrontScratch& s,
-                                              const CombineStaging&, int math_thread, int math_threads,
+__device__ __forceinline__ void run_back_role(const EpFusedKernelParams<Fc1Params, Fc2Params>& p, FrontScratch&,
+                                              const CombineStaging& staging, int math_thread, int math_threads,
                                               CountersDone counters_done) {
   static_assert(kDeterministic, "the fused expert-parallel forward stores slot rows (its partial sums need them)");
   ep_back_role(p.combine, p.ep, p.front.items, p.front.timeline, static_cast<uint32_t>(p.fc2.scheduler.num_tiles()),
-               math_thread, math_threads, s);
+               staging, math_thread, math_threads);
   counters_done();
 }
 

@@ -78,8 +78,9 @@ struct SingleKernelLayout {
   using Storage = typename Fc2Config::SharedStorage;
   static_assert(sizeof(Storage::a) % 1024 == 0, "the token stages start where the weight stages end");
   static constexpr int kCombineStagingBytes = static_cast<int>(sizeof(Storage::a) + sizeof(Storage::b));
-  static_assert(kCombineStagingBytes >= kMaxTopK * combine_detail::kStagedRowBytes * Fc2Config::kConsumerThreads,
-                "the combine stages a token's kMaxTopK rows a math thread");
+  static_assert(kCombineStagingBytes >=
+                    kMaxTopK * combine_detail::kStagedRowBytes * Fc2Config::kConsumerThreads + kCombineStagingReserve,
+                "the combine stages a token's kMaxTopK rows a math thread, beside a back role's reserve");
   static_assert(kSmemBytes <= layout::kSm90SmemPerBlockOptin, "shared memory over the sm_90 limit");
 };
 

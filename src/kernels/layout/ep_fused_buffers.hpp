@@ -30,8 +30,10 @@
 //   returned_from  uint64 [kSignalSlots]           arrivals of each owner's partial sums, likewise
 //   signals        uint64 [kSignalSlots]           the cross-rank barrier's (EpLayer::synchronize_ranks)
 //   source_counts  int32 [kSignalSlots]            this rank's own bookkeeping (no peer reads it):
-//   chunk_prefix   int32 [kSignalSlots + 1]        each source's count as its owner saw it, and the
-//                                                  combine's chunks of the sources before it
+//   chunk_prefix   int32 [kSignalSlots + 2]        each source's count as its owner saw it, the
+//                                                  combine's chunks of the sources before it (at
+//                                                  [world] all of them), and at kChunkTokensEntry
+//                                                  the tokens a chunk takes
 //
 // Counters only grow, so call n waits for n arrivals: nothing is reset across ranks. An owner sees
 // its work as virtual tokens v = s * max_tokens + t (source rank s, token t), the single kernel's
@@ -48,6 +50,7 @@ namespace megamoe::layout {
 
 struct EpFusedLayout : EpShape {
   static constexpr int kSignalSlots = EpBufferLayout::kSignalSlots;
+  static constexpr int kChunkTokensEntry = kSignalSlots + 1;  // chunk_prefix's entry past every rank's
 
   size_t counts_in = 0;
   size_t ids = 0;
@@ -95,7 +98,7 @@ struct EpFusedLayout : EpShape {
     l.returned_from = regions.take(sizeof(uint64_t) * kSignalSlots);
     l.signals = regions.take(sizeof(uint64_t) * kSignalSlots);
     l.source_counts = regions.take(sizeof(int32_t) * kSignalSlots);
-    l.chunk_prefix = regions.take(sizeof(int32_t) * (kSignalSlots + 1));
+    l.chunk_prefix = regions.take(sizeof(int32_t) * (kChunkTokensEntry + 1));
     l.total_bytes = regions.end;
     return l;
   }

@@ -144,20 +144,20 @@ __device__ __forceinline__ void gather_token_by_block(const GatherParams& p, int
 
 // A row already in the pool's encoding (`vectors` 16-byte vectors of E4M3 codes or of bf16 values)
 // into the pool row of each used slot of slot_rows, with kScales its per-128-channel scales (channel
-// block b's at scales[b * scale_stride]). Every thread of a block of kThreads, once slot_rows is
-// written and visible to it.
+// block b's at scales[b * scale_stride]). Every thread of a group of kThreads (`thread` its index
+// there), once slot_rows is written and visible to it.
 template <int kThreads, bool kScales>
 __device__ __forceinline__ void copy_row_to_slots(const GatherParams& p, const int32_t* slot_rows, const uint4* row,
-                                                  int vectors, const float* scales, size_t scale_stride) {
+                                                  int vectors, const float* scales, size_t scale_stride, int thread) {
   uint4* pool = static_cast<uint4*>(p.activations);
-  for (int v = threadIdx.x; v < vectors; v += kThreads) {
+  for (int v = thread; v < vectors; v += kThreads) {
     const uint4 value = row[v];
     for (int j = 0; j < p.top_k; ++j) {
       if (slot_rows[j] >= 0) pool[static_cast<size_t>(slot_rows[j]) * vectors + v] = value;
     }
   }
   if constexpr (kScales) {
-    for (int block = threadIdx.x; block < p.hidden / 128; block += kThreads) {
+    for (int block = thread; block < p.hidden / 128; block += kThreads) {
       const float scale = scales[static_cast<size_t>(block) * scale_stride];
       for (int j = 0; j < p.top_k; ++j) {
         if (slot_rows[j] >= 0) p.activation_scales[static_cast<size_t>(block) * p.pool_rows + slot_rows[j]] = scale;
@@ -178,7 +178,8 @@ __device__ __forceinline__ void gather_quantized_token_by_block(const GatherPara
   __syncthreads();
   const int vectors = p.hidden / 16;  // 16 codes each
   const uint4* codes = reinterpret_cast<const uint4*>(p.x) + static_cast<size_t>(token) * vectors;
-  copy_row_to_slots<kThreads, true>(p, slot_rows, codes, vectors, p.x_scales + token, p.x_scale_stride);
+  copy_row_to_slots<kThreads, true>(p, slot_rows, codes, vectors, p.x_scales + token, p.x_scale_stride,
+                                    static_cast<int>(threadIdx.x));
 }
 
 template <Precision kPrecision>

@@ -83,6 +83,27 @@ __device__ __forceinline__ void gather_and_publish(const FrontParams& p, int fir
   publish_gathered(p);
 }
 
+// Every thread: tokens [first, end) by kGatherGroups groups of kGatherGroupThreads threads, a
+// token each at a time (gather_one(token, group, thread, sync): `thread` its index in the group,
+// `sync` the group's barrier), then published. Every group runs every round, one without a token
+// with token -1 (its barriers only): compute-sanitizer racecheck reported the next front item's
+// ticket as racing where groups had taken their barriers different numbers of times.
+template <class GatherOne>
+__device__ __forceinline__ void gather_by_groups_and_publish(const FrontParams& p, int first, int end,
+                                                             GatherOne gather_one) {
+  const int group = static_cast<int>(threadIdx.x) / kGatherGroupThreads;
+  const uint32_t barrier = static_cast<uint32_t>(NamedBarrier::kGatherGroupFirst) + group;
+  // A group without a token branches past its loads and stores where the others do not, and an
+  // aligned barrier requires every thread of the CTA to take the same branches to it: the unaligned
+  // form.
+  const auto group_sync = [barrier] { ptx::named_barrier_sync_from_anywhere(barrier, kGatherGroupThreads); };
+  for (int round = first; round < end; round += kGatherGroups) {
+    const int token = round + group < end ? round + group : -1;
+    gather_one(token, group, static_cast<int>(threadIdx.x) % kGatherGroupThreads, group_sync);
+  }
+  publish_gathered(p);
+}
+
 // Every thread: the caller's tokens [first, end), quantized into the pool, then published. Items of
 // at least kGatherGroups tokens are gathered by kGatherGroups groups of threads at once, a token
 // each (a token's chain of round trips, x and its routing, then its pool rows, left the whole CTA
@@ -95,22 +116,10 @@ __device__ __forceinline__ void gather_tokens(const FrontParams& p, FrontScratch
       gather_token_by_block<kPrecision, kFrontThreads>(p.gather, token, s.slot_rows[0], always);
     });
   }
-  constexpr int kGroupThreads = kFrontThreads / kGatherGroups;
-  const int group = static_cast<int>(threadIdx.x) / kGroupThreads;
-  const uint32_t barrier = static_cast<uint32_t>(NamedBarrier::kGatherGroupFirst) + group;
-  // A group without a token branches past its loads and stores where the others do not, and an
-  // aligned barrier requires every thread of the CTA to take the same branches to it: the unaligned
-  // form.
-  const auto group_sync = [barrier] { ptx::named_barrier_sync_from_anywhere(barrier, kGroupThreads); };
-  // Every group runs every round (one without a token, -1, only its barriers): compute-sanitizer
-  // racecheck reported the next front item's ticket as racing where groups had taken their
-  // barriers different numbers of times.
-  for (int round = first; round < end; round += kGatherGroups) {
-    const int token = round + group < end ? round + group : -1;
-    gather_token_by_group<kPrecision, kGroupThreads>(p.gather, token, s.slot_rows[group],
-                                                     static_cast<int>(threadIdx.x) % kGroupThreads, always, group_sync);
-  }
-  publish_gathered(p);
+  gather_by_groups_and_publish(p, first, end, [&](int token, int group, int thread, auto group_sync) {
+    gather_token_by_group<kPrecision, kGatherGroupThreads>(p.gather, token, s.slot_rows[group], thread, always,
+                                                           group_sync);
+  });
 }
 
 // The route item that finished last, every thread: the expert segments from the global counts.

@@ -26,6 +26,7 @@ namespace megamoe::kernels {
 inline constexpr int kFrontThreads = 384;              // the whole CTA (the GEMMs' block)
 inline constexpr int kFrontWarps = kFrontThreads / 32;  // a route item's tokens: one per warp
 inline constexpr int kGatherGroups = 3;                 // tokens a gather item quantizes at once
+inline constexpr int kGatherGroupThreads = kFrontThreads / kGatherGroups;  // a token's threads there
 static_assert(kFrontThreads % (32 * kGatherGroups) == 0, "a gather group is whole warps");
 
 // The counters, zero between forwards: last_to_finish leaves kRoutedItems zero, and the last CTA

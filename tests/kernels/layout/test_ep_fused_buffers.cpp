@@ -40,7 +40,8 @@ TEST(EpFusedLayout, RegionsAreAlignedDisjointAndSized) {
         {l.returned_from, 8 * slots},
         {l.signals, 8 * slots},
         {l.source_counts, 4 * slots},
-        {l.chunk_prefix, 4 * (slots + 1)}};
+        {l.chunk_prefix, 4 * (slots + 2)}};
+    EXPECT_EQ(EpFusedLayout::kChunkTokensEntry, slots + 1) << "past the total of chunks at [world], for any world";
     if (fp8_partials) {  // after `returned`
       regions.insert(regions.begin() + 5, {{l.returned_codes, 4 * tokens * 7168},
                                            {l.returned_scales, 4 * 4 * tokens * (7168 / 128)}});
