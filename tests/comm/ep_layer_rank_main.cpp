@@ -287,24 +287,28 @@ bool refusals_hold(const comm::FileRendezvous& rendezvous, comm::SymmetricBacken
 
 // The option combinations EpLayer refuses, each before any collective step (so every rank may try
 // them alone): more tokens a rank than the ranks together may hold, an EpCombine value that names
-// none, fc2_stores without fused, and fc2_stores with FP8 partial sums (an fp8_tensor layer is
-// refused fused whatever its combine: checked in run).
+// none, fc2_stores without fused, fc2_stores with FP8 partial sums, and an fp8_tensor layer fused
+// (refused so whatever its combine, before the fused checks the other rows name).
 bool combinations_refused(const MoeSpec& spec, const PackedWeights& mine, int max_tokens,
                           const comm::FileRendezvous& rendezvous) {
   struct Refusal {
     comm::EpCombine combine;
     bool fused;
     comm::EpPartialSums partial_sums;
+    bool fp8_tensor_only;  // the row of an fp8_tensor layer (whose fused rows it refuses first)
     ErrorCode code;
     const char* named;  // what the message must say
   };
   const Refusal refusals[] = {
-      {static_cast<comm::EpCombine>(7), false, comm::EpPartialSums::bf16, ErrorCode::invalid_argument,
+      {static_cast<comm::EpCombine>(7), false, comm::EpPartialSums::bf16, false, ErrorCode::invalid_argument,
        "names no EpCombine value"},
-      {comm::EpCombine::fc2_stores, false, comm::EpPartialSums::bf16, ErrorCode::unsupported, "set fused=true"},
-      {comm::EpCombine::fc2_stores, true, comm::EpPartialSums::fp8, ErrorCode::unsupported,
+      {comm::EpCombine::fc2_stores, false, comm::EpPartialSums::bf16, false, ErrorCode::unsupported,
+       "set fused=true"},
+      {comm::EpCombine::fc2_stores, true, comm::EpPartialSums::fp8, false, ErrorCode::unsupported,
        "partial_sums=fp8 is for combine=owner_sums"},
+      {comm::EpCombine::owner_sums, true, comm::EpPartialSums::bf16, true, ErrorCode::unsupported, "fp8_tensor"},
   };
+  const bool fp8_tensor = spec.precision == Precision::fp8_tensor;
   // Every rank's tokens past the single-GPU layer's limit, which the local pass runs over.
   if (rendezvous.world_size() > 1) {
     try {
@@ -321,7 +325,7 @@ bool combinations_refused(const MoeSpec& spec, const PackedWeights& mine, int ma
     }
   }
   for (const Refusal& r : refusals) {
-    if (r.fused && spec.precision == Precision::fp8_tensor) continue;
+    if (r.fp8_tensor_only ? !fp8_tensor : r.fused && fp8_tensor) continue;
     comm::EpLayerOptions options;
     options.combine = r.combine;
     options.fused = r.fused;
@@ -442,21 +446,6 @@ int run(int argc, char** argv) {
                  to_string(spec.precision), comm::to_string(layer.token_rows()), comm::to_string(automatic_rows),
                  layer.fused());
     return 1;
-  }
-  if (precision == Precision::fp8_tensor) {  // refused before any collective step: safe on every rank
-    comm::EpLayerOptions fused_options = options;
-    fused_options.fused = true;
-    fused_options.buffer_name = "ep-fused-fp8-tensor";
-    try {
-      comm::EpLayer refused(spec, mine, max_tokens, rendezvous, fused_options);
-      std::fprintf(stderr, "FAILED: rank %d: a fused fp8_tensor layer was built\n", rank);
-      return 1;
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::unsupported || std::string(e.what()).find("fp8_tensor") == std::string::npos) {
-        std::fprintf(stderr, "FAILED: rank %d: fused fp8_tensor refused unclearly: %s\n", rank, e.what());
-        return 1;
-      }
-    }
   }
   cudaStream_t stream;
   MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));

@@ -23,8 +23,7 @@
 namespace megamoe::kernels {
 
 // Vectors a thread combines at once where their rows come into registers (combine_vectors of the
-// atomic share, expert parallelism's reduce of partial sums): each of them costs the round trips of
-// one.
+// atomic share): each of them costs the round trips of one.
 inline constexpr int kCombineBatch = 2;
 
 // Shared memory the deterministic share stages its slot rows in (the stage ring, idle once the

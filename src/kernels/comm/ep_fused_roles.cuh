@@ -88,7 +88,6 @@ struct EpBackScratch {
 };
 static_assert(sizeof(EpBackScratch) + 16 <= kCombineStagingReserve, "the back role's scratch fits the reserve");
 
-
 namespace ep_fused_detail {
 
 template <class T>
@@ -268,8 +267,8 @@ template <class Sync>
 __device__ __forceinline__ void gather_virtual_token(const GatherParams& g, const EpFusedParams& p, int32_t* slot_rows,
                                                      int v, int thread, Sync sync) {
   const layout::EpFusedLayout& l = p.layout;
-  const bool live =
-      v >= 0 && v % l.max_tokens_per_rank < region_of<const int32_t>(p, p.rank, l.source_counts)[v / l.max_tokens_per_rank];
+  const int32_t* counts = region_of<const int32_t>(p, p.rank, l.source_counts);
+  const bool live = v >= 0 && v % l.max_tokens_per_rank < counts[v / l.max_tokens_per_rank];
   if (live && thread < g.top_k) slot_rows[thread] = place_slot(g, v, thread);
   sync();
   bool used = false;
@@ -390,9 +389,8 @@ __device__ __forceinline__ void combine_tokens_staged(const CombineParams& c, co
                                                       long first_token, long end_token, int math_thread,
                                                       int math_threads, const Output& output) {
   const ChunkVectors v = chunk_vectors(c.hidden, first_token, end_token, math_thread, math_threads);
-  combine_staged_vectors(
-      c, staged, v.count, [&](int i) { return combine_detail::vector_place(c, v.first + static_cast<long>(i) * v.stride); },
-      output);
+  const auto place = [&](int i) { return combine_detail::vector_place(c, v.first + static_cast<long>(i) * v.stride); };
+  combine_staged_vectors(c, staged, v.count, place, output);
 }
 
 // A combine chunk's virtual tokens, of one source (none after a fault: a lost peer's buffer may be
@@ -442,6 +440,10 @@ __device__ __forceinline__ CombineParams own_expert_rows(const EpFusedParams& p)
   return c;
 }
 
+// Vectors a thread of the reduce sums at once, their owners' rows in flight together: with one
+// owner (one rank, or a token routed to one rank's experts) a vector is a single load.
+inline constexpr int kReduceBatch = 4;
+
 // This rank's tokens [first, end) of a reduce chunk.
 struct ReduceTokens {
   int first, end;
@@ -469,10 +471,18 @@ __device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, ReduceToken
                           CombineIntoY{});
     return;
   }
+  // A token's owners from the ids its publish items wrote (-1 where a slot routes nowhere, the
+  // staged rule of ep_token_destinations): independent loads, no search for repeated ids.
   if (math_thread < tokens.end - tokens.first) {
-    int invalid = 0;  // counted by the publish items
-    s.owners[math_thread] = layout::ep_token_destinations(p.topk_ids, l.top_k, p.num_experts, l.experts_per_rank,
-                                                          tokens.first + math_thread, &invalid);
+    const int32_t* ids =
+        region_of<const int32_t>(p, p.rank, l.ids) + static_cast<size_t>(tokens.first + math_thread) * l.top_k;
+    uint64_t owners = 0;
+#pragma unroll 8
+    for (int j = 0; j < l.top_k; ++j) {
+      const int id = ids[j];
+      if (id >= 0) owners |= uint64_t{1} << (id / l.experts_per_rank);
+    }
+    s.owners[math_thread] = owners;
   }
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kEpChunkStored), static_cast<uint32_t>(math_threads));
   const int vectors_per_token = l.hidden / Bf16x8Sum::kChannels;
@@ -500,11 +510,11 @@ __device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, ReduceToken
     }
     return;
   }
-  // bf16 partial sums: kCombineBatch vectors a thread, every owner's rows of them in flight at once.
+  // bf16 partial sums: kReduceBatch vectors a thread, up to four owners' rows of each in flight at once.
   const uint4* returned = region_of<const uint4>(p, p.rank, l.returned);
-  for (int i = 0; i < v.count; i += kCombineBatch) {
-    Bf16x8Sum sum[kCombineBatch];
-    add_rows_batched<kCombineBatch, 8>(sum, l.world_size, [&](int b, int owner, const uint4*& row, float& weight) {
+  for (int i = 0; i < v.count; i += kReduceBatch) {
+    Bf16x8Sum sum[kReduceBatch];
+    add_rows_batched<kReduceBatch, 4>(sum, l.world_size, [&](int b, int owner, const uint4*& row, float& weight) {
       if (i + b >= v.count) return;
       const long index = v.first + static_cast<long>(i + b) * v.stride;
       const int t = static_cast<int>(index / vectors_per_token);
@@ -513,7 +523,7 @@ __device__ __forceinline__ void reduce_chunk(const EpFusedParams& p, ReduceToken
       weight = 1.0f;
     });
 #pragma unroll
-    for (int b = 0; b < kCombineBatch; ++b) {
+    for (int b = 0; b < kReduceBatch; ++b) {
       if (i + b < v.count) y[v.first + static_cast<long>(i + b) * v.stride] = sum[b].rounded();
     }
   }
