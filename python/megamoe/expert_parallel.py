@@ -192,7 +192,7 @@ def prepare_ep_weights(
     memory). launch: "staged" (dispatch, the local experts and the combine as separate launches) or
     "fused" (each rank's forward as one launch, designed to give the staged output bit for bit,
     with either partial_sums; with the default token_rows; bf16 and fp8_block only; correct on one
-    GPU with ranks sharing it before the second combine came, not rerun since, nor measured on two:
+    GPU with ranks sharing it, with either combine, not yet measured on two:
     docs/design.md#expert-parallelism-inside-the-persistent-kernel). combine: how a fused layer's
     owners return their experts' outputs, "owner_sums" (each owner sums its experts' rows of a
     token and sends that partial sum, as partial_sums says; the source adds the owners' sums in rank
@@ -201,7 +201,7 @@ def prepare_ep_weights(
     slot order: the single-GPU layer's output bit for bit, about 1e-3 relative L2 from the staged
     layer's, which rounds each owner's partial sum to bf16; up to k rows a token cross NVLink instead
     of one per owner, and the owners have no combine phase; launch="fused" with partial_sums="bf16"
-    only; built, not yet run on a GPU).
+    only).
     """
     # Every call takes the next layer number, refused or not: a refusal on some ranks only (a NaN in
     # this rank's experts) would otherwise leave the ranks' numbers, and so their folders, apart
