@@ -66,23 +66,16 @@ __device__ __forceinline__ uint32_t* ep_counter(const ForwardItems& items, EpFor
   return items.counters + c;
 }
 
-// Most tokens of one source in a combine chunk, and of this rank in a reduce chunk: a CTA's math
-// threads take up to ~kEpChunkTokens * H / 8 / 256 vectors each between two claims. Fewer where
-// the tokens would not give every CTA a chunk (ep_chunk_tokens).
-inline constexpr int kEpChunkTokens = 16;
-
-// Tokens a chunk takes when `tokens` are cut into chunks: as many chunks as CTAs while the tokens
-// allow it (a claim costs a round trip, a CTA without a chunk idles), at most kEpChunkTokens.
+// Tokens a combine or reduce chunk takes in this grid (layout::EpFusedLayout::chunk_tokens).
 __device__ __forceinline__ int ep_chunk_tokens(long tokens) {
-  const long per_cta = (tokens + gridDim.x - 1) / gridDim.x;
-  return static_cast<int>(max(1L, min(static_cast<long>(kEpChunkTokens), per_cta)));
+  return layout::EpFusedLayout::chunk_tokens(tokens, static_cast<int>(gridDim.x));
 }
 
 // The back role's shared state, kept in the staging memory's reserve (kCombineStagingReserve) while
 // the rows before it are staged: the claimed chunk, whether every owner arrived, and the owners of
 // a reduce chunk's tokens.
 struct EpBackScratch {
-  uint64_t owners[kEpChunkTokens];
+  uint64_t owners[layout::EpFusedLayout::kMaxChunkTokens];
   int chunk;
   bool arrived;
 };

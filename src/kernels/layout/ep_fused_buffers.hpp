@@ -51,6 +51,9 @@ namespace megamoe::layout {
 struct EpFusedLayout : EpShape {
   static constexpr int kSignalSlots = EpBufferLayout::kSignalSlots;
   static constexpr int kChunkTokensEntry = kSignalSlots + 1;  // chunk_prefix's entry past every rank's
+  // Most tokens of one source in a combine chunk, and of a rank in a reduce chunk: a CTA's math
+  // threads take up to ~kMaxChunkTokens * H / 8 / 256 vectors each between two claims.
+  static constexpr int kMaxChunkTokens = 16;
 
   size_t counts_in = 0;
   size_t ids = 0;
@@ -74,6 +77,14 @@ struct EpFusedLayout : EpShape {
     return static_cast<long>(world_size) * max_tokens_per_rank;
   }
   MEGAMOE_HOST_DEVICE constexpr size_t row_bytes() const { return static_cast<size_t>(hidden) * (fp8_rows ? 1 : 2); }
+
+  // Tokens a chunk takes when `tokens` are cut into chunks for `ctas` CTAs: as many chunks as CTAs
+  // while the tokens allow it (a claim costs a round trip, a CTA without a chunk idles), from 1 to
+  // kMaxChunkTokens.
+  MEGAMOE_HOST_DEVICE static constexpr int chunk_tokens(long tokens, int ctas) {
+    const long per_cta = (tokens + ctas - 1) / ctas;
+    return static_cast<int>(per_cta < 1 ? 1 : per_cta > kMaxChunkTokens ? kMaxChunkTokens : per_cta);
+  }
 
   MEGAMOE_HOST_DEVICE static constexpr EpFusedLayout make(int world_size, int num_experts, int top_k, int hidden,
                                                           int max_tokens_per_rank, bool fp8_rows,

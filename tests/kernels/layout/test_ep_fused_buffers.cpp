@@ -69,5 +69,35 @@ TEST(EpFusedLayout, SharesTheStagedLayoutsShape) {
   EXPECT_EQ(fused.fp8_partials, staged.fp8_partials);
 }
 
+// Chunks of the combine and the reduce: at most one a CTA while the tokens allow, each of the
+// fewest tokens that achieve it (1 to kMaxChunkTokens).
+TEST(EpFusedLayout, ChunksGiveEveryCtaWorkWhileTheTokensAllow) {
+  constexpr int kMax = EpFusedLayout::kMaxChunkTokens;
+  EXPECT_EQ(EpFusedLayout::chunk_tokens(0, 132), 1) << "no tokens: no chunk, and no division by zero";
+  EXPECT_EQ(EpFusedLayout::chunk_tokens(1, 132), 1);
+  EXPECT_EQ(EpFusedLayout::chunk_tokens(64, 132), 1);
+  EXPECT_EQ(EpFusedLayout::chunk_tokens(132, 132), 1);
+  EXPECT_EQ(EpFusedLayout::chunk_tokens(133, 132), 2);
+  EXPECT_EQ(EpFusedLayout::chunk_tokens(512, 132), 4);
+  EXPECT_EQ(EpFusedLayout::chunk_tokens(2048, 132), kMax);
+  EXPECT_EQ(EpFusedLayout::chunk_tokens(8L * 65536, 132), kMax) << "capped: the reduce's owners fit its scratch";
+  for (const int ctas : {1, 7, 66, 132}) {
+    for (long tokens = 1; tokens <= 40L * ctas; tokens += 1 + tokens / 16) {
+      const long per = EpFusedLayout::chunk_tokens(tokens, ctas);
+      const long chunks = (tokens + per - 1) / per;
+      ASSERT_GE(per, 1);
+      ASSERT_LE(per, kMax);
+      if (tokens <= static_cast<long>(kMax) * ctas) {
+        EXPECT_LE(chunks, ctas) << tokens << " tokens on " << ctas << " CTAs";
+        if (per > 1) {  // no smaller chunk would do: one token fewer a chunk leaves a CTA two
+          EXPECT_GT((tokens + per - 2) / (per - 1), ctas) << tokens << " tokens on " << ctas << " CTAs";
+        }
+      } else {
+        EXPECT_EQ(per, kMax) << tokens << " tokens on " << ctas << " CTAs";
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace megamoe::layout
