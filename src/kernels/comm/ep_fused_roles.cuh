@@ -149,20 +149,15 @@ __device__ __forceinline__ void publish_item(const EpFusedParams& p, FrontScratc
       ep_detail::block_copy_row(x_row(t), &copy, 1, l.hidden / 8);
     }
   }
-  // A slot that routes nowhere is published as -1 (the staged layer's rule, counted below), so that
-  // whoever reads the ids (the owners' route items, this rank's reduce of the expert rows) sees
-  // which slots have a row.
-  for (long slot = static_cast<long>(first) * k + threadIdx.x; slot < static_cast<long>(end) * k; slot += blockDim.x) {
-    bool invalid = false;
-    region_of<int32_t>(p, p.rank, l.ids)[slot] = layout::ep_slot_expert(p.topk_ids, k, p.num_experts, slot, &invalid);
-    region_of<float>(p, p.rank, l.weights)[slot] = p.topk_weights[slot];
-  }
-  // Invalid ids are counted here, once: a token a thread.
+  // A slot that routes nowhere is published as -1 (the staged layer's rule), so that whoever reads
+  // the ids (the owners' route items, this rank's reduce) sees which slots have a row; the slots
+  // whose id is invalid (out of range, or repeating an earlier slot) are counted here, once.
   int invalid = 0;
-  for (int t = first + static_cast<int>(threadIdx.x); t < end; t += blockDim.x) {
-    int token_invalid = 0;
-    layout::ep_token_destinations(p.topk_ids, k, p.num_experts, l.experts_per_rank, t, &token_invalid);
-    invalid += token_invalid;
+  for (long slot = static_cast<long>(first) * k + threadIdx.x; slot < static_cast<long>(end) * k; slot += blockDim.x) {
+    bool bad = false;
+    region_of<int32_t>(p, p.rank, l.ids)[slot] = layout::ep_slot_expert(p.topk_ids, k, p.num_experts, slot, &bad);
+    region_of<float>(p, p.rank, l.weights)[slot] = p.topk_weights[slot];
+    invalid += bad;
   }
   if (invalid > 0) atomicAdd(p.error_flags, invalid);
   if (!last_to_finish(ep_counter(items, kPublishItemsDone), static_cast<uint32_t>(p.publish_items), &s.last)) {
