@@ -308,22 +308,28 @@ bool combinations_refused(const MoeSpec& spec, const PackedWeights& mine, int ma
        "partial_sums=fp8 is for combine=owner_sums"},
       {comm::EpCombine::owner_sums, true, comm::EpPartialSums::bf16, true, ErrorCode::unsupported, "fp8_tensor"},
   };
-  const bool fp8_tensor = spec.precision == Precision::fp8_tensor;
-  // Every rank's tokens past the single-GPU layer's limit, which the local pass runs over.
-  if (rendezvous.world_size() > 1) {
+  // Whether a layer of `tokens` a rank with `options` is refused with `code`, saying `named`.
+  const auto refused = [&](int tokens, const comm::EpLayerOptions& options, ErrorCode code, const char* named) {
     try {
-      comm::EpLayer refused(spec, mine, static_cast<int>(kMaxLayerTokens), rendezvous, comm::EpLayerOptions{});
-      std::fprintf(stderr, "FAILED: rank %d: a layer of %lld tokens a rank was built\n", rendezvous.rank(),
-                   kMaxLayerTokens);
+      comm::EpLayer layer(spec, mine, tokens, rendezvous, options);
+      std::fprintf(stderr, "FAILED: rank %d: a layer was built that must be refused (%s)\n", rendezvous.rank(),
+                   named);
       return false;
     } catch (const Error& e) {
-      if (e.code() != ErrorCode::invalid_argument ||
-          std::string(e.what()).find("ranks' tokens together") == std::string::npos) {
-        std::fprintf(stderr, "FAILED: rank %d: too many tokens refused unclearly: %s\n", rendezvous.rank(), e.what());
+      if (e.code() != code || std::string(e.what()).find(named) == std::string::npos) {
+        std::fprintf(stderr, "FAILED: rank %d: refused without saying \"%s\": %s\n", rendezvous.rank(), named,
+                     e.what());
         return false;
       }
+      return true;
     }
+  };
+  // Every rank's tokens past the single-GPU layer's limit, which the local pass runs over.
+  if (rendezvous.world_size() > 1 && !refused(static_cast<int>(kMaxLayerTokens), comm::EpLayerOptions{},
+                                              ErrorCode::invalid_argument, "ranks' tokens together")) {
+    return false;
   }
+  const bool fp8_tensor = spec.precision == Precision::fp8_tensor;
   for (const Refusal& r : refusals) {
     if (r.fp8_tensor_only ? !fp8_tensor : r.fused && fp8_tensor) continue;
     comm::EpLayerOptions options;
@@ -331,18 +337,7 @@ bool combinations_refused(const MoeSpec& spec, const PackedWeights& mine, int ma
     options.fused = r.fused;
     options.partial_sums = r.partial_sums;
     options.buffer_name = "ep-refused";
-    try {
-      comm::EpLayer refused(spec, mine, max_tokens, rendezvous, options);
-      std::fprintf(stderr, "FAILED: rank %d: a layer was built that must be refused (%s)\n", rendezvous.rank(),
-                   r.named);
-      return false;
-    } catch (const Error& e) {
-      if (e.code() != r.code || std::string(e.what()).find(r.named) == std::string::npos) {
-        std::fprintf(stderr, "FAILED: rank %d: refused without saying \"%s\": %s\n", rendezvous.rank(), r.named,
-                     e.what());
-        return false;
-      }
-    }
+    if (!refused(max_tokens, options, r.code, r.named)) return false;
   }
   return true;
 }
