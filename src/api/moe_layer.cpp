@@ -318,7 +318,7 @@ detail::SingleKernelLaunch detail::SingleKernelLaunch::of(const MoeLayer& layer,
   set_routing_params(params, layer.spec_.routing, nullptr);
   const plan::ForwardPlan plan = plan::plan_forward(layer.spec_, layer.impl_->plan, std::max(tokens, 1),
                                                     CombineMode::deterministic, layer.impl_->facts,
-                                                    plan::PlanDetail::decisions, plan::SingleKernelHost::fused_ep);
+                                                    plan::PlanDetail::decisions);
   if (!plan.single_kernel) {
     throw Error(ErrorCode::unsupported, "internal: the fused expert-parallel forward needs a single-kernel plan");
   }

@@ -184,7 +184,7 @@ LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions&
 }
 
 ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens, CombineMode combine,
-                         const DeviceFacts& facts, PlanDetail detail, SingleKernelHost host) {
+                         const DeviceFacts& facts, PlanDetail detail) {
   if (tokens < 1 || tokens > layer.max_tokens) {
     throw Error(ErrorCode::invalid_argument,
                 format("tokens=%lld must be in [1, max_tokens=%lld]", tokens, layer.max_tokens));
@@ -201,19 +201,17 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   const bool caps_for_row_copy = o.token_tile == 0 && o.fc1_token_rows == Fc1TokenRows::row_copy &&
                                  layout::gemm_tokens_on_m(p.token_tile);
   if (caps_for_row_copy) p.token_tile = layout::kGemmSwapAbMaxTokenTile;
-  const int single_kernel_tile =
-      host == SingleKernelHost::fused_ep ? kMaxFusedEpTokenTile : kMaxSingleKernelTokenTile;
   switch (o.launch) {
     case ForwardLaunch::automatic:
       // The single kernel takes fp8_tensor with static activation scales only (plan_layer).
-      p.single_kernel = p.token_tile <= single_kernel_tile && tokens <= kMaxSingleKernelTokens &&
+      p.single_kernel = p.token_tile <= kMaxSingleKernelTokenTile && tokens <= kMaxSingleKernelTokens &&
                         !layer.workspace.dynamic_scales;
       break;
     case ForwardLaunch::per_stage: p.single_kernel = false; break;
     case ForwardLaunch::single_kernel:
       p.single_kernel = true;
       // validate() refused an explicit 128; the fused expert-parallel layer leaves its tile to the planner.
-      p.token_tile = std::min(p.token_tile, single_kernel_tile);
+      p.token_tile = std::min(p.token_tile, kMaxSingleKernelTokenTile);
       break;
   }
   if (p.token_tile > layer.workspace.row_padding) {
@@ -261,18 +259,18 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
     p.reasons.push_back(std::string(p.single_kernel ? "one persistent kernel" : per_stage) +
                         ": options.launch=" + to_string(o.launch) +
                         (p.single_kernel && o.token_tile == 0 ? format(" (token tile at most %lld)",
-                                                                        static_cast<long long>(single_kernel_tile))
+                                                                        static_cast<long long>(kMaxSingleKernelTokenTile))
                                                               : std::string()));
   } else if (p.single_kernel) {
     p.reasons.push_back(format("one persistent kernel: %lld tokens <= %lld and token tile %lld <= %lld", tokens,
                                static_cast<long long>(kMaxSingleKernelTokens), p.token_tile,
-                               static_cast<long long>(single_kernel_tile)));
+                               static_cast<long long>(kMaxSingleKernelTokenTile)));
   } else {
     p.reasons.push_back(std::string(per_stage) +
                         format(": under options.launch=auto the single kernel takes at most %lld tokens "
                                "(0: it is opt-in, not yet faster) and token tiles of at most %lld",
                                static_cast<long long>(kMaxSingleKernelTokens),
-                               static_cast<long long>(single_kernel_tile)));
+                               static_cast<long long>(kMaxSingleKernelTokenTile)));
   }
   if (layer.workspace.dynamic_scales) {
     p.reasons.push_back("seven kernels, not five: fp8_tensor's dynamic activation scales add x's amax before the "

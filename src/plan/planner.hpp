@@ -54,10 +54,8 @@ bool fc1_copies_token_rows(const MoeSpec& spec, int tokens);
 // tile is at most kMaxSingleKernelTokenTile and the call has at most kMaxSingleKernelTokens tokens.
 // That is none today: the single kernel was slower than the five in every bucket measured
 // (docs/design.md#single-kernel-forward). The fused expert-parallel forward (the same kernel with
-// its own roles before and after the GEMMs) takes token tiles of at most kMaxFusedEpTokenTile: at
-// 64 its fp8_block build spills (docs/design.md#single-kernel-token-tiles).
+// its own roles before and after the GEMMs) takes the same tiles.
 inline constexpr int kMaxSingleKernelTokenTile = 64;
-inline constexpr int kMaxFusedEpTokenTile = 32;
 inline constexpr int kMaxSingleKernelTokens = 0;
 
 // The layer's plan, fixed when it is built: its options and the workspace for up to max_tokens
@@ -94,13 +92,9 @@ LayerPlan plan_layer(const MoeSpec& spec, int max_tokens, const MoeLayerOptions&
 // The plan of a forward of `tokens` rows (1 <= tokens <= the layer's max_tokens) with `combine`.
 // A forward needs the decisions only; `explain` adds the reasons and the expected tile counts
 // (formatted strings, which the per-call path does not pay for). Both come from the same code.
-// `host`: which kernel a single-kernel plan launches, the one-GPU forward's or a rank's fused
-// expert-parallel forward's (a narrower token tile).
 enum class PlanDetail { decisions, explained };
-enum class SingleKernelHost { one_gpu, fused_ep };
 ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens, CombineMode combine,
-                         const DeviceFacts& facts, PlanDetail detail = PlanDetail::explained,
-                         SingleKernelHost host = SingleKernelHost::one_gpu);
+                         const DeviceFacts& facts, PlanDetail detail = PlanDetail::explained);
 
 // The floor of one call (docs/design.md#measuring): touched-expert weight bytes over HBM read
 // bandwidth, useful FLOPs (2 * routed rows * 3 * H * I, padding excluded) over the dense rate.

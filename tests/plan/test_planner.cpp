@@ -211,30 +211,6 @@ TEST(Planner, TheSingleKernelRunsWhereTheOptionOrTheRuleSaysSo) {
   }
 }
 
-// A rank's fused expert-parallel forward runs the same kernel with its own roles around the GEMMs,
-// whose build spills at 64-token tiles: its plans stop at kMaxFusedEpTokenTile where the one-GPU
-// single kernel takes 64.
-TEST(Planner, TheFusedExpertParallelForwardTakesNarrowerTiles) {
-  static_assert(kMaxFusedEpTokenTile < kMaxSingleKernelTokenTile);
-  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
-  const DeviceFacts facts = DeviceFacts::h200_measured();
-  const MoeLayerOptions options{.launch = ForwardLaunch::single_kernel};
-  const LayerPlan layer = plan_layer(spec, 8192, options, facts);
-  for (int tokens : {1, 128, 2048, 8192}) {
-    SCOPED_TRACE(tokens);
-    const ForwardPlan one_gpu = plan_forward(spec, layer, tokens, CombineMode::deterministic, facts);
-    const ForwardPlan fused = plan_forward(spec, layer, tokens, CombineMode::deterministic, facts,
-                                           PlanDetail::explained, SingleKernelHost::fused_ep);
-    EXPECT_TRUE(fused.single_kernel);
-    EXPECT_EQ(fused.token_tile, std::min(one_gpu.token_tile, kMaxFusedEpTokenTile));
-    EXPECT_EQ(fused.fc1.token_tile, fused.token_tile);
-    if (tokens >= 2048) {
-      EXPECT_EQ(one_gpu.token_tile, 64);
-      EXPECT_EQ(fused.token_tile, kMaxFusedEpTokenTile);
-    }
-  }
-}
-
 // fp8_tensor streams E4M3 like fp8_block, but its stages carry no token scales (its scales apply
 // in the epilogues) and it copies rows where fp8_block does (codes alone); the automatic launch
 // keeps it to five kernels as it does the other precisions.

@@ -108,14 +108,10 @@ void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, con
   switch (c.token_tile) {
     case 16: return dispatch_combine<kPrecision, 16>(f, c, call, extra, stream);
     case 32: return dispatch_combine<kPrecision, 32>(f, c, call, extra, stream);
-    case 64:
-      // One GPU only: the fused expert-parallel build spills at 64 (plan::kMaxFusedEpTokenTile).
-      if constexpr (std::is_same_v<Extra, OneGpu>) return dispatch_combine<kPrecision, 64>(f, c, call, extra, stream);
-      break;
+    case 64: return dispatch_combine<kPrecision, 64>(f, c, call, extra, stream);
     default: break;  // 128 is the tokens-on-M layout, whose roles the single kernel does not compose yet
   }
-  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes token tiles of 16, 32 or 64 (fused "
-                                      "expert parallelism: 16 or 32)");
+  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes token tiles of 16, 32 or 64");
 }
 
 template <class Extra>

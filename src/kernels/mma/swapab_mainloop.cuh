@@ -27,8 +27,9 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
   using namespace cute;
   constexpr int kStages = Config::kStages;
   Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (BM, BK, S)
-  const int consumer_thread = threadIdx.x - 128;
-  const int lane = consumer_thread % 32;
+  // Read afresh at each per-tile use (ptx::thread_index_x): held through the mainloop it spilled.
+  auto consumer_thread = [] { return static_cast<int>(ptx::thread_index_x()) - 128; };
+  const int lane = threadIdx.x % 32;
   pipeline::PipelineState<kStages> state;
   // After the block's batch has completed its reads of the stage.
   auto release_stage = [&](int stage) {
@@ -46,7 +47,7 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
   auto consume_tile = [&](auto columns, const GroupedTile& tile) {
     using Columns = decltype(columns);
     typename Columns::TiledMma mma;
-    ThrMMA thr_mma = mma.get_thread_slice(consumer_thread);
+    ThrMMA thr_mma = mma.get_thread_slice(consumer_thread());
     Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Columns::SmemLayoutB{});  // (BN, BK, S x views)
     Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, kMBlocks, MMA_K, S)
     Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA, 1, MMA_K, S x views)
@@ -153,11 +154,11 @@ __device__ __forceinline__ void math_warpgroups(const Params& p, typename Config
     }
 
     if constexpr (Config::kGemmOp == GemmOp::fc1_swiglu) {
-      gemm_detail::fc1_swiglu_epilogue<Columns>(p, tile, acc, base_row, base_col, smem, consumer_thread);
+      gemm_detail::fc1_swiglu_epilogue<Columns>(p, tile, acc, base_row, base_col, smem, consumer_thread());
     } else {
       gemm_detail::fc2_epilogue<Columns>(p, tile, acc, base_row, base_col, lane, slots);
     }
-    publish_tile<Config>(p, tile, consumer_thread);
+    publish_tile<Config>(p, tile, consumer_thread());
   };
 
   using WholeTile = GemmTileColumns<Config, Config::kBlockN>;

@@ -38,10 +38,8 @@ __device__ __forceinline__ void publish_tile(const Params& p, const GroupedTile&
     publish_fc1_tile(p.fc1_tiles_done, tile.expert, p.num_experts, static_cast<uint32_t>(NamedBarrier::kFc1TileStored),
                      Config::kConsumerThreads, consumer_thread);
   } else if (p.tiles_stored != nullptr) {
-    // Each thread's stores into other GPUs' memory reach them before its tile counts as stored.
-    if constexpr (Params::kStoresToPeers) __threadfence_system();
     publish_stored_tile(p.tiles_stored, static_cast<uint32_t>(NamedBarrier::kTileStored), Config::kConsumerThreads,
-                        consumer_thread);
+                        consumer_thread, Params::kStoresToPeers);
   }
 }
 

@@ -28,11 +28,16 @@ __device__ __forceinline__ void publish_fc1_tile(uint32_t* tiles_done, int exper
 }
 
 // The same for an FC2 tile in the single-kernel forward, whose combine reads the stored rows (or
-// the accumulator) with generic loads: no proxy fence.
+// the accumulator) with generic loads: no proxy fence. `to_peers`: the tile's rows went into other
+// GPUs' memory; the counting thread's system-scope fence after the barrier orders every math
+// thread's stores before the count (docs/decisions.md#one-system-fence-per-stored-tile).
 __device__ __forceinline__ void publish_stored_tile(uint32_t* tiles_stored, uint32_t barrier_id, uint32_t math_threads,
-                                                    int math_thread) {
+                                                    int math_thread, bool to_peers) {
   ptx::named_barrier_sync(barrier_id, math_threads);
-  if (math_thread == 0) ptx::red_add_release_gpu(tiles_stored, 1u);
+  if (math_thread == 0) {
+    if (to_peers) __threadfence_system();
+    ptx::red_add_release_gpu(tiles_stored, 1u);
+  }
 }
 
 // FC2's producer thread, before each tile's first token load. FC1's CTAs were all running before

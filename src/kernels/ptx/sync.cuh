@@ -1,4 +1,5 @@
-// Named barriers and register reallocation (PTX "bar.sync", "setmaxnreg").
+// Named barriers, register reallocation and the thread's index (PTX "bar.sync", "setmaxnreg",
+// %tid).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,16 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
 // instruction in every thread that executes it).
 __device__ __forceinline__ void named_barrier_sync_from_anywhere(uint32_t id, uint32_t threads) {
   asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// threadIdx.x read from its special register each call. Roles whose registers are tight after
+// `setmaxnreg` call this where they need their index once a tile: the compiler may not keep a
+// volatile read's value, so it cannot hold the index (and values derived from it) in registers
+// through the mainloop, which spilled them to local memory (docs/design.md#single-kernel-token-tiles).
+__device__ __forceinline__ uint32_t thread_index_x() {
+  uint32_t index;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(index));
+  return index;
 }
 
 template <uint32_t kRegisters>
