@@ -29,14 +29,14 @@ __device__ __forceinline__ void publish_fc1_tile(uint32_t* tiles_done, int exper
 
 // The same for an FC2 tile in the single-kernel forward, whose combine reads the stored rows (or
 // the accumulator) with generic loads: no proxy fence. `to_peers`: the tile's rows went into other
-// GPUs' memory; the counting thread's system-scope fence after the barrier orders every math
+// GPUs' memory; the counting thread's release at system scope after the barrier orders every math
 // thread's stores before the count (docs/decisions.md#one-system-fence-per-stored-tile).
 __device__ __forceinline__ void publish_stored_tile(uint32_t* tiles_stored, uint32_t barrier_id, uint32_t math_threads,
                                                     int math_thread, bool to_peers) {
   ptx::named_barrier_sync(barrier_id, math_threads);
   if (math_thread == 0) {
-    if (to_peers) __threadfence_system();
-    ptx::red_add_release_gpu(tiles_stored, 1u);
+    if (to_peers) ptx::red_add_release_sys(tiles_stored, 1u);
+    else ptx::red_add_release_gpu(tiles_stored, 1u);
   }
 }
 

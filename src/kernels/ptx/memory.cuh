@@ -16,6 +16,10 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* address, uint64_t 
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
 
+__device__ __forceinline__ void red_add_release_sys(uint32_t* address, uint32_t value) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
 __device__ __forceinline__ void red_add_release_gpu(uint32_t* address, uint32_t value) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
 }
