@@ -27,7 +27,8 @@ enum class Fc1TokenRows {
 enum class ForwardLaunch {
   automatic,      // the planner's choice per call
   per_stage,      // five kernels: router, gather, FC1, FC2, combine
-  single_kernel,  // one persistent kernel; FC1 reads the pool, token tiles of 16, 32 or 64
+  single_kernel,  // one persistent kernel; FC1 reads the pool, no CTA pairs (weight_multicast), token
+                  // tiles up to 128 in bf16 and fp8_tensor, 64 in fp8_block
 };
 
 struct MoeLayerOptions {
@@ -46,7 +47,9 @@ struct MoeLayerOptions {
   // Experimental, off by default: where a call's token tile is 128 (tokens on M), the GEMMs run
   // their CTAs in clusters of two on neighbouring tiles, which share their weight block by TMA
   // multicast where both tiles multiply it, each CTA loading one half into both
-  // (docs/decisions.md#weight-multicast-pairs). The output does not depend on it.
+  // (docs/decisions.md#weight-multicast-pairs). The output does not depend on it. The single
+  // kernel launches no clusters: not with launch=single_kernel, and under launch=auto a call it
+  // would take runs as five kernels instead.
   bool weight_multicast = false;
 };
 

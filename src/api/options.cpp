@@ -51,9 +51,15 @@ void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
                   "options.launch=single_kernel reads FC1's rows from the pool: it takes fc1_token_rows=auto or pool, "
                   "not row_copy");
     }
-    if (tile == 128) {
+    if (tile == 128 && spec.precision == Precision::fp8_block) {
       throw Error(ErrorCode::invalid_argument,
-                  "options.launch=single_kernel takes token tiles of 16, 32 or 64 (or 0), not " + std::to_string(tile));
+                  "options.launch=single_kernel takes the token tile of 128 (tokens on M) in bf16 and fp8_tensor; in "
+                  "fp8_block 16, 32 or 64 (or 0)");
+    }
+    if (options.weight_multicast) {
+      throw Error(ErrorCode::invalid_argument,
+                  "options.launch=single_kernel launches no CTA pairs: it takes weight_multicast=false "
+                  "(weight multicast runs the five kernels, launch=per_stage or auto)");
     }
   }
   if (options.num_sms < 0) {

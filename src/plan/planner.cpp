@@ -126,6 +126,10 @@ int choose_token_tile(const MoeSpec& spec, int tokens) {
   return token_tile_for_rows(mean_rows_per_expert(spec, tokens));
 }
 
+int max_single_kernel_token_tile(Precision precision) {
+  return precision == Precision::fp8_block ? layout::kGemmSwapAbMaxTokenTile : layout::kGemmTokensOnMTile;
+}
+
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens) {
   return copies_rows_for(spec, mean_rows_per_expert(spec, tokens));
 }
@@ -201,17 +205,20 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   const bool caps_for_row_copy = o.token_tile == 0 && o.fc1_token_rows == Fc1TokenRows::row_copy &&
                                  layout::gemm_tokens_on_m(p.token_tile);
   if (caps_for_row_copy) p.token_tile = layout::kGemmSwapAbMaxTokenTile;
+  const int single_kernel_tile = max_single_kernel_token_tile(spec.precision);
   switch (o.launch) {
     case ForwardLaunch::automatic:
-      // The single kernel takes fp8_tensor with static activation scales only (plan_layer).
-      p.single_kernel = p.token_tile <= kMaxSingleKernelTokenTile && tokens <= kMaxSingleKernelTokens &&
-                        !layer.workspace.dynamic_scales;
+      // The single kernel takes fp8_tensor with static activation scales only (plan_layer), and
+      // launches no CTA pairs.
+      p.single_kernel = tokens <= kMaxSingleKernelTokens && p.token_tile <= single_kernel_tile &&
+                        !layer.workspace.dynamic_scales && !(o.weight_multicast && layout::gemm_tokens_on_m(p.token_tile));
       break;
     case ForwardLaunch::per_stage: p.single_kernel = false; break;
     case ForwardLaunch::single_kernel:
       p.single_kernel = true;
-      // validate() refused an explicit 128; the fused expert-parallel layer leaves its tile to the planner.
-      p.token_tile = std::min(p.token_tile, kMaxSingleKernelTokenTile);
+      // validate() refused an explicit tile wider than it takes; the fused expert-parallel layer
+      // leaves its tile to the planner.
+      p.token_tile = std::min(p.token_tile, single_kernel_tile);
       break;
   }
   if (p.token_tile > layer.workspace.row_padding) {
@@ -230,7 +237,7 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   const int requested_grid = o.num_sms != 0 ? std::min(o.num_sms, facts.num_sms) : facts.num_sms;
   p.grid = requested_grid;
   // CTA pairs where the tile is tokens on M; a pair needs two SMs, so an odd grid loses one CTA.
-  p.weight_multicast = o.weight_multicast && layout::gemm_tokens_on_m(p.token_tile) && p.grid >= 2;
+  p.weight_multicast = o.weight_multicast && layout::gemm_tokens_on_m(p.token_tile) && p.grid >= 2 && !p.single_kernel;
   if (p.weight_multicast) p.grid -= p.grid % 2;
   p.fc1 = choose_gemm("fc1", spec, p.token_tile, mean_rows, touched, 2 * spec.intermediate, detail);
   p.fc2 = choose_gemm("fc2", spec, p.token_tile, mean_rows, touched, spec.hidden, detail);
@@ -258,19 +265,24 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   if (o.launch != ForwardLaunch::automatic) {
     p.reasons.push_back(std::string(p.single_kernel ? "one persistent kernel" : per_stage) +
                         ": options.launch=" + to_string(o.launch) +
-                        (p.single_kernel && o.token_tile == 0 ? format(" (token tile at most %lld)",
-                                                                        static_cast<long long>(kMaxSingleKernelTokenTile))
-                                                              : std::string()));
+                        (p.single_kernel && o.token_tile == 0
+                             ? format(" (token tile at most %lld in ", static_cast<long long>(single_kernel_tile)) +
+                                   to_string(spec.precision) + ")"
+                             : std::string()));
   } else if (p.single_kernel) {
     p.reasons.push_back(format("one persistent kernel: %lld tokens <= %lld and token tile %lld <= %lld", tokens,
                                static_cast<long long>(kMaxSingleKernelTokens), p.token_tile,
-                               static_cast<long long>(kMaxSingleKernelTokenTile)));
+                               static_cast<long long>(single_kernel_tile)));
+  } else if (tokens <= kMaxSingleKernelTokens && p.token_tile <= single_kernel_tile &&
+             !layer.workspace.dynamic_scales) {
+    p.reasons.push_back(std::string(per_stage) +
+                        ": options.weight_multicast runs CTA pairs, which the single kernel does not launch");
   } else {
     p.reasons.push_back(std::string(per_stage) +
                         format(": under options.launch=auto the single kernel takes at most %lld tokens "
-                               "(0: it is opt-in, not yet faster) and token tiles of at most %lld",
-                               static_cast<long long>(kMaxSingleKernelTokens),
-                               static_cast<long long>(kMaxSingleKernelTokenTile)));
+                               "(0: it is opt-in, not yet faster) and token tiles of at most %lld in ",
+                               static_cast<long long>(kMaxSingleKernelTokens), static_cast<long long>(single_kernel_tile)) +
+                        to_string(spec.precision));
   }
   if (layer.workspace.dynamic_scales) {
     p.reasons.push_back("seven kernels, not five: fp8_tensor's dynamic activation scales add x's amax before the "

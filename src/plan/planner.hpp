@@ -50,13 +50,18 @@ inline constexpr double kMaxRowsPerExpertForRowCopy = 40;
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens);
 
 // Whether a forward runs as one persistent kernel (kernels/impls/sm90_moe_single_kernel.cuh)
-// instead of five: options.launch names it, or under options.launch=auto where the planned token
-// tile is at most kMaxSingleKernelTokenTile and the call has at most kMaxSingleKernelTokens tokens.
-// That is none today: the single kernel was slower than the five in every bucket measured
+// instead of five: options.launch names it, or under options.launch=auto where the call has at most
+// kMaxSingleKernelTokens tokens, the planned token tile is at most max_single_kernel_token_tile and
+// weight_multicast does not ask for CTA pairs (which it does not launch). That is none today: the
+// single kernel was slower than the five in every bucket measured
 // (docs/design.md#single-kernel-forward). The fused expert-parallel forward (the same kernel with
 // its own roles before and after the GEMMs) takes the same tiles.
-inline constexpr int kMaxSingleKernelTokenTile = 64;
 inline constexpr int kMaxSingleKernelTokens = 0;
+// The widest token tile the single kernel takes: the tokens-on-M tile of 128 in bf16 and
+// fp8_tensor, 64 in fp8_block, whose promotion fragments ptxas 13.0 spills there
+// (docs/design.md#single-kernel-token-tiles). Under launch=single_kernel a wider planned tile runs
+// at this one.
+int max_single_kernel_token_tile(Precision precision);
 
 // The layer's plan, fixed when it is built: its options and the workspace for up to max_tokens
 // tokens, padded for the widest token tile any call may take.

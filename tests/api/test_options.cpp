@@ -75,7 +75,7 @@ TEST(Options, NumSmsIsACountOrZero) {
   EXPECT_NE(rejection({.num_sms = -1}).find("options.num_sms=-1"), std::string::npos);
 }
 
-TEST(Options, TheSingleKernelTakesPoolRowsAndNarrowTiles) {
+TEST(Options, TheSingleKernelTakesPoolRowsEveryTileAndNoPairs) {
   for (ForwardLaunch launch : {ForwardLaunch::automatic, ForwardLaunch::per_stage, ForwardLaunch::single_kernel}) {
     EXPECT_EQ(rejection({.launch = launch}), "");
     EXPECT_EQ(rejection({.launch = launch}, Precision::bf16), "");
@@ -83,11 +83,22 @@ TEST(Options, TheSingleKernelTakesPoolRowsAndNarrowTiles) {
   }
   const std::string row_copy = rejection({.fc1_token_rows = Fc1TokenRows::row_copy, .launch = ForwardLaunch::single_kernel});
   EXPECT_NE(row_copy.find("options.launch=single_kernel reads FC1's rows from the pool"), std::string::npos) << row_copy;
-  const std::string wide = rejection({.token_tile = 128, .launch = ForwardLaunch::single_kernel});
-  EXPECT_NE(wide.find("token tiles of 16, 32 or 64 (or 0), not 128"), std::string::npos) << wide;
   for (ForwardLaunch launch : {ForwardLaunch::per_stage, ForwardLaunch::single_kernel}) {
     EXPECT_EQ(rejection({.token_tile = 64, .launch = launch}), "");
+    EXPECT_EQ(rejection({.token_tile = 128, .launch = launch}, Precision::bf16), "");
+    EXPECT_EQ(rejection({.token_tile = 128, .launch = launch}, Precision::fp8_tensor), "");
   }
+  EXPECT_EQ(rejection({.token_tile = 128, .launch = ForwardLaunch::per_stage}), "");
+  const std::string wide = rejection({.token_tile = 128, .launch = ForwardLaunch::single_kernel});
+  EXPECT_NE(wide.find("takes the token tile of 128 (tokens on M) in bf16 and fp8_tensor; in fp8_block 16, 32 or 64"),
+            std::string::npos)
+      << wide;
+  const std::string pairs = rejection({.token_tile = 128, .launch = ForwardLaunch::single_kernel, .weight_multicast = true},
+                                      Precision::bf16);
+  EXPECT_NE(pairs.find("options.launch=single_kernel launches no CTA pairs: it takes weight_multicast=false"),
+            std::string::npos)
+      << pairs;
+  EXPECT_EQ(rejection({.token_tile = 128, .launch = ForwardLaunch::per_stage, .weight_multicast = true}), "");
   // fp8_tensor in either launch (the planner refuses the single kernel with dynamic scales, which
   // the weights, not the options, say).
   EXPECT_EQ(rejection({.launch = ForwardLaunch::per_stage}, Precision::fp8_tensor), "");

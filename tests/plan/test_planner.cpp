@@ -188,21 +188,26 @@ TEST(Planner, OptionsReplaceThePlannersChoices) {
   EXPECT_EQ(forward_plan(spec, 1, 8192, {.num_sms = 1000}).grid, 132) << "never more CTAs than SMs";
 }
 
-// The single kernel runs where options.launch names it, with its token tile capped at 64 and FC1
-// reading the pool; under auto it runs where kMaxSingleKernelTokens lets it (today nowhere: it
-// was slower than the five kernels in every bucket measured, docs/design.md#single-kernel-forward).
+// The single kernel runs where options.launch names it, with the token tile the five kernels would
+// take up to its precision's widest (the tokens-on-M 128 in bf16 and fp8_tensor, 64 in fp8_block)
+// and FC1 reading the pool; under auto it runs where kMaxSingleKernelTokens lets it (today nowhere:
+// it was slower than the five kernels in every bucket measured, docs/design.md#single-kernel-forward).
 TEST(Planner, TheSingleKernelRunsWhereTheOptionOrTheRuleSaysSo) {
-  const MoeSpec spec = workload("qwen35-a3b", Precision::fp8_block);
+  EXPECT_EQ(max_single_kernel_token_tile(Precision::fp8_block), 64);
+  EXPECT_EQ(max_single_kernel_token_tile(Precision::bf16), 128);
+  EXPECT_EQ(max_single_kernel_token_tile(Precision::fp8_tensor), 128);
+  for (Precision precision : {Precision::fp8_block, Precision::bf16, Precision::fp8_tensor})
   for (int tokens : {1, 16, 128, 2048, 8192}) {
-    SCOPED_TRACE(tokens);
+    SCOPED_TRACE(std::string(to_string(precision)) + ", " + std::to_string(tokens) + " tokens");
+    const MoeSpec spec = workload("qwen35-a3b", precision);
+    const int widest = max_single_kernel_token_tile(precision);
     const ForwardPlan automatic = forward_plan(spec, tokens, 8192);
-    EXPECT_EQ(automatic.single_kernel,
-              tokens <= kMaxSingleKernelTokens && automatic.token_tile <= kMaxSingleKernelTokenTile);
+    EXPECT_EQ(automatic.single_kernel, tokens <= kMaxSingleKernelTokens && automatic.token_tile <= widest);
     EXPECT_FALSE(forward_plan(spec, tokens, 8192, {.launch = ForwardLaunch::per_stage}).single_kernel);
     const ForwardPlan single = forward_plan(spec, tokens, 8192, {.launch = ForwardLaunch::single_kernel});
     EXPECT_TRUE(single.single_kernel);
-    EXPECT_LE(single.token_tile, kMaxSingleKernelTokenTile);
-    EXPECT_EQ(single.token_tile, std::min(automatic.token_tile, kMaxSingleKernelTokenTile));
+    EXPECT_EQ(single.token_tile, std::min(automatic.token_tile, widest));
+    if (tokens == 8192) EXPECT_EQ(single.token_tile, widest) << "8192 tokens plan the tokens-on-M tile";
     EXPECT_FALSE(single.fc1_copies_token_rows);
     std::ostringstream os;
     os << single;

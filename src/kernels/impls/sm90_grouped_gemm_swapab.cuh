@@ -100,6 +100,17 @@ __device__ __forceinline__ void producer_roles(const Params& p, typename Config:
   }
 }
 
+// The math warpgroups' threads after their register increase: the mainloop and epilogue of the
+// config's layout, to the end of the GEMM's tiles.
+template <class Config, class Params>
+__device__ __forceinline__ void math_roles(const Params& p, typename Config::SharedStorage& smem, int k_blocks) {
+  if constexpr (Config::kTokensOnM) {
+    tokens_on_m_math_warpgroups<Config>(p, smem, k_blocks);
+  } else {
+    math_warpgroups<Config>(p, smem, k_blocks);
+  }
+}
+
 template <class Config, class Params>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     sm90_grouped_gemm_swapab_kernel(CUTE_GRID_CONSTANT const Params p) {
@@ -146,11 +157,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // epilogue's TensorScales), so FC2's math warps wait for it too.
     if (!Config::kWaitsForFc1 || p.token_operand_of_previous_grid) ptx::wait_for_prerequisite_grids();
     ptx::setmaxnreg_increase<kConsumerRegisters>();
-    if constexpr (Config::kTokensOnM) {
-      tokens_on_m_math_warpgroups<Config>(p, smem, k_blocks);
-    } else {
-      math_warpgroups<Config>(p, smem, k_blocks);
-    }
+    math_roles<Config>(p, smem, k_blocks);
   }
   // Neither CTA of a pair leaves while the other may still hand a stage back to it (each warp
   // converged first: the cluster barrier is .aligned, and the producer roles ran on single lanes).

@@ -109,9 +109,15 @@ void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, con
     case 16: return dispatch_combine<kPrecision, 16>(f, c, call, extra, stream);
     case 32: return dispatch_combine<kPrecision, 32>(f, c, call, extra, stream);
     case 64: return dispatch_combine<kPrecision, 64>(f, c, call, extra, stream);
-    default: break;  // 128 is the tokens-on-M layout, whose roles the single kernel does not compose yet
+    case 128:
+      // Tokens on M, without pairs; not fp8_block, whose promotion fragments ptxas spills here
+      // (docs/design.md#single-kernel-token-tiles).
+      if constexpr (kPrecision != Precision::fp8_block) return dispatch_combine<kPrecision, 128>(f, c, call, extra, stream);
+      break;
+    default: break;
   }
-  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes token tiles of 16, 32 or 64");
+  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes token tiles of 16, 32 or 64, and 128 "
+                                      "in bf16 and fp8_tensor");
 }
 
 template <class Extra>

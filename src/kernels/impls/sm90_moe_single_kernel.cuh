@@ -4,7 +4,8 @@
 // after the GEMMs come with the launch's parameters (run_front_role, run_back_role):
 //   whole CTA            front role: route and gather items (routing/front_items.cuh)
 //   producer warpgroup   FC1's producer roles, then FC2's (impls/sm90_grouped_gemm_swapab.cuh)
-//   math warpgroups      FC1's mainloop and epilogue, then FC2's (mma/swapab_mainloop.cuh), then
+//   math warpgroups      FC1's mainloop and epilogue, then FC2's (mma/swapab_mainloop.cuh, or
+//                        mma/tokens_on_m_mainloop.cuh at the token tile of 128), then
 //                        their CTA's share of the combine (combine/combine_share.cuh), its rows
 //                        staged in the idle stage ring
 // Between its FC1 and FC2 tiles a CTA joins all of its threads and sets its stage ring up again
@@ -156,10 +157,10 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
     return;
   }
   ptx::setmaxnreg_increase<kConsumerRegisters>();
-  math_warpgroups<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
+  math_roles<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
   timeline.mark(layout::kFc1Done, kMathLead);
   between_gemms();
-  math_warpgroups<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
+  math_roles<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
   timeline.mark(layout::kFc2Done, kMathLead);
 
   const int math_thread = threadIdx.x - 128;

@@ -22,6 +22,7 @@
 #include "kernels/pipeline/pipeline_state.cuh"
 #include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/mbarrier.cuh"
+#include "kernels/ptx/sync.cuh"
 
 namespace megamoe::kernels {
 
@@ -58,14 +59,16 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
   constexpr int kStages = Config::kStages;
   Tensor sX = make_tensor(make_smem_ptr(smem.b.begin()), typename Config::SmemLayoutB{});             // (128, BK, S)
   Tensor sW = make_tensor(make_smem_ptr(smem.a.begin()), typename Tile::SmemLayoutWeightHalves{});  // (128, BK, 2S)
-  const int consumer_thread = threadIdx.x - 128;
-  const int lane = consumer_thread % 32;
-  const int warpgroup = consumer_thread / 128;
+  // Read afresh at each per-tile use (ptx::thread_index_x), as in the swapAB mainloop: the single
+  // kernel's math path has more values live beside the mainloop than the GEMM kernel's.
+  auto consumer_thread = [] { return static_cast<int>(ptx::thread_index_x()) - 128; };
+  const int lane = consumer_thread() % 32;
+  const int warpgroup = consumer_thread() / 128;
   typename Tile::TiledMma mma;
   // This thread's slice for the warpgroup's own rows, and (a short tile) the first warpgroup's
   // slice at the same place, whose rows are the only ones loaded.
-  ThrMMA thr_mma = mma.get_thread_slice(consumer_thread);
-  ThrMMA thr_mma_short = mma.get_thread_slice(consumer_thread % 128);
+  ThrMMA thr_mma = mma.get_thread_slice(consumer_thread());
+  ThrMMA thr_mma_short = mma.get_thread_slice(consumer_thread() % 128);
   Tensor tCrX = thr_mma.make_fragment_A(thr_mma.partition_A(sX));              // (MMA, 1, MMA_K, S)
   Tensor tCrX_short = thr_mma_short.make_fragment_A(thr_mma_short.partition_A(sX));
   Tensor tCrW = thr_mma.make_fragment_B(thr_mma.partition_B(sW));              // (MMA, 1, MMA_K, 2S)
@@ -229,7 +232,7 @@ __device__ __forceinline__ void tokens_on_m_math_warpgroups(const Params& p, typ
     } else {
       gemm_detail::fc2_tokens_on_m_epilogue<Config, 2>(p, tile, acc_low, acc_high, 0, row, base_col, slots);
     }
-    publish_tile<Config>(p, tile, consumer_thread);
+    publish_tile<Config>(p, tile, consumer_thread());
   };
   for_each_tagged_tile<Config>(smem, state, lane, reader_lane, consume_tile);
 }
