@@ -28,7 +28,7 @@ enum class ForwardLaunch {
   automatic,      // the planner's choice per call
   per_stage,      // five kernels: router, gather, FC1, FC2, combine
   single_kernel,  // one persistent kernel; FC1 reads the pool, no CTA pairs (weight_multicast), token
-                  // tiles up to 128 in bf16 and fp8_tensor, 64 in fp8_block
+                  // tiles up to 64 (128 in bf16 and fp8_tensor where token_tile names it)
 };
 
 struct MoeLayerOptions {

@@ -205,7 +205,8 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   const bool caps_for_row_copy = o.token_tile == 0 && o.fc1_token_rows == Fc1TokenRows::row_copy &&
                                  layout::gemm_tokens_on_m(p.token_tile);
   if (caps_for_row_copy) p.token_tile = layout::kGemmSwapAbMaxTokenTile;
-  const int single_kernel_tile = max_single_kernel_token_tile(spec.precision);
+  const int single_kernel_tile =
+      o.token_tile != 0 ? max_single_kernel_token_tile(spec.precision) : kMaxPlannedSingleKernelTokenTile;
   switch (o.launch) {
     case ForwardLaunch::automatic:
       // The single kernel takes fp8_tensor with static activation scales only (plan_layer), and
@@ -216,8 +217,8 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
     case ForwardLaunch::per_stage: p.single_kernel = false; break;
     case ForwardLaunch::single_kernel:
       p.single_kernel = true;
-      // validate() refused an explicit tile wider than it takes; the fused expert-parallel layer
-      // leaves its tile to the planner.
+      // validate() refused an explicit tile wider than it takes; the planner's own stays at
+      // kMaxPlannedSingleKernelTokenTile (the fused expert-parallel layer leaves its tile to it).
       p.token_tile = std::min(p.token_tile, single_kernel_tile);
       break;
   }
@@ -266,8 +267,8 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
     p.reasons.push_back(std::string(p.single_kernel ? "one persistent kernel" : per_stage) +
                         ": options.launch=" + to_string(o.launch) +
                         (p.single_kernel && o.token_tile == 0
-                             ? format(" (token tile at most %lld in ", static_cast<long long>(single_kernel_tile)) +
-                                   to_string(spec.precision) + ")"
+                             ? format(" (the planner's token tile at most %lld)",
+                                      static_cast<long long>(single_kernel_tile))
                              : std::string()));
   } else if (p.single_kernel) {
     p.reasons.push_back(format("one persistent kernel: %lld tokens <= %lld and token tile %lld <= %lld", tokens,
@@ -280,9 +281,8 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   } else {
     p.reasons.push_back(std::string(per_stage) +
                         format(": under options.launch=auto the single kernel takes at most %lld tokens "
-                               "(0: it is opt-in, not yet faster) and token tiles of at most %lld in ",
-                               static_cast<long long>(kMaxSingleKernelTokens), static_cast<long long>(single_kernel_tile)) +
-                        to_string(spec.precision));
+                               "(0: it is opt-in, not yet faster) and token tiles of at most %lld",
+                               static_cast<long long>(kMaxSingleKernelTokens), static_cast<long long>(single_kernel_tile)));
   }
   if (layer.workspace.dynamic_scales) {
     p.reasons.push_back("seven kernels, not five: fp8_tensor's dynamic activation scales add x's amax before the "
