@@ -127,7 +127,7 @@ int choose_token_tile(const MoeSpec& spec, int tokens) {
 }
 
 int max_single_kernel_token_tile(Precision precision) {
-  return precision == Precision::fp8_block ? layout::kGemmSwapAbMaxTokenTile : layout::kGemmTokensOnMTile;
+  return layout::single_kernel_max_token_tile(precision == Precision::fp8_block);
 }
 
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens) {
@@ -207,13 +207,13 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   if (caps_for_row_copy) p.token_tile = layout::kGemmSwapAbMaxTokenTile;
   const int single_kernel_tile =
       o.token_tile != 0 ? max_single_kernel_token_tile(spec.precision) : kMaxPlannedSingleKernelTokenTile;
+  // Under auto: the single kernel takes fp8_tensor with static activation scales only
+  // (plan_layer), and launches no CTA pairs.
+  const bool single_kernel_takes_call =
+      tokens <= kMaxSingleKernelTokens && p.token_tile <= single_kernel_tile && !layer.workspace.dynamic_scales;
+  const bool pairs_asked = o.weight_multicast && layout::gemm_tokens_on_m(p.token_tile);
   switch (o.launch) {
-    case ForwardLaunch::automatic:
-      // The single kernel takes fp8_tensor with static activation scales only (plan_layer), and
-      // launches no CTA pairs.
-      p.single_kernel = tokens <= kMaxSingleKernelTokens && p.token_tile <= single_kernel_tile &&
-                        !layer.workspace.dynamic_scales && !(o.weight_multicast && layout::gemm_tokens_on_m(p.token_tile));
-      break;
+    case ForwardLaunch::automatic: p.single_kernel = single_kernel_takes_call && !pairs_asked; break;
     case ForwardLaunch::per_stage: p.single_kernel = false; break;
     case ForwardLaunch::single_kernel:
       p.single_kernel = true;
@@ -274,8 +274,7 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
     p.reasons.push_back(format("one persistent kernel: %lld tokens <= %lld and token tile %lld <= %lld", tokens,
                                static_cast<long long>(kMaxSingleKernelTokens), p.token_tile,
                                static_cast<long long>(single_kernel_tile)));
-  } else if (tokens <= kMaxSingleKernelTokens && p.token_tile <= single_kernel_tile &&
-             !layer.workspace.dynamic_scales) {
+  } else if (single_kernel_takes_call) {
     p.reasons.push_back(std::string(per_stage) +
                         ": options.weight_multicast runs CTA pairs, which the single kernel does not launch");
   } else {

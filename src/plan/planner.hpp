@@ -57,9 +57,9 @@ bool fc1_copies_token_rows(const MoeSpec& spec, int tokens);
 // (docs/design.md#single-kernel-forward). The fused expert-parallel forward (the same kernel with
 // its own roles before and after the GEMMs) takes the same tiles.
 inline constexpr int kMaxSingleKernelTokens = 0;
-// The widest token tile the single kernel takes: the tokens-on-M tile of 128 in bf16 and
-// fp8_tensor, 64 in fp8_block, whose promotion fragments ptxas 13.0 spills there
-// (docs/design.md#single-kernel-token-tiles).
+// The widest token tile the single kernel takes (layout::single_kernel_max_token_tile): the
+// tokens-on-M tile of 128 in bf16 and fp8_tensor, 64 in fp8_block, whose promotion fragments
+// ptxas 13.0 spills there (docs/design.md#single-kernel-token-tiles).
 int max_single_kernel_token_tile(Precision precision);
 // The widest the planner picks for it (the fused expert-parallel forward's tiles among them): 128
 // only where options.token_tile names it, until the GPU suites have run the single kernel on the

@@ -109,10 +109,10 @@ void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, con
     case 16: return dispatch_combine<kPrecision, 16>(f, c, call, extra, stream);
     case 32: return dispatch_combine<kPrecision, 32>(f, c, call, extra, stream);
     case 64: return dispatch_combine<kPrecision, 64>(f, c, call, extra, stream);
-    case 128:
-      // Tokens on M, without pairs; not fp8_block, whose promotion fragments ptxas spills here
-      // (docs/design.md#single-kernel-token-tiles).
-      if constexpr (kPrecision != Precision::fp8_block) return dispatch_combine<kPrecision, 128>(f, c, call, extra, stream);
+    case 128:  // tokens on M, without pairs, where the single kernel takes it
+      if constexpr (layout::single_kernel_max_token_tile(kPrecision == Precision::fp8_block) >= 128) {
+        return dispatch_combine<kPrecision, 128>(f, c, call, extra, stream);
+      }
       break;
     default: break;
   }
