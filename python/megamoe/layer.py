@@ -178,8 +178,7 @@ def prepare_weights(
     ("pool" or "row_copy": where fp8 FC1 reads its token rows), num_sms (at most that many
     persistent CTAs, leaving the other SMs to work on other streams) and launch ("per_stage": five
     kernels, "single_kernel": the whole forward in one persistent kernel, opt-in and not yet faster,
-    token tiles up to 64, or 128 in bf16 and fp8_tensor where token_tile names it;
-    docs/design.md#single-kernel-forward).
+    with the same token tiles; docs/design.md#single-kernel-forward).
     """
     checked = checked_weights(w13, w2, w13_scale, w2_scale, precision, w13_input_scale, w2_input_scale)
     routing = as_routing(routing)

@@ -4,7 +4,6 @@
 #include <ostream>
 #include <string>
 
-#include "kernels/layout/gemm_smem.hpp"
 #include "megamoe/error.hpp"
 
 namespace megamoe {
@@ -51,11 +50,6 @@ void validate(const MoeLayerOptions& options, const MoeSpec& spec) {
       throw Error(ErrorCode::invalid_argument,
                   "options.launch=single_kernel reads FC1's rows from the pool: it takes fc1_token_rows=auto or pool, "
                   "not row_copy");
-    }
-    if (tile > layout::single_kernel_max_token_tile(spec.precision == Precision::fp8_block)) {
-      throw Error(ErrorCode::invalid_argument,
-                  "options.launch=single_kernel takes the token tile of 128 (tokens on M) in bf16 and fp8_tensor; in "
-                  "fp8_block 16, 32 or 64 (or 0)");
     }
     if (options.weight_multicast) {
       throw Error(ErrorCode::invalid_argument,

@@ -126,10 +126,6 @@ int choose_token_tile(const MoeSpec& spec, int tokens) {
   return token_tile_for_rows(mean_rows_per_expert(spec, tokens));
 }
 
-int max_single_kernel_token_tile(Precision precision) {
-  return layout::single_kernel_max_token_tile(precision == Precision::fp8_block);
-}
-
 bool fc1_copies_token_rows(const MoeSpec& spec, int tokens) {
   return copies_rows_for(spec, mean_rows_per_expert(spec, tokens));
 }
@@ -205,22 +201,14 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   const bool caps_for_row_copy = o.token_tile == 0 && o.fc1_token_rows == Fc1TokenRows::row_copy &&
                                  layout::gemm_tokens_on_m(p.token_tile);
   if (caps_for_row_copy) p.token_tile = layout::kGemmSwapAbMaxTokenTile;
-  const int single_kernel_tile =
-      o.token_tile != 0 ? max_single_kernel_token_tile(spec.precision) : kMaxPlannedSingleKernelTokenTile;
   // Under auto: the single kernel takes fp8_tensor with static activation scales only
   // (plan_layer), and launches no CTA pairs.
-  const bool single_kernel_takes_call =
-      tokens <= kMaxSingleKernelTokens && p.token_tile <= single_kernel_tile && !layer.workspace.dynamic_scales;
+  const bool single_kernel_takes_call = tokens <= kMaxSingleKernelTokens && !layer.workspace.dynamic_scales;
   const bool pairs_asked = o.weight_multicast && layout::gemm_tokens_on_m(p.token_tile);
   switch (o.launch) {
     case ForwardLaunch::automatic: p.single_kernel = single_kernel_takes_call && !pairs_asked; break;
     case ForwardLaunch::per_stage: p.single_kernel = false; break;
-    case ForwardLaunch::single_kernel:
-      p.single_kernel = true;
-      // validate() refused an explicit tile wider than it takes; the planner's own stays at
-      // kMaxPlannedSingleKernelTokenTile (the fused expert-parallel layer leaves its tile to it).
-      p.token_tile = std::min(p.token_tile, single_kernel_tile);
-      break;
+    case ForwardLaunch::single_kernel: p.single_kernel = true; break;
   }
   if (p.token_tile > layer.workspace.row_padding) {
     throw Error(ErrorCode::unsupported, format("internal: token tile %lld exceeds the workspace padding %lld "
@@ -265,23 +253,18 @@ ForwardPlan plan_forward(const MoeSpec& spec, const LayerPlan& layer, int tokens
   const char* per_stage = p.launches == 7 ? "seven kernels" : "five kernels";
   if (o.launch != ForwardLaunch::automatic) {
     p.reasons.push_back(std::string(p.single_kernel ? "one persistent kernel" : per_stage) +
-                        ": options.launch=" + to_string(o.launch) +
-                        (p.single_kernel && o.token_tile == 0
-                             ? format(" (the planner's token tile at most %lld)",
-                                      static_cast<long long>(single_kernel_tile))
-                             : std::string()));
+                        ": options.launch=" + to_string(o.launch));
   } else if (p.single_kernel) {
-    p.reasons.push_back(format("one persistent kernel: %lld tokens <= %lld and token tile %lld <= %lld", tokens,
-                               static_cast<long long>(kMaxSingleKernelTokens), p.token_tile,
-                               static_cast<long long>(single_kernel_tile)));
+    p.reasons.push_back(format("one persistent kernel: %lld tokens <= %lld", tokens,
+                               static_cast<long long>(kMaxSingleKernelTokens)));
   } else if (single_kernel_takes_call) {
     p.reasons.push_back(std::string(per_stage) +
                         ": options.weight_multicast runs CTA pairs, which the single kernel does not launch");
   } else {
     p.reasons.push_back(std::string(per_stage) +
                         format(": under options.launch=auto the single kernel takes at most %lld tokens "
-                               "(0: it is opt-in, not yet faster) and token tiles of at most %lld",
-                               static_cast<long long>(kMaxSingleKernelTokens), static_cast<long long>(single_kernel_tile)));
+                               "(0: it is opt-in, not yet faster)",
+                               static_cast<long long>(kMaxSingleKernelTokens)));
   }
   if (layer.workspace.dynamic_scales) {
     p.reasons.push_back("seven kernels, not five: fp8_tensor's dynamic activation scales add x's amax before the "

@@ -51,20 +51,12 @@ bool fc1_copies_token_rows(const MoeSpec& spec, int tokens);
 
 // Whether a forward runs as one persistent kernel (kernels/impls/sm90_moe_single_kernel.cuh)
 // instead of five: options.launch names it, or under options.launch=auto where the call has at most
-// kMaxSingleKernelTokens tokens, the planned token tile is at most kMaxPlannedSingleKernelTokenTile and
-// weight_multicast does not ask for CTA pairs (which it does not launch). That is none today: the
-// single kernel was slower than the five in every bucket measured
-// (docs/design.md#single-kernel-forward). The fused expert-parallel forward (the same kernel with
-// its own roles before and after the GEMMs) takes the same tiles.
+// kMaxSingleKernelTokens tokens and weight_multicast does not ask for CTA pairs (which it does not
+// launch). That is none today: the single kernel was slower than the five in every bucket measured
+// (docs/design.md#single-kernel-forward). It takes every token tile the five kernels take, both
+// layouts (docs/design.md#single-kernel-token-tiles); the fused expert-parallel forward (the same
+// kernel with its own roles before and after the GEMMs) takes the planner's tile too.
 inline constexpr int kMaxSingleKernelTokens = 0;
-// The widest token tile the single kernel takes (layout::single_kernel_max_token_tile): the
-// tokens-on-M tile of 128 in bf16 and fp8_tensor, 64 in fp8_block, whose promotion fragments
-// ptxas 13.0 spills there (docs/design.md#single-kernel-token-tiles).
-int max_single_kernel_token_tile(Precision precision);
-// The widest the planner picks for it (the fused expert-parallel forward's tiles among them): 128
-// only where options.token_tile names it, until the GPU suites have run the single kernel on the
-// tokens-on-M tile. Under launch=single_kernel a wider planned tile runs at this one.
-inline constexpr int kMaxPlannedSingleKernelTokenTile = 64;
 
 // The layer's plan, fixed when it is built: its options and the workspace for up to max_tokens
 // tokens, padded for the widest token tile any call may take.

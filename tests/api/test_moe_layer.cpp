@@ -316,7 +316,7 @@ std::vector<Case> weight_multicast_cases() {
 INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerWeightMulticast, ::testing::ValuesIn(weight_multicast_cases()), name_of);
 
 // The single kernel on the tokens-on-M tile (its math warpgroups run mma/tokens_on_m_mainloop.cuh
-// between its front and back roles; bf16 and fp8_tensor, docs/design.md#single-kernel-token-tiles)
+// between its front and back roles, docs/design.md#single-kernel-token-tiles)
 // against the references and, deterministic, against the five kernels on the same tile, bit for
 // bit: tiles of one and two 64-row subtiles and several per expert, skewed routing (one expert's
 // rows spanning many tiles that FC2 waits for), both combines, fp8_tensor with static scales (the
@@ -332,13 +332,16 @@ TEST_P(MoeLayerSingleKernelTokensOnM, MatchesTheFiveKernelsBitForBit) {
 
 std::vector<Case> single_kernel_tokens_on_m_cases() {
   std::vector<Case> out;
-  for (Precision p : {Precision::bf16, Precision::fp8_tensor}) {
+  for (Precision p : {Precision::fp8_block, Precision::bf16, Precision::fp8_tensor}) {
     for (RoutingKind r : {RoutingKind::softmax, RoutingKind::grouped, RoutingKind::precomputed}) {
       for (int t : {1, 7, 65, 128, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::deterministic});
     }
     out.push_back({"small", p, 333, RoutingKind::grouped, Skew::skewed, CombineMode::deterministic});
     for (int t : {7, 1000}) out.push_back({"small", p, t, RoutingKind::softmax, Skew::uniform, CombineMode::fast});
   }
+  out.push_back({"qwen35-a3b", Precision::fp8_block, 2048, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
+  out.push_back({"qwen3-30b-a3b", Precision::fp8_block, 8192, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
+  out.push_back({"dsv3", Precision::fp8_block, 2048, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
   out.push_back({"qwen35-a3b", Precision::fp8_tensor, 2048, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
   out.push_back({"qwen35-a3b", Precision::fp8_tensor, 8192, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
   out.push_back({"qwen35-a3b", Precision::bf16, 2048, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});

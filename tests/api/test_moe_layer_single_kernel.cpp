@@ -49,16 +49,15 @@ TEST(SingleKernelForward, PlansAndRefusals) {
   LayerFixture& f = qwen_layer();
   MoeLayer single(f.spec, f.packed, 4096, kSingle);
   EXPECT_NE(single.describe_plan(8).find("one kernel"), std::string::npos) << single.describe_plan(8);
-  // fp8_block: at most 64 (docs/design.md#single-kernel-token-tiles).
-  EXPECT_NE(single.describe_plan(4096).find("one kernel, token tile 64"), std::string::npos)
+  // The five kernels' tile, tokens on M included (docs/design.md#single-kernel-token-tiles).
+  EXPECT_NE(single.describe_plan(4096).find("one kernel, token tile 128"), std::string::npos)
       << single.describe_plan(4096);
   MoeLayer per_stage(f.spec, f.packed, 4096, kPerStage);
   EXPECT_NE(per_stage.describe_plan(8).find("five kernels"), std::string::npos) << per_stage.describe_plan(8);
   EXPECT_NE(per_stage.describe_plan(4096).find("five kernels, token tile 128"), std::string::npos)
       << per_stage.describe_plan(4096);
   for (const MoeLayerOptions& refused :
-       {MoeLayerOptions{.token_tile = 128, .launch = ForwardLaunch::single_kernel},
-        MoeLayerOptions{.token_tile = 64, .launch = ForwardLaunch::single_kernel, .weight_multicast = true},
+       {MoeLayerOptions{.token_tile = 64, .launch = ForwardLaunch::single_kernel, .weight_multicast = true},
         MoeLayerOptions{.fc1_token_rows = Fc1TokenRows::row_copy, .launch = ForwardLaunch::single_kernel}}) {
     try {
       MoeLayer layer(f.spec, f.packed, 64, refused);

@@ -189,34 +189,27 @@ TEST(Planner, OptionsReplaceThePlannersChoices) {
 }
 
 // The single kernel runs where options.launch names it, with the token tile the five kernels would
-// take up to kMaxPlannedSingleKernelTokenTile, or the tokens-on-M 128 where options.token_tile
-// names it in bf16 and fp8_tensor, and FC1 reading the pool; under auto it runs where
+// take (both layouts, in every precision) and FC1 reading the pool; under auto it runs where
 // kMaxSingleKernelTokens lets it (today nowhere: it was slower than the five kernels in every
 // bucket measured, docs/design.md#single-kernel-forward).
 TEST(Planner, TheSingleKernelRunsWhereTheOptionOrTheRuleSaysSo) {
-  EXPECT_EQ(max_single_kernel_token_tile(Precision::fp8_block), 64);
-  EXPECT_EQ(max_single_kernel_token_tile(Precision::bf16), 128);
-  EXPECT_EQ(max_single_kernel_token_tile(Precision::fp8_tensor), 128);
   for (Precision precision : {Precision::fp8_block, Precision::bf16, Precision::fp8_tensor}) {
     const MoeSpec spec = workload("qwen35-a3b", precision);
-    const int widest = kMaxPlannedSingleKernelTokenTile;
     for (int tokens : {1, 16, 128, 2048, 8192}) {
       SCOPED_TRACE(std::string(to_string(precision)) + ", " + std::to_string(tokens) + " tokens");
       const ForwardPlan automatic = forward_plan(spec, tokens, 8192);
-      EXPECT_EQ(automatic.single_kernel, tokens <= kMaxSingleKernelTokens && automatic.token_tile <= widest);
+      EXPECT_EQ(automatic.single_kernel, tokens <= kMaxSingleKernelTokens);
       EXPECT_FALSE(forward_plan(spec, tokens, 8192, {.launch = ForwardLaunch::per_stage}).single_kernel);
       const ForwardPlan single = forward_plan(spec, tokens, 8192, {.launch = ForwardLaunch::single_kernel});
       EXPECT_TRUE(single.single_kernel);
-      EXPECT_EQ(single.token_tile, std::min(automatic.token_tile, widest));
+      EXPECT_EQ(single.token_tile, automatic.token_tile);
       if (tokens == 8192) {
         EXPECT_EQ(automatic.token_tile, 128) << "8192 tokens plan the tokens-on-M tile";
       }
-      if (tokens == 8192 && precision != Precision::fp8_block) {  // fp8_block's 128 is refused (test_options)
-        const ForwardPlan named =
-            forward_plan(spec, tokens, 8192, {.token_tile = 128, .launch = ForwardLaunch::single_kernel});
-        EXPECT_EQ(named.token_tile, 128);
-        EXPECT_TRUE(named.single_kernel);
-      }
+      const ForwardPlan named =
+          forward_plan(spec, tokens, 8192, {.token_tile = 128, .launch = ForwardLaunch::single_kernel});
+      EXPECT_EQ(named.token_tile, 128);
+      EXPECT_TRUE(named.single_kernel);
       EXPECT_FALSE(single.fc1_copies_token_rows);
       std::ostringstream os;
       os << single;

@@ -556,8 +556,6 @@ def test_prepare_weights_checks_its_arguments():
     (dict(fc1_token_rows="row_copy", precision="bf16"), ValueError, "needs precision fp8_block or fp8_tensor"),
     (dict(num_sms=-1), ValueError, "num_sms=-1 is out of range"),
     (dict(launch="fused"), ValueError, "launch must be 'auto', 'per_stage' or 'single_kernel'"),
-    (dict(launch="single_kernel", token_tile=128), ValueError,
-     r"takes the token tile of 128 \(tokens on M\) in bf16 and fp8_tensor; in fp8_block 16, 32 or 64"),
     (dict(launch="single_kernel", fc1_token_rows="row_copy"), ValueError, "reads FC1's rows from the pool"),
     (dict(launch=1), TypeError, "launch must be a str"),
     # None is the planner's choice; a falsy value of another type was taken for it.

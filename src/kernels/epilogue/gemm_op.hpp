@@ -18,7 +18,8 @@ enum class NamedBarrier : uint32_t {
   kRowAmaxExchanged = 6,  // both math warpgroups wrote their half's row amaxes (tokens-on-M FC1, short tile)
   kEpChunkClaimed = 7,    // the math threads know their CTA's next chunk (fused expert parallelism)
   kEpChunkStored = 8,     // every math thread has stored its part of that chunk
-  kGatherGroupFirst = 9,  // 9 + g: gather group g's threads (single-kernel front role; kGatherGroups of them)
+  kMathPhase = 9,         // the math threads, between FC2's math role and the back role (single-kernel forward)
+  kGatherGroupFirst = 10,  // 10 + g: gather group g's threads (single-kernel front role; kGatherGroups of them)
 };
 
 }  // namespace megamoe::kernels

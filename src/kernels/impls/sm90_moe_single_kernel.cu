@@ -109,15 +109,10 @@ void dispatch_token_tile(const MoeLayerParams& f, const MoeLaunchChoices& c, con
     case 16: return dispatch_combine<kPrecision, 16>(f, c, call, extra, stream);
     case 32: return dispatch_combine<kPrecision, 32>(f, c, call, extra, stream);
     case 64: return dispatch_combine<kPrecision, 64>(f, c, call, extra, stream);
-    case 128:  // tokens on M, without pairs, where the single kernel takes it
-      if constexpr (layout::single_kernel_max_token_tile(kPrecision == Precision::fp8_block) >= 128) {
-        return dispatch_combine<kPrecision, 128>(f, c, call, extra, stream);
-      }
-      break;
+    case 128: return dispatch_combine<kPrecision, 128>(f, c, call, extra, stream);  // tokens on M, without pairs
     default: break;
   }
-  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes token tiles of 16, 32 or 64, and 128 "
-                                      "in bf16 and fp8_tensor");
+  throw Error(ErrorCode::unsupported, "internal: the single-kernel forward takes token tiles of 16, 32, 64 or 128");
 }
 
 template <class Extra>

@@ -127,15 +127,21 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
   ptx::fence_proxy_async_shared();
   __syncthreads();
 
-  // The producer and math warpgroups hold different register counts from here on, so their paths
-  // never join again (the compiler would have to give the join the smaller count): they meet at
-  // named barriers over the whole block instead.
+  // Three phases after the front role: FC1, FC2 and the back role. In each, the producer warpgroup
+  // and the math warpgroups take their own branch, which starts with their register count
+  // (setmaxnreg again in every phase: ptxas allocates a branch's registers by the setmaxnreg
+  // before it) and ends with their role: anything after a math role in its own branch (a
+  // timeline mark, FC2 after FC1, the back role after FC2) makes ptxas 13.0 compile the whole
+  // branch at the launch's 168 registers, which spills the tokens-on-M fp8_block fragments
+  // (docs/decisions.md#register-budget). What runs between the phases runs where the branches
+  // have joined, and fits the producer's count.
   // Between the GEMMs: this CTA's FC1 tiles are consumed and its ring is idle; one thread sets it
   // up for FC2 while every thread waits.
   auto between_gemms = [&] {
-    // The producer and the math warpgroups reach it from their own paths, and a role's lane
+    // The producer and the math warpgroups arrive from their own branches, and a role's lane
     // after its warp's idle lanes: a barrier that takes threads from anywhere (compute-sanitizer
-    // synccheck flagged the aligned bar.sync here).
+    // synccheck flagged the aligned bar.sync here). It is also the synchronization PTX asks of a
+    // warpgroup between two setmaxnreg.
     constexpr uint32_t kBarrier = static_cast<uint32_t>(NamedBarrier::kRingIdle);
     ptx::named_barrier_sync_from_anywhere(kBarrier, kFrontThreads);
     if (threadIdx.x == 0) {
@@ -146,23 +152,31 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
   };
   // Thread 0 is the weight producer, thread 128 the first math thread.
   constexpr int kMathLead = 128;
-  if (threadIdx.x < 128) {
+  const bool producer_warpgroup = threadIdx.x < 128;
+  if (producer_warpgroup) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     producer_roles<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
-    timeline.mark(layout::kFc1Streamed);
-    between_gemms();
-    timeline.mark(layout::kFc2Started);
-    producer_roles<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
-    timeline.mark(layout::kFc2Streamed);
-    return;
+  } else {
+    ptx::setmaxnreg_increase<kConsumerRegisters>();
+    math_roles<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
   }
-  ptx::setmaxnreg_increase<kConsumerRegisters>();
-  math_roles<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
+  timeline.mark(layout::kFc1Streamed);
   timeline.mark(layout::kFc1Done, kMathLead);
   between_gemms();
-  math_roles<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
+  timeline.mark(layout::kFc2Started);
+  if (producer_warpgroup) {
+    ptx::setmaxnreg_decrease<kProducerRegisters>();
+    producer_roles<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
+  } else {
+    ptx::setmaxnreg_increase<kConsumerRegisters>();
+    math_roles<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
+  }
+  timeline.mark(layout::kFc2Streamed);
   timeline.mark(layout::kFc2Done, kMathLead);
-
+  if (producer_warpgroup) return;
+  // The math warpgroups' synchronization between two setmaxnreg.
+  ptx::named_barrier_sync_from_anywhere(static_cast<uint32_t>(NamedBarrier::kMathPhase), Fc2Config::kConsumerThreads);
+  ptx::setmaxnreg_increase<kConsumerRegisters>();
   const int math_thread = threadIdx.x - 128;
   const ForwardItems& items = p.front.items;
   // The back role calls it once its CTA's last counter access is behind every math thread (the

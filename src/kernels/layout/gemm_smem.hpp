@@ -28,14 +28,6 @@ inline constexpr int kSm90SmemPerBlockOptin = 232448;  // 227 KiB
 
 MEGAMOE_HOST_DEVICE constexpr bool gemm_tokens_on_m(int token_tile) { return token_tile == kGemmTokensOnMTile; }
 
-// The widest token tile the single-kernel forward takes: the tokens-on-M tile where its math
-// warpgroups hold no promotion fragments, swapAB's widest where they do (block_scales: fp8_block),
-// for ptxas drops their raised register budget wherever code follows their math role, as it
-// always does in the single kernel (docs/design.md#single-kernel-token-tiles).
-MEGAMOE_HOST_DEVICE constexpr int single_kernel_max_token_tile(bool block_scales) {
-  return block_scales ? kGemmSwapAbMaxTokenTile : kGemmTokensOnMTile;
-}
-
 // Floats between the token scales of consecutive stages: TMA writes start on 128-byte lines.
 MEGAMOE_HOST_DEVICE constexpr int gemm_token_scale_stride(int token_tile) { return token_tile < 32 ? 32 : token_tile; }
 
