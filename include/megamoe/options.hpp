@@ -27,8 +27,8 @@ enum class Fc1TokenRows {
 enum class ForwardLaunch {
   automatic,      // the planner's choice per call
   per_stage,      // five kernels: router, gather, FC1, FC2, combine
-  single_kernel,  // one persistent kernel; FC1 reads the pool, no CTA pairs (weight_multicast), token
-                  // tiles up to 64 (128 in bf16 and fp8_tensor where token_tile names it)
+  single_kernel,  // one persistent kernel; FC1 reads the pool, no CTA pairs (weight_multicast), the
+                  // five kernels' token tiles
 };
 
 struct MoeLayerOptions {

@@ -75,7 +75,7 @@ TEST(Options, NumSmsIsACountOrZero) {
   EXPECT_NE(rejection({.num_sms = -1}).find("options.num_sms=-1"), std::string::npos);
 }
 
-TEST(Options, TheSingleKernelTakesPoolRowsItsTilesAndNoPairs) {
+TEST(Options, TheSingleKernelTakesPoolRowsEveryTileAndNoPairs) {
   for (ForwardLaunch launch : {ForwardLaunch::automatic, ForwardLaunch::per_stage, ForwardLaunch::single_kernel}) {
     EXPECT_EQ(rejection({.launch = launch}), "");
     EXPECT_EQ(rejection({.launch = launch}, Precision::bf16), "");
