@@ -320,7 +320,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerWeightMulticast, ::testing::ValuesIn(wei
 // against the references and, deterministic, against the five kernels on the same tile, bit for
 // bit: tiles of one and two 64-row subtiles and several per expert, skewed routing (one expert's
 // rows spanning many tiles that FC2 waits for), both combines, fp8_tensor with static scales (the
-// single kernel takes no dynamic ones), the named workloads at large batches.
+// single kernel takes no dynamic ones), the named workloads at large batches. 2000 small tokens
+// (64000 vectors of 8 channels) are more than the math threads of 132 SMs, and so, like the large
+// batches, combined by every thread of the block (combine_share_threads); 1000 are not.
 class MoeLayerSingleKernelTokensOnM : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeLayerSingleKernelTokensOnM, MatchesTheFiveKernelsBitForBit) {
@@ -337,7 +339,8 @@ std::vector<Case> single_kernel_tokens_on_m_cases() {
       for (int t : {1, 7, 65, 128, 1000}) out.push_back({"small", p, t, r, Skew::uniform, CombineMode::deterministic});
     }
     out.push_back({"small", p, 333, RoutingKind::grouped, Skew::skewed, CombineMode::deterministic});
-    for (int t : {7, 1000}) out.push_back({"small", p, t, RoutingKind::softmax, Skew::uniform, CombineMode::fast});
+    for (int t : {7, 1000, 2000}) out.push_back({"small", p, t, RoutingKind::softmax, Skew::uniform, CombineMode::fast});
+    out.push_back({"small", p, 2000, RoutingKind::grouped, Skew::uniform, CombineMode::deterministic});
   }
   out.push_back({"qwen35-a3b", Precision::fp8_block, 2048, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});
   out.push_back({"qwen3-30b-a3b", Precision::fp8_block, 8192, RoutingKind::workload, Skew::uniform, CombineMode::deterministic});

@@ -32,8 +32,8 @@
 
 #include <cstdint>
 
-#include "kernels/combine/combine_share.cuh"
 #include "kernels/combine/combine_slots.cuh"
+#include "kernels/combine/combine_staged.cuh"
 #include "kernels/comm/ep_fused_params.hpp"
 #include "kernels/comm/ep_rows.cuh"
 #include "kernels/comm/fp8_partials.cuh"

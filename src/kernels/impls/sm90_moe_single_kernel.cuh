@@ -5,9 +5,9 @@
 //   whole CTA            front role: route and gather items (routing/front_items.cuh)
 //   producer warpgroup   FC1's producer roles, then FC2's (impls/sm90_grouped_gemm_swapab.cuh)
 //   math warpgroups      FC1's mainloop and epilogue, then FC2's (mma/swapab_mainloop.cuh, or
-//                        mma/tokens_on_m_mainloop.cuh at the token tile of 128), then
-//                        their CTA's share of the combine (combine/combine_share.cuh), its rows
-//                        staged in the idle stage ring
+//                        mma/tokens_on_m_mainloop.cuh at the token tile of 128)
+//   whole CTA, or the    back role: the CTA's share of the combine (combine/combine_share.cuh),
+//   math warpgroups      its rows staged in the idle stage ring
 // Between its FC1 and FC2 tiles a CTA joins all of its threads and sets its stage ring up again
 // (the two GEMMs share one ring layout); FC2 tiles wait per expert for FC1's, as between the
 // per-stage kernels, and the combine for every FC2 tile. The last CTA past its last counter access
@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "kernels/combine/combine_share.cuh"
+#include "kernels/combine/combine_staged.cuh"
 #include "kernels/impls/sm90_grouped_gemm_swapab.cuh"
 #include "kernels/layout/forward_timeline.hpp"
 #include "kernels/ptx/grid_dependency.cuh"
@@ -33,6 +34,9 @@ namespace megamoe::kernels {
 template <class Fc1Params, class Fc2Params>
 struct SingleKernelParams {
   static constexpr int kCounters = kForwardCounters;  // the forward counters its roles use
+  // Whether every thread runs the back role (at kLaunchRegisters), or the math warpgroups alone
+  // (at kConsumerRegisters: expert parallelism's back role spills at the launch's count).
+  static constexpr bool kBackRoleOnEveryThread = true;
   FrontParams front;
   Fc1Params fc1;
   Fc2Params fc2;
@@ -52,17 +56,21 @@ __device__ __forceinline__ void run_front_role(const SingleKernelParams<Fc1Param
   front_items<kPrecision>(p.front, s);
 }
 
-// `counters_done()` is the CTA's arrival at the done count, which every math thread calls once
-// none of them touches a forward counter again: here as soon as the combine share has seen every
-// FC2 tile stored, so that the last CTA's fence, arrival and zeroing overlap its combine instead of
-// following it.
+// `counters_done()` is the CTA's arrival at the done count, which one thread calls once none of
+// the CTA's threads touches a forward counter again: here as soon as the combine share has seen
+// every FC2 tile stored, so that the last CTA's fence, arrival and zeroing overlap its combine
+// instead of following it. Every thread of the block calls it (kBackRoleOnEveryThread); the share
+// runs on all of them or on the last `math_threads` (combine_share_threads).
 template <bool kDeterministic, class Fc1Params, class Fc2Params, class CountersDone>
 __device__ __forceinline__ void run_back_role(const SingleKernelParams<Fc1Params, Fc2Params>& p, FrontScratch&,
-                                              const CombineStaging& staging, int math_thread, int math_threads,
+                                              const CombineStaging& staging, int math_threads,
                                               CountersDone counters_done) {
+  const int threads = combine_share_threads(p.combine, staging, kFrontThreads, math_threads);
+  const int thread = static_cast<int>(threadIdx.x) - (kFrontThreads - threads);
+  if (thread < 0) return;
   combine_share<kDeterministic>(p.combine, p.front.items.counter(kFc2TilesStored),
-                                static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), math_thread, math_threads,
-                                p.front.timeline, staging, counters_done);
+                                static_cast<uint32_t>(p.fc2.scheduler.num_tiles()), thread, threads, p.front.timeline,
+                                staging, counters_done);
 }
 
 template <class Fc1Config, class Fc2Config>
@@ -75,13 +83,13 @@ struct SingleKernelLayout {
   static_assert(sizeof(FrontScratch) <= sizeof(Fc1Config::SharedStorage::a),
                 "the front role's scratch fits in the weight stages");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(typename Fc1Config::SharedStorage));
-  // The combine stages its slot rows in the weight and token stages (combine_share), idle by then.
+  // The back role stages its slot rows in the weight and token stages, idle by then.
   using Storage = typename Fc2Config::SharedStorage;
   static_assert(sizeof(Storage::a) % 1024 == 0, "the token stages start where the weight stages end");
   static constexpr int kCombineStagingBytes = static_cast<int>(sizeof(Storage::a) + sizeof(Storage::b));
   static_assert(kCombineStagingBytes >=
                     kMaxTopK * combine_detail::kStagedRowBytes * Fc2Config::kConsumerThreads + kCombineStagingReserve,
-                "the combine stages a token's kMaxTopK rows a math thread, beside a back role's reserve");
+                "the back roles stage a token's kMaxTopK rows a math thread, beside a role's reserve");
   static_assert(kSmemBytes <= layout::kSm90SmemPerBlockOptin, "shared memory over the sm_90 limit");
 };
 
@@ -153,47 +161,55 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
   // Thread 0 is the weight producer, thread 128 the first math thread.
   constexpr int kMathLead = 128;
   const bool producer_warpgroup = threadIdx.x < 128;
-  if (producer_warpgroup) {
-    ptx::setmaxnreg_decrease<kProducerRegisters>();
-    producer_roles<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
-  } else {
-    ptx::setmaxnreg_increase<kConsumerRegisters>();
-    math_roles<Fc1Config>(p.fc1, fc1_smem, p.fc1.k / Fc1Config::kBlockK);
-  }
+  // One GEMM's phase: `config` a Config value (a tag: its members are static).
+  const auto gemm_phase = [&](auto config, const auto& gemm, auto& smem) {
+    using Config = decltype(config);
+    if (producer_warpgroup) {
+      ptx::setmaxnreg_decrease<kProducerRegisters>();
+      producer_roles<Config>(gemm, smem, gemm.k / Config::kBlockK);
+    } else {
+      ptx::setmaxnreg_increase<kConsumerRegisters>();
+      math_roles<Config>(gemm, smem, gemm.k / Config::kBlockK);
+    }
+  };
+  gemm_phase(Fc1Config{}, p.fc1, fc1_smem);
   timeline.mark(layout::kFc1Streamed);
   timeline.mark(layout::kFc1Done, kMathLead);
   between_gemms();
   timeline.mark(layout::kFc2Started);
-  if (producer_warpgroup) {
-    ptx::setmaxnreg_decrease<kProducerRegisters>();
-    producer_roles<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
-  } else {
-    ptx::setmaxnreg_increase<kConsumerRegisters>();
-    math_roles<Fc2Config>(p.fc2, fc2_smem, p.fc2.k / Fc2Config::kBlockK);
-  }
+  gemm_phase(Fc2Config{}, p.fc2, fc2_smem);
   timeline.mark(layout::kFc2Streamed);
   timeline.mark(layout::kFc2Done, kMathLead);
-  if (producer_warpgroup) return;
-  // The math warpgroups' synchronization between two setmaxnreg.
-  ptx::named_barrier_sync_from_anywhere(static_cast<uint32_t>(NamedBarrier::kMathPhase), Fc2Config::kConsumerThreads);
-  ptx::setmaxnreg_increase<kConsumerRegisters>();
-  const int math_thread = threadIdx.x - 128;
+  // The back phase. Where every thread runs the back role, the math warpgroups give back what the
+  // producer's gave them (the code after this join is compiled for the launch's count); else the
+  // producer warpgroup leaves and the math warpgroups keep theirs. The barrier is the
+  // synchronization PTX asks of a warpgroup between two setmaxnreg.
+  if constexpr (Params::kBackRoleOnEveryThread) {
+    ptx::named_barrier_sync_from_anywhere(static_cast<uint32_t>(NamedBarrier::kBackPhase), kFrontThreads);
+    if (producer_warpgroup) {
+      ptx::setmaxnreg_increase<kLaunchRegisters>();
+    } else {
+      ptx::setmaxnreg_decrease<kLaunchRegisters>();
+    }
+  } else {
+    if (producer_warpgroup) return;
+    ptx::named_barrier_sync_from_anywhere(static_cast<uint32_t>(NamedBarrier::kBackPhase), Fc2Config::kConsumerThreads);
+    ptx::setmaxnreg_increase<kConsumerRegisters>();
+  }
   const ForwardItems& items = p.front.items;
-  // The back role calls it once its CTA's last counter access is behind every math thread (the
-  // producer warpgroup's came before between_gemms).
+  // By one thread, once the back role's last counter access is behind every thread of the CTA.
   const auto counters_done = [&] {
-    if (math_thread != 0) return;
     // Fenced as in last_to_finish: the zeroing is ordered after every CTA's last counter access.
     __threadfence();
     if (atomicAdd(items.counter(kCtasDone), 1u) == gridDim.x - 1) {
       __threadfence();  // every CTA has passed every claim and wait of this forward
       for (int c = 0; c < Params::kCounters; ++c) items.counters[c] = 0;
       finish_forward(p);
-      timeline.mark(layout::kForwardDone, kMathLead);
+      timeline.mark(layout::kForwardDone, static_cast<int>(threadIdx.x));
     }
   };
   const CombineStaging staging{smem_raw, Layout::kCombineStagingBytes};
-  run_back_role<kDeterministic>(p, front_scratch, staging, math_thread, Fc2Config::kConsumerThreads, counters_done);
+  run_back_role<kDeterministic>(p, front_scratch, staging, Fc2Config::kConsumerThreads, counters_done);
   timeline.mark(layout::kCombineDone, kMathLead);
 }
 
