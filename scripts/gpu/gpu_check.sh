@@ -149,10 +149,13 @@ if wanted sass; then
   sass="$out/sass.txt"
   cuobjdump --dump-sass "$build/libmegamoe_kernels.a" >"$sass" 2>&1
   note "SASS: $(grep -cE 'HGMMA|QGMMA' "$sass") wgmma (HGMMA bf16, QGMMA fp8), $(grep -c 'UTMALDG' "$sass") UTMALDG, $(grep -cE 'LDL|STL' "$sass") local-memory ops"
-  # ptxas 13.0 pairs such an offset with an odd descriptor register, which the GPU refuses
-  # (docs/decisions.md#cpasync-with-an-l2-policy).
-  uniform_offsets=$(grep -cE 'LDGSTS[^;]*\[R[0-9]+\+UR[0-9]+\]' "$sass")
-  note "SASS: $uniform_offsets cp.async (LDGSTS) with a uniform shared offset (must be 0)"
+  # ptxas 13.0 pairs such an offset (with or without an immediate after it) with an odd descriptor
+  # register, which the GPU refuses (docs/decisions.md#cpasync-with-an-l2-policy); the combine
+  # probe runs the share in a kernel of its own, where ptxas has chosen that form before.
+  probe_sass=$out/sass_combine_probe.txt
+  cuobjdump --dump-sass "$build/megamoe-combine-probe" >"$probe_sass" 2>&1
+  uniform_offsets=$(cat "$sass" "$probe_sass" | grep -cE 'LDGSTS[^;]*\[R[0-9]+\+UR[0-9]+')
+  note "SASS: $uniform_offsets cp.async (LDGSTS) with a uniform shared offset in the kernels and the combine probe (must be 0)"
   [ "$uniform_offsets" -eq 0 ] || status=1
   # Code size by source file: with the L2 scrubbed a one-shot path's instructions come from HBM
   # (docs/decisions.md#h200-facts).
