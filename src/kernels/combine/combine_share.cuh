@@ -31,9 +31,9 @@ inline constexpr int kCombineBatch = 2;
 // The threads of a `block_threads` block that combine: all of them where the math warpgroups
 // alone (`math_threads`, for which the callers' static asserts guarantee kMaxTopK staged rows
 // each) would take more than one vector each and `staging` holds top_k rows for every thread,
-// else the math warpgroups. More threads keep more slot rows in flight: the share ran 12-17%
-// faster on 384 threads than on 256 (docs/design.md#single-kernel-combine); with at most a vector
-// a math thread there is nothing to spread.
+// else the math warpgroups. The share is bound by its threads, not by the rows it keeps in
+// flight: it ran 9-15% faster on 384 threads than on 256 (docs/design.md#single-kernel-combine);
+// with at most a vector a math thread there is nothing to spread.
 __device__ __forceinline__ int combine_share_threads(const CombineParams& p, const CombineStaging& staging,
                                                      int block_threads, int math_threads) {
   const long vectors =
