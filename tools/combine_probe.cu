@@ -122,13 +122,12 @@ struct Probe {
           break;
         }
         case Mechanism::share_math_threads:
+          share_kernel<kMathThreads><<<sms, kBlockThreads, kStagingBytes, stream>>>(p, stored.as<uint32_t>());
+          MEGAMOE_CHECK_LAUNCH("share_kernel<256>");
+          break;
         case Mechanism::share_all_threads:
-          if (m == Mechanism::share_math_threads) {
-            share_kernel<kMathThreads><<<sms, kBlockThreads, kStagingBytes, stream>>>(p, stored.as<uint32_t>());
-          } else {
-            share_kernel<kBlockThreads><<<sms, kBlockThreads, kStagingBytes, stream>>>(p, stored.as<uint32_t>());
-          }
-          MEGAMOE_CHECK_LAUNCH("share_kernel");
+          share_kernel<kBlockThreads><<<sms, kBlockThreads, kStagingBytes, stream>>>(p, stored.as<uint32_t>());
+          MEGAMOE_CHECK_LAUNCH("share_kernel<384>");
           break;
       }
     };
