@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call for the patches here (README.md): each variant's layer tests and compute-sanitizer
+# on a decode-sized case, then the A/B of all of them in both launches, two rounds. Before it, on
+# the CPU machine, with main checked out and no patch applied (A is the tree as sent):
+#   MEGAMOE_TORCH=OFF MEGAMOE_AB_TARGETS="megamoe-bench test_api_moe_layer" \
+#     bash scripts/gpu/ab_prebuild.sh bench/pending/P1.patch [bench/pending/P2.patch ...]
+# then, through the device tool with carry [".ab-prebuilt"], the same patches in the same order:
+#   bash bench/pending/verify.sh bench/pending/P1.patch [bench/pending/P2.patch ...]
+# (~3 min of tests a variant and ~5 min of A/B for two variants on one H100: give it the whole call.)
+set -uo pipefail
+[ $# -ge 1 ] || { echo "usage: verify.sh PATCH ..."; exit 2; }
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+v=/tmp/pending-verify; rm -rf $v; mkdir -p $v && tar -xJf .ab-prebuilt/variants.tar.xz -C $v || exit 1
+for ((i = 1; i <= $#; ++i)); do
+  T=$(find "$v/B$i" -name test_api_moe_layer -type f | head -1)
+  [ -n "$T" ] || { echo "no B$i test binary in .ab-prebuilt"; exit 1; }
+  echo "== B$i (${!i}) layer tests"
+  MEGAMOE_REQUIRE_GPU=1 timeout 240 "$T" \
+    --gtest_filter='SingleKernelForward.*:Cases/MoeLayerVsReference.*small_fp8_block*:Cases/MoeLayerVsReference.*small_bf16_T7*:Cases/MoeLayerVsReference.*qwen35_a3b_fp8_block_T1:MoeLayer.TokenRowCopyMatchesThePoolBitForBit:MoeLayerDeterminism.*' \
+    >"$OUT/tests-B$i.log" 2>&1
+  echo "rc $?, $(grep -c '^\[       OK \]' "$OUT/tests-B$i.log") passed"
+  grep -E '^\[  (PASSED|FAILED) |FAILED  \]|Failure|rror' "$OUT/tests-B$i.log" | head -12
+  for tool in memcheck racecheck synccheck; do
+    MEGAMOE_REQUIRE_GPU=1 timeout 90 compute-sanitizer --tool $tool --error-exitcode 9 "$T" --gtest_brief=1 \
+      --gtest_filter='Cases/MoeLayerVsReference.*small_fp8_block_T7_softmax' >"$OUT/sanitizer-B$i-$tool.log" 2>&1
+    echo "$tool rc $?"; grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-B$i-$tool.log" | head -2
+  done
+  echo "B$i checked at $(( $(date +%s) - t0 )) s"
+done
+export MEGAMOE_AB_PREBUILT=.ab-prebuilt MEGAMOE_AB_ROUNDS=2 \
+  MEGAMOE_AB_CASES="${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:2 qwen35-a3b:16 qwen3-30b-a3b:1 dsv3:1}"
+for launch in per_stage single_kernel; do
+  left=$(( 570 - ($(date +%s) - t0) )); [ "$left" -lt 30 ] && { echo "no time for $launch"; continue; }
+  echo "== A/B --launch $launch ($left s left)"
+  MEGAMOE_AB_ARGS="--launch $launch" timeout "$left" bash scripts/gpu/gpu_ab.sh "$@" 2>&1 | grep -A24 '== summary'
+  cp "$OUT/ab.log" "$OUT/ab-$launch.log"
+done
+echo "total $(( $(date +%s) - t0 )) s"
