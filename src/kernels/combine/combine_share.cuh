@@ -28,6 +28,11 @@ namespace megamoe::kernels {
 // atomic share): each of them costs the round trips of one.
 inline constexpr int kCombineBatch = 2;
 
+// The output vectors (8 channels each) of `valid` tokens: what the shares split among the grid.
+__device__ __forceinline__ long share_vectors(const CombineParams& p, int valid) {
+  return static_cast<long>(valid) * (p.hidden / Bf16x8Sum::kChannels);
+}
+
 // The threads of a `block_threads` block that combine: all of them where the math warpgroups
 // alone (`math_threads`, for which the callers' static asserts guarantee kMaxTopK staged rows
 // each) would take more than one vector each and `staging` holds top_k rows for every thread,
@@ -36,8 +41,7 @@ inline constexpr int kCombineBatch = 2;
 // with at most a vector a math thread there is nothing to spread.
 __device__ __forceinline__ int combine_share_threads(const CombineParams& p, const CombineStaging& staging,
                                                      int block_threads, int math_threads) {
-  const long vectors =
-      static_cast<long>(valid_tokens(p.num_tokens, p.num_valid_tokens)) * (p.hidden / Bf16x8Sum::kChannels);
+  const long vectors = share_vectors(p, valid_tokens(p.num_tokens, p.num_valid_tokens));
   const bool spread = vectors > static_cast<long>(gridDim.x) * math_threads;
   const bool fits = static_cast<long>(block_threads) * p.top_k * combine_detail::kStagedRowBytes <= staging.size;
   return spread && fits ? block_threads : math_threads;
@@ -55,7 +59,7 @@ __device__ __forceinline__ void combine_share(const CombineParams& p, const uint
   using namespace combine_detail;
   constexpr uint32_t kBarrier = static_cast<uint32_t>(NamedBarrier::kCombineShare);
   const int valid = valid_tokens(p.num_tokens, p.num_valid_tokens);
-  const long vectors = static_cast<long>(valid) * (p.hidden / Bf16x8Sum::kChannels);
+  const long vectors = share_vectors(p, valid);
   const long wave = static_cast<long>(gridDim.x) * threads;
   const long mine = static_cast<long>(blockIdx.x) * threads + thread;
   const StagedRows staged(staging, thread, threads, p.top_k);

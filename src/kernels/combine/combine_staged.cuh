@@ -31,7 +31,7 @@ inline constexpr int kMaxStagedVectors = 8;
 // What one staged row takes: its 16 bytes and its weight.
 inline constexpr int kStagedRowBytes = sizeof(uint4) + sizeof(float);
 
-// One math thread's rows in the staging memory: row r of thread t at r * threads + t (a warp's
+// One staging thread's rows in the staging memory: row r of thread t at r * threads + t (a warp's
 // rows side by side: conflict-free 16-byte accesses), vector stage s's slot j at row s * top_k + j.
 // Weights in a second array of the same order.
 struct StagedRows {
@@ -41,13 +41,14 @@ struct StagedRows {
   int top_k;
   int depth;  // vectors in flight
 
-  __device__ __forceinline__ StagedRows(const CombineStaging& staging, int math_thread, int math_threads, int k)
-      : threads(math_threads), top_k(k) {
-    const int per_thread = staging.size / (math_threads * kStagedRowBytes);
+  __device__ __forceinline__ StagedRows(const CombineStaging& staging, int thread, int staging_threads, int k)
+      : threads(staging_threads), top_k(k) {
+    const int per_thread = staging.size / (staging_threads * kStagedRowBytes);
     depth = min(kMaxStagedVectors, per_thread / k);
-    rows = reinterpret_cast<uint4*>(staging.bytes) + math_thread;
-    weights = reinterpret_cast<float*>(staging.bytes + static_cast<size_t>(per_thread) * math_threads * sizeof(uint4)) +
-              math_thread;
+    rows = reinterpret_cast<uint4*>(staging.bytes) + thread;
+    weights =
+        reinterpret_cast<float*>(staging.bytes + static_cast<size_t>(per_thread) * staging_threads * sizeof(uint4)) +
+        thread;
   }
   __device__ __forceinline__ int row(int stage, int slot) const { return (stage * top_k + slot) * threads; }
 };
