@@ -34,6 +34,6 @@ for launch in per_stage single_kernel; do
   left=$(( 570 - ($(date +%s) - t0) )); [ "$left" -lt 30 ] && { echo "no time for $launch"; continue; }
   echo "== A/B --launch $launch ($left s left)"
   MEGAMOE_AB_ARGS="--launch $launch" timeout "$left" bash scripts/gpu/gpu_ab.sh "$@" 2>&1 | grep -A24 '== summary'
-  cp "$OUT/ab.log" "$OUT/ab-$launch.log"
+  mv "$OUT/ab.log" "$OUT/ab-$launch.log"
 done
 echo "total $(( $(date +%s) - t0 )) s"

@@ -20,6 +20,7 @@ set -uo pipefail
 # shellcheck source=gpu_build.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 log=$out/ab.log
+: >"$log"  # this run's alone: the summary below reads the whole file (a second run in one call mixed in the first's)
 precision=${MEGAMOE_AB_PRECISION:-fp8_block}
 
 # shellcheck source=gpu_variants.sh

@@ -114,6 +114,7 @@ auto make_gemm_params(const MoeLayerParams& f, const GemmArguments& g, int first
   p.y_accumulator = w.at<float>(f.workspace, w.y_accumulator);
   p.top_k = f.top_k;
   p.fc1_tiles_done = w.at<uint32_t>(f.workspace, w.fc1_tiles_done);
+  p.fc1_blocks_issued = w.at<uint32_t>(f.workspace, w.fc1_blocks_issued);
   p.fc1_channel_blocks = channel_blocks(2 * f.intermediate);
   if constexpr (Config::kCopiesTokenRows) p.token_rows = g.token_rows;
   return p;
@@ -154,7 +155,8 @@ inline RoutingParams make_routing_params(const MoeLayerParams& f, const MoeLaunc
   routing.error_flags = w.at<int32_t>(ws, w.error_flags);
   routing.y_accumulator = c.deterministic ? nullptr : w.at<float>(ws, w.y_accumulator);
   routing.hidden = f.hidden;
-  routing.gemm = GemmTileCounters{w.at<uint32_t>(ws, w.gemm_tiles_claimed), w.at<uint32_t>(ws, w.fc1_tiles_done)};
+  routing.gemm = GemmTileCounters{w.at<uint32_t>(ws, w.gemm_tiles_claimed), w.at<uint32_t>(ws, w.fc1_tiles_done),
+                                  w.at<uint32_t>(ws, w.fc1_blocks_issued)};
   return routing;
 }
 

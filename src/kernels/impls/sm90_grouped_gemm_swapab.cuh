@@ -90,10 +90,11 @@ __device__ __forceinline__ void init_gemm_barriers(typename Config::SharedStorag
 // All wait for the same empty barriers; a stage is full after every part's arrival and bytes,
 // in any order (its transaction count may go below zero until the weight part's expect_tx).
 // The weight producer claims the tiles and hands them to the others through a queue.
-template <class Config, class Params>
+// kPacesFc2ByFc1: FC1 and FC2 are grids of their own (producer/weight_producer.cuh).
+template <class Config, bool kPacesFc2ByFc1, class Params>
 __device__ __forceinline__ void producer_roles(const Params& p, typename Config::SharedStorage& smem, int k_blocks) {
   switch (producer_role<Config>()) {
-    case ProducerRole::weights: return weight_producer<Config>(p, smem, k_blocks);
+    case ProducerRole::weights: return weight_producer<Config, kPacesFc2ByFc1>(p, smem, k_blocks);
     case ProducerRole::weight_scales: return weight_scale_producer<Config>(p, smem, k_blocks);
     case ProducerRole::tokens: return token_producer<Config>(p, smem, k_blocks);
     case ProducerRole::idle: return;
@@ -146,7 +147,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int k_blocks = p.k / Config::kBlockK;
   if (warpgroup == 0) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();
-    producer_roles<Config>(p, smem, k_blocks);
+    producer_roles<Config, true>(p, smem, k_blocks);
   } else {
     // The math warpgroups read the previous kernel's output only through the stages. FC1's wait
     // all the same, so that no write of FC1 can overtake a read of the gather; FC2's writes (slot

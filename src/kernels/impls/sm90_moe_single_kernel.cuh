@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kFrontThreads, 1) sm90_moe_single_kernel(CUTE_
     using Config = decltype(config);
     if (producer_warpgroup) {
       ptx::setmaxnreg_decrease<kProducerRegisters>();
-      producer_roles<Config>(gemm, smem, gemm.k / Config::kBlockK);
+      producer_roles<Config, false>(gemm, smem, gemm.k / Config::kBlockK);
     } else {
       ptx::setmaxnreg_increase<kConsumerRegisters>();
       math_roles<Config>(gemm, smem, gemm.k / Config::kBlockK);

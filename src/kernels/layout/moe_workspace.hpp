@@ -69,6 +69,7 @@ struct MoeWorkspaceLayout {
   size_t token_tile_expert = 0;  // int32 [T*k]: the expert of each token tile (a tile holds >= 1 routed row)
   size_t gemm_tiles_claimed = 0; // uint32 [2]: tiles FC1 / FC2 claimed past their first wave
   size_t fc1_tiles_done = 0;     // uint32 [E+1]: FC1 tiles stored per expert, then in all; FC2 waits on them
+  size_t fc1_blocks_issued = 0;  // uint32 [1]: FC1's weight blocks issued, where counted (producer/weight_producer.cuh)
   size_t routed_ids = 0;         // int32 [T*k]: expert of each slot, -1 when unused
   size_t routed_weights = 0;     // fp32 [T*k]: routing weight of each slot
   size_t slot_rank = 0;          // int32 [T*k]: position of the slot inside its expert's segment
@@ -126,6 +127,7 @@ struct MoeWorkspaceLayout {
     l.token_tile_expert = regions.take(sizeof(int32_t) * slots);
     l.gemm_tiles_claimed = regions.take(sizeof(uint32_t) * 2);
     l.fc1_tiles_done = regions.take(sizeof(uint32_t) * (num_experts + 1));
+    l.fc1_blocks_issued = regions.take(sizeof(uint32_t));
     l.routed_ids = regions.take(sizeof(int32_t) * slots);
     l.routed_weights = regions.take(sizeof(float) * slots);
     l.slot_rank = regions.take(sizeof(int32_t) * slots);

@@ -226,6 +226,8 @@ struct GroupedGemmParams {
   float* y_accumulator;          // fc2 atomic: fp32 [T, H]
   int top_k;
   uint32_t* fc1_tiles_done;      // [E+1]: fc1 adds one per stored tile (its expert's, all); fc2 waits
+  uint32_t* fc1_blocks_issued;   // [1]: where FC1 has fewer tiles than the grid CTAs, fc1 counts the weight
+                                 // blocks it has issued and fc2's first weights wait on it (weight_producer.cuh)
   int fc1_channel_blocks;        // fc1 tiles per token tile of an expert
   QuantizedTokenRows token_rows; // fc1 with a row-copying token role: what it copies
   // Inside the single-kernel forward, which has no earlier grid to wait for: fc1's token producer

@@ -3,7 +3,9 @@
 // (pipeline/tile_queue.cuh) and tags each tile's first stage with it, then streams the tile's
 // weight blocks into the stage ring by TMA. Weights depend on no earlier kernel, so the first
 // tile's first stages stream in before the dependency wait, overlapping the previous kernel's
-// tail; the last stage it fills carries the end tag (expert -1) and no bytes.
+// tail; the last stage it fills carries the end tag (expert -1) and no bytes. In a decode-sized
+// forward of the five kernels FC1 counts the blocks it issues and FC2's early CTAs pace their
+// first loads by it.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -15,10 +17,42 @@
 #include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mbarrier.cuh"
+#include "kernels/ptx/memory.cuh"
 
 namespace megamoe::kernels {
 
+// Decode-sized forwards, where FC1 has fewer tiles than the grid has CTAs: the CTAs without an FC1
+// tile reach FC2 at once, and its weights would stream beside FC1's, whose end the whole forward
+// waits on. So FC1 counts the weight blocks it issues, and FC2's early CTAs hold back their first
+// loads until FC1 has at most `lead` blocks left to issue: none where their blocks fit in the time
+// between FC1's last load and its last stored tile (kFc2BlocksAfterFc1), else the excess
+// (docs/decisions.md#fc2-weights-after-fc1s-stream). Every FC1 tile belongs to a CTA that is
+// running and whose loads wait on nothing of FC2's, so the count arrives. Only where FC1 and FC2
+// are grids of their own (kPacesFc2ByFc1, the per-stage forward): inside the single kernel the
+// same hold-back did not pay.
+template <class Params>
+__device__ __forceinline__ uint32_t fc1_tiles_of(const Params& p) {
+  return static_cast<uint32_t>(p.scheduler.token_tiles() * p.fc1_channel_blocks);
+}
+
+// FC2's weight blocks that HBM delivers between FC1's last weight load and its last stored tile at
+// one token (~3-4 us on one H100): held behind all of FC1's loads, qwen35-a3b's 256 (8.4 MB)
+// streamed there without delaying FC2, qwen3-30b-a3b's 384 delayed it by ~2.8 us.
+inline constexpr uint32_t kFc2BlocksAfterFc1 = 256;
+
 template <class Config, class Params>
+__device__ __forceinline__ void wait_for_fc1_weights(const Params& p, int k_blocks) {
+  const uint32_t fc1_tiles = fc1_tiles_of(p), ctas = gridDim.x;
+  if (fc1_tiles >= ctas) return;
+  const uint32_t fc1_blocks = fc1_tiles * static_cast<uint32_t>(p.a_rows / Config::kBlockK);  // FC1's K: FC2's rows
+  const uint32_t early_tiles = min(static_cast<uint32_t>(p.scheduler.num_tiles()), ctas - fc1_tiles);
+  const uint32_t early_blocks = early_tiles * static_cast<uint32_t>(min(k_blocks, Config::kStages));
+  const uint32_t lead = early_blocks > kFc2BlocksAfterFc1 ? early_blocks - kFc2BlocksAfterFc1 : 0u;
+  const uint32_t target = fc1_blocks > lead ? fc1_blocks - lead : 0u;
+  ptx::wait_until([&] { return ptx::ld_relaxed_gpu(p.fc1_blocks_issued) >= target; }, 64);
+}
+
+template <class Config, bool kPacesFc2ByFc1, class Params>
 __device__ __forceinline__ void weight_producer(const Params& p, typename Config::SharedStorage& smem, int k_blocks) {
   using namespace cute;
   constexpr int kStages = Config::kStages;
@@ -104,12 +138,20 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   // after every CTA has started). So the first tile's first kStages weight blocks stream in
   // before the dependency wait, overlapping the previous kernel's tail (FC1 waits for the
   // whole previous grid after them; FC2 only per expert, in the token producer).
+  // FC1 in a decode-sized forward counts its issued weight blocks for FC2's early CTAs.
+  const bool counts_blocks =
+      kPacesFc2ByFc1 && Config::kGemmOp == GemmOp::fc1_swiglu && static_cast<uint32_t>(num_tiles) < gridDim.x;
+  auto count_fc1_blocks = [&](int blocks) {
+    if (counts_blocks && blocks > 0) ptx::red_add_relaxed_gpu(p.fc1_blocks_issued, static_cast<uint32_t>(blocks));
+  };
   int linear = p.scheduler.first_tile();
   int prefetched = 0;
   GroupedTile tile{};
   if (linear < num_tiles) {
     tile = take(linear);
+    if constexpr (kPacesFc2ByFc1 && Config::kWaitsForFc1) wait_for_fc1_weights<Config>(p, k_blocks);
     for (; prefetched < k_blocks && prefetched < kStages; ++prefetched) load_weights(tile, prefetched, prefetched);
+    count_fc1_blocks(prefetched);
   }
   if constexpr (!Config::kWaitsForFc1) ptx::wait_for_prerequisite_grids();
   pipeline::PipelineState<kStages> state;
@@ -120,6 +162,7 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
       if (issued >= prefetched) {
         ptx::wait_parity(&smem.empty[state.stage], state.phase ^ 1);
         load_weights(tile, kb, state.stage);
+        count_fc1_blocks(1);
       }
       state.advance();
     }

@@ -24,6 +24,17 @@ __device__ __forceinline__ void red_add_release_gpu(uint32_t* address, uint32_t 
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
 }
 
+// A count that orders nothing (a hint of progress another CTA paces itself by), and its read.
+__device__ __forceinline__ void red_add_relaxed_gpu(uint32_t* address, uint32_t value) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* address) {
+  uint32_t value;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
 __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* address) {
   uint32_t value;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");

@@ -98,6 +98,7 @@ struct GroupedTileScheduler {
 struct GemmTileCounters {
   uint32_t* tiles_claimed;   // [2]: FC1's, then FC2's GroupedTileScheduler::tiles_claimed
   uint32_t* fc1_tiles_done;  // [E+1]: FC1 tiles stored per expert, then in all (pipeline/fc1_handoff.cuh)
+  uint32_t* fc1_blocks_issued;  // [1]: FC1's weight blocks issued, where counted (producer/weight_producer.cuh)
 };
 
 // Padded segment offsets, token-tile prefix and token tiles' experts from the routing counters, by
@@ -161,6 +162,7 @@ __device__ __forceinline__ void scan_expert_segments(int32_t* expert_counts, int
     gemm.tiles_claimed[0] = 0;
     gemm.tiles_claimed[1] = 0;
     gemm.fc1_tiles_done[num_experts] = 0;
+    gemm.fc1_blocks_issued[0] = 0;
   }
 }
 

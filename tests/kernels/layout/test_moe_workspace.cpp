@@ -46,6 +46,7 @@ TEST(MoeWorkspaceLayout, RegionsAreAlignedDisjointAndInOrder) {
         {l.token_tile_expert, 4 * slots},
         {l.gemm_tiles_claimed, 8},
         {l.fc1_tiles_done, 4 * 257},
+        {l.fc1_blocks_issued, 4},
         {l.routed_ids, 4 * slots},
         {l.routed_weights, 4 * slots},
         {l.slot_rank, 4 * slots},
