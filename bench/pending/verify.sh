@@ -20,7 +20,7 @@ for ((i = 1; i <= $#; ++i)); do
     --gtest_filter='SingleKernelForward.*:Cases/MoeLayerVsReference.*small_fp8_block*:Cases/MoeLayerVsReference.*small_bf16_T7*:Cases/MoeLayerVsReference.*qwen35_a3b_fp8_block_T1:MoeLayer.TokenRowCopyMatchesThePoolBitForBit:MoeLayerDeterminism.*' \
     >"$OUT/tests-B$i.log" 2>&1
   echo "rc $?, $(grep -c '^\[       OK \]' "$OUT/tests-B$i.log") passed"
-  grep -E '^\[  (PASSED|FAILED) |FAILED  \]|Failure|rror' "$OUT/tests-B$i.log" | head -12
+  grep -E -A8 'Failure' "$OUT/tests-B$i.log" | head -40; grep -E '^\[  (PASSED|FAILED) ' "$OUT/tests-B$i.log"
   for tool in memcheck racecheck synccheck; do
     MEGAMOE_REQUIRE_GPU=1 timeout 90 compute-sanitizer --tool $tool --error-exitcode 9 "$T" --gtest_brief=1 \
       --gtest_filter='Cases/MoeLayerVsReference.*small_fp8_block_T7_softmax' >"$OUT/sanitizer-B$i-$tool.log" 2>&1
