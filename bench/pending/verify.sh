@@ -37,3 +37,5 @@ for launch in per_stage single_kernel; do
   mv "$OUT/ab.log" "$OUT/ab-$launch.log"
 done
 echo "total $(( $(date +%s) - t0 )) s"
+# Eight files at most come back from $OUT: the logs travel packed (a failing test's seed was lost once).
+bash scripts/gpu/pack_out.sh
