@@ -138,7 +138,9 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   // after every CTA has started). So the first tile's first kStages weight blocks stream in
   // before the dependency wait, overlapping the previous kernel's tail (FC1 waits for the
   // whole previous grid after them; FC2 only per expert, in the token producer).
-  // FC1 in a decode-sized forward counts its issued weight blocks for FC2's early CTAs.
+  // FC1 in a decode-sized forward counts its issued weight blocks for FC2's early CTAs. The test
+  // must be wait_for_fc1_weights' (its fc1_tiles_of is this scheduler's num_tiles, and both GEMMs
+  // launch on one grid), or FC2 would wait for blocks nobody counts until the timeout traps.
   const bool counts_blocks =
       kPacesFc2ByFc1 && Config::kGemmOp == GemmOp::fc1_swiglu && static_cast<uint32_t>(num_tiles) < gridDim.x;
   auto count_fc1_blocks = [&](int blocks) {
