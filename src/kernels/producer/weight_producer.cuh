@@ -35,6 +35,13 @@ __device__ __forceinline__ uint32_t fc1_tiles_of(const Params& p) {
   return static_cast<uint32_t>(p.scheduler.token_tiles() * p.fc1_channel_blocks);
 }
 
+// The one test of both sides: FC1 counts its issued blocks where, and only where, FC2's early CTAs
+// wait for the count (both GEMMs launch on one grid), or FC2 would wait until its timeout traps.
+template <class Params>
+__device__ __forceinline__ bool fc1_is_decode_sized(const Params& p) {
+  return fc1_tiles_of(p) < gridDim.x;
+}
+
 // FC2's weight blocks that HBM delivers between FC1's last weight load and its last stored tile at
 // one token (~3-4 us on one H100): held behind all of FC1's loads, qwen35-a3b's 256 (8.4 MB)
 // streamed there without delaying FC2, qwen3-30b-a3b's 384 delayed it by ~2.8 us.
@@ -42,8 +49,8 @@ inline constexpr uint32_t kFc2BlocksAfterFc1 = 256;
 
 template <class Config, class Params>
 __device__ __forceinline__ void wait_for_fc1_weights(const Params& p, int k_blocks) {
+  if (!fc1_is_decode_sized(p)) return;
   const uint32_t fc1_tiles = fc1_tiles_of(p), ctas = gridDim.x;
-  if (fc1_tiles >= ctas) return;
   const uint32_t fc1_blocks = fc1_tiles * static_cast<uint32_t>(p.a_rows / Config::kBlockK);  // FC1's K: FC2's rows
   const uint32_t early_tiles = min(static_cast<uint32_t>(p.scheduler.num_tiles()), ctas - fc1_tiles);
   const uint32_t early_blocks = early_tiles * static_cast<uint32_t>(min(k_blocks, Config::kStages));
@@ -138,11 +145,8 @@ __device__ __forceinline__ void weight_producer(const Params& p, typename Config
   // after every CTA has started). So the first tile's first kStages weight blocks stream in
   // before the dependency wait, overlapping the previous kernel's tail (FC1 waits for the
   // whole previous grid after them; FC2 only per expert, in the token producer).
-  // FC1 in a decode-sized forward counts its issued weight blocks for FC2's early CTAs. The test
-  // must be wait_for_fc1_weights' (its fc1_tiles_of is this scheduler's num_tiles, and both GEMMs
-  // launch on one grid), or FC2 would wait for blocks nobody counts until the timeout traps.
-  const bool counts_blocks =
-      kPacesFc2ByFc1 && Config::kGemmOp == GemmOp::fc1_swiglu && static_cast<uint32_t>(num_tiles) < gridDim.x;
+  // FC1 in a decode-sized forward counts its issued weight blocks for FC2's early CTAs.
+  const bool counts_blocks = kPacesFc2ByFc1 && Config::kGemmOp == GemmOp::fc1_swiglu && fc1_is_decode_sized(p);
   auto count_fc1_blocks = [&](int blocks) {
     if (counts_blocks && blocks > 0) ptx::red_add_relaxed_gpu(p.fc1_blocks_issued, static_cast<uint32_t>(blocks));
   };
