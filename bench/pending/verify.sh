@@ -12,7 +12,8 @@
 #   MEGAMOE_VERIFY_REPEAT_B<i>     --gtest_repeat for them (fresh seeds each repeat)
 #   MEGAMOE_VERIFY_SANITIZED_B<i>  the case compute-sanitizer runs ("none": no sanitizer runs)
 #   MEGAMOE_VERIFY_TESTS_A ...     the same for main's own binary (runs only where set)
-# MEGAMOE_VERIFY_LAUNCHES (default "per_stage single_kernel"; "" for no A/B) and MEGAMOE_AB_CASES.
+# MEGAMOE_VERIFY_LAUNCHES (default "per_stage single_kernel"; "" for no A/B), MEGAMOE_AB_CASES, and
+# MEGAMOE_VERIFY_BUDGET_S (default 570): the seconds after which no A/B starts or runs on.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: verify.sh PATCH ..."; exit 2; }
 t0=$(date +%s)
@@ -43,7 +44,7 @@ done
 export MEGAMOE_AB_PREBUILT=.ab-prebuilt MEGAMOE_AB_ROUNDS=2 \
   MEGAMOE_AB_CASES="${MEGAMOE_AB_CASES:-qwen35-a3b:1 qwen35-a3b:2 qwen35-a3b:16 qwen3-30b-a3b:1 dsv3:1}"
 for launch in ${MEGAMOE_VERIFY_LAUNCHES-per_stage single_kernel}; do
-  left=$(( 570 - ($(date +%s) - t0) )); [ "$left" -lt 30 ] && { echo "no time for $launch"; continue; }
+  left=$(( ${MEGAMOE_VERIFY_BUDGET_S:-570} - ($(date +%s) - t0) )); [ "$left" -lt 30 ] && { echo "no time for $launch"; continue; }
   echo "== A/B --launch $launch ($left s left)"
   MEGAMOE_AB_ARGS="--launch $launch" timeout "$left" bash scripts/gpu/gpu_ab.sh "$@" 2>&1 | grep -A24 '== summary'
   mv "$OUT/ab.log" "$OUT/ab-$launch.log"

@@ -98,7 +98,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // the reference's order (best first). One lane walks one group.
 __device__ __forceinline__ float group_score(const float* values, int first, int size, int per_group) {
   float best = -INFINITY, second = -INFINITY;
-#pragma unroll 1
+#pragma unroll 8
   for (int e = first; e < first + size; ++e) {
     const float v = values[e];
     if (v > best) {
@@ -155,7 +155,10 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
     const bool softmax = p.mode == RoutingMode::softmax_topk;
     const float* logits = p.logits + static_cast<size_t>(token) * E;
     // Eight logits (and biases) per lane in flight before any arithmetic: one memory round trip
-    // for E <= 256. The bias waits in `score` until the sigmoid replaces it.
+    // for E <= 256. The deepseek modes' eight sigmoids of a lane then run side by side, computed
+    // for every slot (past E on a zero) so that no branch separates them: each is a long chain of
+    // dependent FP64 instructions (exp, a division), and a loop over the experts issued one chain
+    // after another (docs/decisions.md#router-sigmoids-side-by-side).
     constexpr int kLoadsInFlight = 8;
     const bool has_bias = !softmax && p.bias != nullptr;
     for (int first = 0; first < E; first += 32 * kLoadsInFlight) {
@@ -163,24 +166,28 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int token, i
 #pragma unroll
       for (int b = 0; b < kLoadsInFlight; ++b) {
         const int e = first + 32 * b + lane;
-        logit[b] = e < E ? logits[e] : 0.0f;
+        logit[b] = sanitize_logit(e < E ? logits[e] : 0.0f);
         bias[b] = e < E && has_bias ? p.bias[e] : 0.0f;
       }
+      if (softmax) {
 #pragma unroll
-      for (int b = 0; b < kLoadsInFlight; ++b) {
-        const int e = first + 32 * b + lane;
-        if (e < E) {
-          value[e] = sanitize_logit(logit[b]);
-          score[e] = softmax ? value[e] : bias[b];
+        for (int b = 0; b < kLoadsInFlight; ++b) {
+          const int e = first + 32 * b + lane;
+          if (e < E) value[e] = score[e] = logit[b];
         }
-      }
-    }
-    if (!softmax) {
-#pragma unroll 1
-      for (int e = lane; e < E; e += 32) {
-        const float sigmoid = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(value[e]))));
-        value[e] = static_cast<float>(static_cast<double>(sigmoid) + static_cast<double>(score[e]));
-        score[e] = sigmoid;
+      } else {
+        float sigmoid[kLoadsInFlight];
+#pragma unroll
+        for (int b = 0; b < kLoadsInFlight; ++b)
+          sigmoid[b] = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(logit[b]))));
+#pragma unroll
+        for (int b = 0; b < kLoadsInFlight; ++b) {
+          const int e = first + 32 * b + lane;
+          if (e < E) {
+            value[e] = static_cast<float>(static_cast<double>(sigmoid[b]) + static_cast<double>(bias[b]));
+            score[e] = sigmoid[b];
+          }
+        }
       }
     }
     __syncwarp();
