@@ -93,6 +93,12 @@ void expect_dynamic_scales(const MoeLayer& layer, const MoeSpec& spec, const Inp
   }
 }
 
+// The activation scales `layer`'s last forward used, in the form the reference applies them.
+ref::ActivationScaleOverride scales_used_by(const MoeLayer& layer) {
+  const MoeLayer::ActivationScales used = layer.activation_scales(nullptr);
+  return ref::ActivationScaleOverride{used.fc1, used.fc2};
+}
+
 // What one device forward of `layer` gave, and the rows of it compared with the references.
 struct CheckedForward {
   std::vector<bf16_t> y;
@@ -121,10 +127,7 @@ CheckedForward expect_matches_reference(MoeLayer& layer, LayerFixture& f, const 
   // checks those).
   const bool dynamic = f.packed.input_scales == InputScales::dynamic && f.spec.precision == Precision::fp8_tensor;
   std::optional<ref::ActivationScaleOverride> scales;
-  if (dynamic && checked < c.tokens) {
-    const MoeLayer::ActivationScales used = layer.activation_scales(nullptr);
-    scales = ref::ActivationScaleOverride{used.fc1, used.fc2};
-  }
+  if (dynamic && checked < c.tokens) scales = scales_used_by(layer);
   const ref::ReferenceReport ref =
       ref::reference_forward(f.spec, f.packed, sample.view(checked), MoeOutputs{y_ref.data()}, {}, scales);
   if (dynamic) expect_dynamic_scales(layer, f.spec, in, c.tokens, ref, checked == c.tokens);
@@ -830,10 +833,7 @@ void expect_only_valid_rows_computed(test::SeededRng& rng, const Case& c) {
       // the reference run on the layer's scales: FC2's input scale a bf16 step apart requantizes
       // every FC1 output value differently, noise the tight bound is not for.
       std::optional<ref::ActivationScaleOverride> used;
-      if (c.input_scales == InputScales::dynamic) {
-        const MoeLayer::ActivationScales scales = f.layer->activation_scales(nullptr);
-        used = ref::ActivationScaleOverride{scales.fc1, scales.fc2};
-      }
+      if (c.input_scales == InputScales::dynamic) used = scales_used_by(*f.layer);
       const ref::ReferenceReport on_used = used ? ref::reference_forward(f.spec, f.packed, in.view(rows),
                                                                          MoeOutputs{want.data()}, {}, used)
                                                 : report;
