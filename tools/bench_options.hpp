@@ -10,6 +10,7 @@
 #include "megamoe/options.hpp"
 #include "megamoe/spec.hpp"
 #include "plan/planner.hpp"
+#include "ref/random_problem.hpp"
 
 namespace megamoe::bench {
 
@@ -38,6 +39,13 @@ struct Options {
 // The routing the bench runs: the workload's own (auto) or the one --routing names; grouped
 // routing gets a random per-expert correction bias, as real checkpoints have.
 Routing routing_for(const Options& o, const MoeSpec& workload_spec, int experts, uint64_t seed);
+
+// Precomputed routing's ids and weights: drawn uniformly, or with --routing balanced every expert
+// the same number of rows (no expert's last token tile short but where T k / E leaves one).
+ref::RandomRouting precomputed_routing(const Options& o, int tokens, int top_k, int experts, uint64_t seed);
+
+// The routing a record names: the spec's, or "balanced" where the precomputed ids are.
+std::string routing_name(const Options& o, const MoeSpec& spec);
 
 // A record's "options" (as asked) and the decisions of the plan that launches (as planned),
 // the same fields for the CPU and the GPU records.

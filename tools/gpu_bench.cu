@@ -297,7 +297,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     std::vector<int32_t> ids;
     std::vector<float> weights_host;
     if (std::holds_alternative<Precomputed>(spec.routing)) {
-      ref::RandomRouting routing = ref::make_random_routing(tokens, k, E, o.seed + tokens);
+      ref::RandomRouting routing = precomputed_routing(o, tokens, k, E, o.seed + tokens);
       ids = std::move(routing.ids);
       weights_host = std::move(routing.weights);
     } else {
@@ -368,6 +368,7 @@ int run_gpu(const Options& o, const std::string& gpu_name) {
     Json record = Json::object();
     record.set("workload", workload.name)
         .set("precision", to_string(spec.precision))
+        .set("routing", routing_name(o, spec))
         .set("input_scales", spec.precision != Precision::fp8_tensor                  ? "none"
                              : packed.input_scales == InputScales::dynamic ? "dynamic"
                                                                             : "static (calibrated)")

@@ -42,7 +42,7 @@ void print_usage() {
       "usage: megamoe-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3] [--tokens N[,N...]]\n"
       "                     [--precision bf16|fp8_block|fp8_tensor] [--scales fp32|ue8m0]\n"
       "                     [--input-scales static|dynamic]\n"
-      "                     [--routing auto|softmax|grouped|precomputed] [--experts N] [--seed S]\n"
+      "                     [--routing auto|softmax|grouped|precomputed|balanced] [--experts N] [--seed S]\n"
       "                     [--token-tile auto|16|32|64|128] [--fc1-token-rows auto|pool|row_copy]\n"
       "                     [--combine deterministic|fast] [--num-sms N] [--launch auto|per_stage|single_kernel]\n"
       "                     [--weight-multicast] [--json PATH] [--cpu] [--breakdown] [--warm-l2] [--print-plan]\n"
@@ -55,7 +55,8 @@ void print_usage() {
       "  --scales          fp8_block scale format (default fp32)\n"
       "  --input-scales    fp8_tensor's activation scales: static (default, calibrated as above) or\n"
       "                    dynamic (computed on the GPU each forward: two more kernels)\n"
-      "  --routing         auto = the workload's own routing (default)\n"
+      "  --routing         auto = the workload's own routing (default); precomputed = ids drawn\n"
+      "                    uniformly; balanced = ids that give every expert the same number of rows\n"
       "  --experts         experts materialized for the CPU reference (default min(E, %d))\n"
       "  --seed            random seed of the generated weights and inputs (default %llu)\n"
       "  --token-tile      MoeLayerOptions::token_tile: tokens per GEMM tile (default auto, the planner's)\n"
@@ -84,7 +85,8 @@ using Choices = std::vector<std::pair<std::string, T>>;
 const Choices<ScaleFormat> kScaleFormats = {{"fp32", ScaleFormat::fp32}, {"ue8m0", ScaleFormat::ue8m0}};
 const Choices<InputScales> kInputScales = {{"static", InputScales::from_checkpoint}, {"dynamic", InputScales::dynamic}};
 const Choices<std::string> kRoutings = {
-    {"auto", "auto"}, {"softmax", "softmax"}, {"grouped", "grouped"}, {"precomputed", "precomputed"}};
+    {"auto", "auto"}, {"softmax", "softmax"}, {"grouped", "grouped"}, {"precomputed", "precomputed"},
+    {"balanced", "balanced"}};
 const Choices<Fc1TokenRows> kFc1TokenRows = {
     {"auto", Fc1TokenRows::automatic}, {"pool", Fc1TokenRows::pool}, {"row_copy", Fc1TokenRows::row_copy}};
 const Choices<ForwardLaunch> kLaunches = {{"auto", ForwardLaunch::automatic},
@@ -186,7 +188,7 @@ Routing routing_for(const Options& o, const MoeSpec& workload_spec, int experts,
   std::string mode = o.routing;
   if (mode == "auto") mode = std::holds_alternative<DeepseekGrouped>(workload_spec.routing) ? "grouped" : "softmax";
   if (mode == "softmax") return SoftmaxTopK{.renormalize = true};
-  if (mode == "precomputed") return Precomputed{};
+  if (mode == "precomputed" || mode == "balanced") return Precomputed{};
   DeepseekGrouped grouped = std::holds_alternative<DeepseekGrouped>(workload_spec.routing)
                                 ? std::get<DeepseekGrouped>(workload_spec.routing)
                                 : DeepseekGrouped{.n_group = 8, .topk_group = 4, .routed_scaling_factor = 2.5f};
@@ -195,6 +197,15 @@ Routing routing_for(const Options& o, const MoeSpec& workload_spec, int experts,
   grouped.e_score_correction_bias.resize(experts);
   for (float& b : grouped.e_score_correction_bias) b = bias(engine);
   return grouped;
+}
+
+ref::RandomRouting precomputed_routing(const Options& o, int tokens, int top_k, int experts, uint64_t seed) {
+  return o.routing == "balanced" ? ref::make_balanced_routing(tokens, top_k, experts, seed)
+                                 : ref::make_random_routing(tokens, top_k, experts, seed);
+}
+
+std::string routing_name(const Options& o, const MoeSpec& spec) {
+  return o.routing == "balanced" ? "balanced" : to_string(spec.routing);
 }
 
 Json options_json(const MoeLayerOptions& options) {
@@ -227,8 +238,9 @@ struct CpuRun {
   long invalid_ids = 0;
 };
 
-CpuRun run_reference(const MoeSpec& spec, const ref::RandomWeights& random_weights, const PackedWeights& packed,
-                     int tokens, uint64_t seed) {
+CpuRun run_reference(const Options& o, const MoeSpec& spec, const ref::RandomWeights& random_weights,
+                     const PackedWeights& packed, int tokens) {
+  const uint64_t seed = o.seed;
   const int E = spec.num_experts, H = spec.hidden, k = spec.top_k;
   // Each count's inputs come from the seed alone, so that a count's figures do not depend on the
   // other counts listed with it.
@@ -238,7 +250,7 @@ CpuRun run_reference(const MoeSpec& spec, const ref::RandomWeights& random_weigh
   for (bf16_t& v : x) v = bf16_t::from_float(normal(engine));
   std::vector<float> logits(static_cast<size_t>(tokens) * E);
   for (float& l : logits) l = normal(engine);
-  const ref::RandomRouting precomputed = ref::make_random_routing(tokens, k, E, seed + 2);
+  const ref::RandomRouting precomputed = precomputed_routing(o, tokens, k, E, seed + 2);
 
   const MoeInputs inputs{tokens, x.data(), logits.data(), precomputed.ids.data(), precomputed.weights.data()};
   std::vector<bf16_t> y(static_cast<size_t>(tokens) * H), y_exact(y.size());
@@ -297,7 +309,7 @@ int run_cpu(const Options& o) {
       prepare_weights(spec, random_weights.view(), [&](int done, int total) { pack_progress.update(done, total); });
   const double pack_s = pack_progress.seconds();
   std::vector<CpuRun> runs;
-  for (int tokens : counts) runs.push_back(run_reference(spec, random_weights, packed, tokens, o.seed));
+  for (int tokens : counts) runs.push_back(run_reference(o, spec, random_weights, packed, tokens));
 
   // What a GPU run of these counts with these options would launch: the layer megamoe-bench would
   // build (for the largest count) and each count's forward.
@@ -352,7 +364,7 @@ int run_cpu(const Options& o) {
         .set("workload", workload.name)
         .set("precision", to_string(spec.precision))
         .set("scale_format", to_string(spec.scale_format))
-        .set("routing", to_string(spec.routing))
+        .set("routing", routing_name(o, spec))
         .set("tokens", run.tokens)
         .set("experts_materialized", E)
         .set("experts_full", full.num_experts)

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <random>
+#include <stdexcept>
 
 #include "common/parallel_for.hpp"
 #include "ref/moe_reference.hpp"
@@ -78,6 +79,14 @@ std::vector<PackedWeights> RandomWeights::pack_rank_shares(const MoeSpec& spec, 
   return shares;
 }
 
+namespace {
+
+float random_routing_weight(std::mt19937_64& engine) {
+  return 0.05f + 0.95f * static_cast<float>(engine() >> 11) * 0x1p-53f;
+}
+
+}  // namespace
+
 RandomRouting make_random_routing(int tokens, int top_k, int num_experts, uint64_t seed) {
   std::mt19937_64 engine(seed);
   RandomRouting r;
@@ -87,7 +96,20 @@ RandomRouting make_random_routing(int tokens, int top_k, int num_experts, uint64
     for (int j = 0; j < top_k; ++j) {  // partial Fisher-Yates: the first k are distinct
       std::swap(experts[j], experts[j + engine() % (num_experts - j)]);
       r.ids.push_back(experts[j]);
-      r.weights.push_back(0.05f + 0.95f * static_cast<float>(engine() >> 11) * 0x1p-53f);
+      r.weights.push_back(random_routing_weight(engine));
+    }
+  }
+  return r;
+}
+
+RandomRouting make_balanced_routing(int tokens, int top_k, int num_experts, uint64_t seed) {
+  if (top_k > num_experts) throw std::invalid_argument("balanced routing needs top_k <= num_experts");
+  std::mt19937_64 engine(seed);
+  RandomRouting r;
+  for (int t = 0; t < tokens; ++t) {
+    for (int j = 0; j < top_k; ++j) {
+      r.ids.push_back(static_cast<int32_t>((static_cast<int64_t>(t) * top_k + j) % num_experts));
+      r.weights.push_back(random_routing_weight(engine));
     }
   }
   return r;

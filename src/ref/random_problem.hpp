@@ -44,5 +44,9 @@ struct RandomRouting {
   std::vector<float> weights;   // [T, k]
 };
 RandomRouting make_random_routing(int tokens, int top_k, int num_experts, uint64_t seed);
+// Precomputed routing that gives every expert the same number of rows (T k / E, or one apart where
+// E does not divide T k): token t takes the experts t k, t k + 1, ..., t k + k - 1 (mod E), distinct
+// for k <= E; weights as above. What a grouped GEMM benchmark with equal rows per expert measures.
+RandomRouting make_balanced_routing(int tokens, int top_k, int num_experts, uint64_t seed);
 
 }  // namespace megamoe::ref
