@@ -12,6 +12,7 @@
 #   MEGAMOE_VERIFY_REPEAT_B<i>     --gtest_repeat for them (fresh seeds each repeat)
 #   MEGAMOE_VERIFY_SANITIZED_B<i>  the case compute-sanitizer runs ("none": no sanitizer runs)
 #   MEGAMOE_VERIFY_TESTS_A ...     the same for main's own binary (runs only where set)
+# MEGAMOE_VERIFY_TEST_TIMEOUT_S (default 240): the seconds each variant's layer tests may take.
 # MEGAMOE_VERIFY_LAUNCHES (default "per_stage single_kernel"; "" for no A/B), MEGAMOE_AB_CASES, and
 # MEGAMOE_VERIFY_BUDGET_S (default 570): the seconds after which no A/B starts or runs on.
 set -uo pipefail
@@ -30,7 +31,7 @@ for name in "${variants[@]}"; do
   tests=${!tests_var:-$default_tests} repeat=${!repeat_var:-1}
   sanitized=${!sanitized_var:-Cases/MoeLayerVsReference.*small_fp8_block_T7_softmax}
   echo "== $name layer tests ($tests, $repeat time(s))"
-  MEGAMOE_REQUIRE_GPU=1 timeout 240 "$T" --gtest_filter="$tests" --gtest_repeat="$repeat" >"$OUT/tests-$name.log" 2>&1
+  MEGAMOE_REQUIRE_GPU=1 timeout "${MEGAMOE_VERIFY_TEST_TIMEOUT_S:-240}" "$T" --gtest_filter="$tests" --gtest_repeat="$repeat" >"$OUT/tests-$name.log" 2>&1
   echo "rc $?, $(grep -c '^\[       OK \]' "$OUT/tests-$name.log") passed"
   grep -E -A8 'Failure' "$OUT/tests-$name.log" | head -40; grep -E '^\[  (PASSED|FAILED) ' "$OUT/tests-$name.log" | sort | uniq -c
   [ "$sanitized" = none ] && continue
