@@ -3,13 +3,15 @@
 # with main checked out and no patch applied:
 #   MEGAMOE_TORCH=OFF MEGAMOE_AB_TARGETS="megamoe-bench test_api_moe_layer" \
 #     bash scripts/gpu/ab_prebuild.sh bench/pending/tail-tiles.patch
-# then, through the device tool with carry [".ab-prebuilt"] (one H200 wanted; ~6-8 min):
+# then, through the device tool with carry [".ab-prebuilt"] (one H200 wanted; ~9 min: give it a whole call, its steps stop at CALL_BUDGET_S):
 #   CALL_BUDGET_S=<seconds the call may take> bash bench/pending/tail-tiles-call.sh
 # A = main, B1 = main + the patch. B1's tests (the tailed tile bit for bit against the 128-row
 # tile, the 128-row tile's own cases after the subtile views, fp8_block's named 8192 case among
 # them, the single kernel's small cases), compute-sanitizer memcheck, synccheck and racecheck on
 # tailed and 128-row cases, then two rounds of the layer at --token-tile 160 and 128 (B1) and 128
-# (A), one process each, and fp8_block on A and B1 (the default tile's operands moved to views).
+# (A), one process each (the second with --breakdown), fp8_block on A in both rounds (issue 34's
+# ratio) and on B1 (the default tile's operands moved to views), and main's five kernels against
+# its single kernel at 1 / 16 / 128 tokens (issue 30's H200 figures).
 set -uo pipefail
 t0=$(date +%s)
 budget=${CALL_BUDGET_S:-480}
@@ -41,16 +43,27 @@ run() {  # variant, tile, name, megamoe-bench arguments
   echo "rc $?"; grep -E '^ +[0-9]+ +\|' "$OUT/$variant-$tile-$name.log" | head -3
 }
 for round in 1 2; do
-  run B1 160 dsv3-fp8_tensor-$round --workload dsv3 --precision fp8_tensor --tokens 8192
-  run B1 128 dsv3-fp8_tensor-$round --workload dsv3 --precision fp8_tensor --tokens 8192
-  run A 128 dsv3-fp8_tensor-$round --workload dsv3 --precision fp8_tensor --tokens 8192
+  extra=(); [ $round = 2 ] && extra=(--breakdown)  # round 2: where the time goes, per kernel
+  run B1 160 dsv3-fp8_tensor-$round --workload dsv3 --precision fp8_tensor --tokens 8192 "${extra[@]}"
+  run B1 128 dsv3-fp8_tensor-$round --workload dsv3 --precision fp8_tensor --tokens 8192 "${extra[@]}"
+  run A 128 dsv3-fp8_tensor-$round --workload dsv3 --precision fp8_tensor --tokens 8192 "${extra[@]}"
   for variant_tile in "B1 160" "B1 128" "A 128"; do
     # shellcheck disable=SC2086
-    run $variant_tile qwen3-30b-a3b-fp8_tensor-$round --workload qwen3-30b-a3b --precision fp8_tensor --tokens 2048,8192
+    run $variant_tile qwen3-30b-a3b-fp8_tensor-$round --workload qwen3-30b-a3b --precision fp8_tensor --tokens 2048,8192 "${extra[@]}"
   done
+  # issue 34's ratio: fp8_block in the same call (B1 at 128 shows the subtile views cost it nothing)
+  run A 128 dsv3-fp8_block-$round --workload dsv3 --precision fp8_block --tokens 8192 "${extra[@]}"
+  run A 128 qwen3-30b-a3b-fp8_block-$round --workload qwen3-30b-a3b --precision fp8_block --tokens 2048,8192 "${extra[@]}"
 done
 run B1 128 dsv3-fp8_block --workload dsv3 --precision fp8_block --tokens 8192
-run A 128 dsv3-fp8_block --workload dsv3 --precision fp8_block --tokens 8192
+# issue 30's H200 figures: main's five kernels against its single kernel at small batches
+for launch in per_stage single_kernel; do
+  l=$(left); [ "$l" -lt 30 ] && { echo "no time for $launch"; continue; }
+  echo "== A $launch qwen35-a3b fp8_block"
+  timeout "$l" "$(binary A megamoe-bench)" --workload qwen35-a3b --precision fp8_block --tokens 1,16,128 \
+    --launch $launch --json "$OUT/A-$launch-qwen35-a3b-fp8_block.json" >"$OUT/A-$launch-qwen35.log" 2>&1
+  echo "rc $?"; grep -E '^ +[0-9]+ +\|' "$OUT/A-$launch-qwen35.log" | head -4
+done
 echo "total $(( $(date +%s) - t0 )) s"
 # Eight files at most come back from $OUT: the JSON records travel in one archive, the logs packed.
 mkdir -p "$OUT/json" && mv "$OUT"/*.json "$OUT/json/" 2>/dev/null; tar czf "$OUT/records.tar.gz" -C "$OUT" json && rm -r "$OUT/json"
