@@ -34,11 +34,11 @@ sanitize() {  # tool
 sanitize memcheck
 sanitize synccheck
 sanitize racecheck
-run() {  # variant, tile, name, megamoe-bench arguments
+run() {  # variant, tile, name, megamoe-bench arguments; LAUNCH (default per_stage)
   local variant=$1 tile=$2 name=$3; shift 3
   local l; l=$(left); [ "$l" -lt 35 ] && { echo "no time for $variant $tile $name"; return; }
   echo "== $variant tile $tile $name ($l s left)"
-  timeout "$l" "$(binary "$variant" megamoe-bench)" "$@" --launch per_stage --token-tile "$tile" \
+  timeout "$l" "$(binary "$variant" megamoe-bench)" "$@" --launch "${LAUNCH:-per_stage}" --token-tile "$tile" \
     --json "$OUT/$variant-$tile-$name.json" >"$OUT/$variant-$tile-$name.log" 2>&1
   echo "rc $?"; grep -E '^ +[0-9]+ +\|' "$OUT/$variant-$tile-$name.log" | head -3
 }
@@ -58,11 +58,7 @@ done
 run B1 128 dsv3-fp8_block --workload dsv3 --precision fp8_block --tokens 8192
 # issue 30's H200 figures: main's five kernels against its single kernel at small batches
 for launch in per_stage single_kernel; do
-  l=$(left); [ "$l" -lt 30 ] && { echo "no time for $launch"; continue; }
-  echo "== A $launch qwen35-a3b fp8_block"
-  timeout "$l" "$(binary A megamoe-bench)" --workload qwen35-a3b --precision fp8_block --tokens 1,16,128 \
-    --launch $launch --json "$OUT/A-$launch-qwen35-a3b-fp8_block.json" >"$OUT/A-$launch-qwen35.log" 2>&1
-  echo "rc $?"; grep -E '^ +[0-9]+ +\|' "$OUT/A-$launch-qwen35.log" | head -4
+  LAUNCH=$launch run A auto qwen35-a3b-fp8_block-$launch --workload qwen35-a3b --precision fp8_block --tokens 1,16,128
 done
 echo "total $(( $(date +%s) - t0 )) s"
 # Eight files at most come back from $OUT: the JSON records travel in one archive, the logs packed.
