@@ -40,16 +40,16 @@ run() {  # variant, tile, name, megamoe-bench arguments; LAUNCH (default per_sta
 }
 round() {  # round number, megamoe-bench's extra arguments
   local round=$1; shift
-  run B1 160 dsv3-fp8_tensor-$round --workload dsv3 --precision fp8_tensor --tokens 8192 "$@"
-  run B1 128 dsv3-fp8_tensor-$round --workload dsv3 --precision fp8_tensor --tokens 8192 "$@"
-  run A 128 dsv3-fp8_tensor-$round --workload dsv3 --precision fp8_tensor --tokens 8192 "$@"
+  run B1 160 dsv3-fp8_tensor-"$round" --workload dsv3 --precision fp8_tensor --tokens 8192 "$@"
+  run B1 128 dsv3-fp8_tensor-"$round" --workload dsv3 --precision fp8_tensor --tokens 8192 "$@"
+  run A 128 dsv3-fp8_tensor-"$round" --workload dsv3 --precision fp8_tensor --tokens 8192 "$@"
   for variant_tile in "B1 160" "B1 128" "A 128"; do
     # shellcheck disable=SC2086
-    run $variant_tile qwen3-30b-a3b-fp8_tensor-$round --workload qwen3-30b-a3b --precision fp8_tensor --tokens 2048,8192 "$@"
+    run $variant_tile qwen3-30b-a3b-fp8_tensor-"$round" --workload qwen3-30b-a3b --precision fp8_tensor --tokens 2048,8192 "$@"
   done
   # issue 34's ratio: fp8_block in the same call
-  run A 128 dsv3-fp8_block-$round --workload dsv3 --precision fp8_block --tokens 8192 "$@"
-  run A 128 qwen3-30b-a3b-fp8_block-$round --workload qwen3-30b-a3b --precision fp8_block --tokens 2048,8192 "$@"
+  run A 128 dsv3-fp8_block-"$round" --workload dsv3 --precision fp8_block --tokens 8192 "$@"
+  run A 128 qwen3-30b-a3b-fp8_block-"$round" --workload qwen3-30b-a3b --precision fp8_block --tokens 2048,8192 "$@"
 }
 if [ "$part" = checks ]; then
   echo "== B1 layer suite: tailed, tokens-on-M, swapAB and single-kernel cases of the small shape, the named tests"
