@@ -73,7 +73,7 @@ if [ "$part" = checks ]; then
       /tmp/seed.xml | grep -oE '[0-9][0-9.e-]*"$' | tr -d '"' | paste -sd' ' | sed "s/^/seed $((1000 + seeds)): /" >>"$OUT/seeds.log"
   done
   echo "seeds $seeds, runs failed $failed (rel_l2 and max_normalized per case in seeds.log)"
-  cat "$OUT/seeds-failed.log" 2>/dev/null | head -20
+  head -20 "$OUT/seeds-failed.log" 2>/dev/null
   sort -k4 -g "$OUT/seeds.log" 2>/dev/null | tail -3
   round 1
 else
