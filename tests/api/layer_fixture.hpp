@@ -26,7 +26,7 @@ enum class RoutingKind { workload, softmax, grouped, precomputed };
 enum class Skew { uniform, skewed };
 
 struct Case {
-  std::string workload;  // a named workload, or "small"
+  std::string workload;  // a named workload, "small", or one of test_shape()'s
   Precision precision;
   int tokens;
   RoutingKind routing;
@@ -61,13 +61,31 @@ struct LayerFixture {
 
 inline constexpr int kMaxTokens = 4096;
 
+// Shapes of the suites besides the named workloads, {E, k, H, I}: "small" (whole 256-row channel
+// tiles in both GEMMs), and the shapes users' models bring that the named ones do not: "ragged", an
+// expert count no power of two and a width of 1.5 channel tiles (FC2's last tile half-filled),
+// "ragged64" (bf16, whose widths are multiples of 64: FC1's 2I = 640 and FC2's H = 192 both end in
+// a part-filled tile, and K blocks of 64 elements), "top2" (few experts with many rows each, a
+// Mixtral-like layer scaled down) and "top1" (one expert a token). 0 where the name is none of them.
+struct TestShape {
+  int num_experts, top_k, hidden, intermediate;
+};
+inline TestShape test_shape(const std::string& name) {
+  if (name == "small") return {16, 4, 256, 256};
+  if (name == "ragged") return {60, 4, 384, 1408};
+  if (name == "ragged64") return {60, 4, 192, 320};
+  if (name == "top2") return {8, 2, 1024, 2816};
+  if (name == "top1") return {32, 1, 256, 256};
+  return {0, 0, 0, 0};
+}
+
 inline MoeSpec spec_for(const Case& c, uint64_t seed) {
   MoeSpec spec;
-  if (c.workload == "small") {
-    spec.num_experts = 16;
-    spec.top_k = 4;
-    spec.hidden = 256;
-    spec.intermediate = 256;
+  if (const TestShape shape = test_shape(c.workload); shape.num_experts > 0) {
+    spec.num_experts = shape.num_experts;
+    spec.top_k = shape.top_k;
+    spec.hidden = shape.hidden;
+    spec.intermediate = shape.intermediate;
   } else {
     spec = plan::find_workload(c.workload).spec;
   }

@@ -225,6 +225,42 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerVsReference, ::testing::ValuesIn(cases()), name_of);
 
+// The shapes the named workloads do not have (layer_fixture.hpp's test_shape): channel tiles the
+// width fills part-way (the last FC2 tile of "ragged", FC1's and FC2's last of "ragged64"), expert
+// counts no power of two, top_k 1 and 2 with a few experts holding many rows each (past ~50 rows
+// an expert the planner takes the tokens-on-M tile: "top2" at 333 and 1000 tokens, "ragged" at
+// 1000; the swapAB tiles of 16, 32 and 64 tokens below), in every precision the shape allows and
+// the routing modes.
+std::vector<Case> shape_cases() {
+  std::vector<Case> out;
+  const std::initializer_list<RoutingKind> all_routings = {RoutingKind::softmax, RoutingKind::grouped,
+                                                           RoutingKind::precomputed};
+  for (Precision p : {Precision::bf16, Precision::fp8_block, Precision::fp8_tensor}) {
+    for (RoutingKind r : all_routings) {
+      for (int t : {1, 7, 128, 1000}) out.push_back({"ragged", p, t, r, Skew::uniform, CombineMode::deterministic});
+    }
+    out.push_back({"ragged", p, 128, RoutingKind::precomputed, Skew::uniform, CombineMode::fast});
+    for (RoutingKind r : {RoutingKind::precomputed, RoutingKind::softmax}) {
+      for (int t : {1, 128, 1000}) out.push_back({"top2", p, t, r, Skew::uniform, CombineMode::deterministic});
+    }
+    out.push_back({"top2", p, 333, RoutingKind::softmax, Skew::skewed, CombineMode::deterministic});
+    out.push_back({"top2", p, 1000, RoutingKind::softmax, Skew::uniform, CombineMode::fast});
+    for (int t : {7, 1000}) out.push_back({"top1", p, t, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic});
+  }
+  for (RoutingKind r : all_routings) {
+    for (int t : {1, 7, 128, 1000}) {
+      out.push_back({"ragged64", Precision::bf16, t, r, Skew::uniform, CombineMode::deterministic});
+    }
+  }
+  for (int t : {7, 1000}) {
+    out.push_back({"ragged", Precision::fp8_tensor, t, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic,
+                   InputScales::dynamic});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MoeLayerVsReference, ::testing::ValuesIn(shape_cases()), name_of);
+
 // The tokens-on-M tile (128 tokens x 256 channels, docs/decisions.md#tokens-on-m-tile), fixed by
 // the layer's options, against the references and, deterministic, against the swapAB tile's bits
 // (the same sums in the same order: only the wgmma's operand roles differ). The small shape at
