@@ -8,7 +8,7 @@
 #   CALL_BUDGET_S=560 bash bench/pending/tail-tiles-call.sh checks   # ~9 min
 #   CALL_BUDGET_S=580 bash bench/pending/tail-tiles-call.sh round2   # ~9 min
 # A = main, B1 = main + the patch. `checks`: B1's layer suite on the small shape and its named
-# tests, compute-sanitizer memcheck,
+# tests, then the suites' other test shapes (beside the sanitizers), compute-sanitizer memcheck,
 # synccheck and racecheck on tailed and 128-row cases, fp8_tensor's dynamic tailed cases over
 # fresh seeds (the tight bound's tail), then round 1 of the layer at --token-tile 160 and 128 (B1)
 # and 128 (A), one process each, with fp8_block on A (issue 34's ratio). `round2`: the rest of B1's
@@ -52,11 +52,16 @@ round() {  # round number, megamoe-bench's extra arguments
   run A 128 qwen3-30b-a3b-fp8_block-"$round" --workload qwen3-30b-a3b --precision fp8_block --tokens 2048,8192 "$@"
 }
 if [ "$part" = checks ]; then
-  echo "== B1 layer suite: tailed, tokens-on-M, swapAB and single-kernel cases of the small shape, the named tests"
+  echo "== B1 layer suite: the small shape's cases (tailed, tokens-on-M, swapAB, single kernel), the named tests"
   MEGAMOE_REQUIRE_GPU=1 timeout 220 "$(binary B1 test_api_moe_layer)" \
     --gtest_filter='Cases/MoeLayerTailedTile.*:Cases/*.*small_*:MoeLayer.*' >"$OUT/tests-B1.log" 2>&1
   echo "rc $?, $(grep -c '^\[       OK \]' "$OUT/tests-B1.log") passed, $(( $(date +%s) - t0 )) s"
   grep -E -A6 'Failure' "$OUT/tests-B1.log" | head -40; grep -E '^\[  (PASSED|FAILED) ' "$OUT/tests-B1.log" | sort | uniq -c
+  # The other test shapes (part-filled channel tiles, few experts, top_k 1 and 2) beside the
+  # sanitizers and the seeds (they check bits, not time), finished before the benchmarks.
+  MEGAMOE_REQUIRE_GPU=1 timeout 400 "$(binary B1 test_api_moe_layer)" --gtest_filter='Shapes/*' \
+    >"$OUT/tests-B1-shapes.log" 2>&1 &
+  shapes=$!
   sanitize memcheck
   sanitize synccheck
   sanitize racecheck
@@ -75,6 +80,9 @@ if [ "$part" = checks ]; then
   echo "seeds $seeds, runs failed $failed (rel_l2 and max_normalized per case in seeds.log)"
   head -20 "$OUT/seeds-failed.log" 2>/dev/null
   sort -k4 -g "$OUT/seeds.log" 2>/dev/null | tail -3
+  wait $shapes
+  echo "== B1 test shapes: $(grep -c '^\[       OK \]' "$OUT/tests-B1-shapes.log") passed"
+  grep -E -A6 'Failure' "$OUT/tests-B1-shapes.log" | head -30; grep -E '^\[  (PASSED|FAILED) ' "$OUT/tests-B1-shapes.log" | sort | uniq -c
   round 1
 else
   # The rest of B1's layer suite (the named workloads through every tile), two shards side by side
@@ -82,7 +90,7 @@ else
   echo "== B1 layer suite, the named workloads"
   for shard in 0 1; do
     GTEST_SHARD_INDEX=$shard GTEST_TOTAL_SHARDS=2 MEGAMOE_REQUIRE_GPU=1 timeout 300 "$(binary B1 test_api_moe_layer)" \
-      --gtest_filter='-Cases/MoeLayerTailedTile.*:Cases/*.*small_*:MoeLayer.*' >"$OUT/tests-B1-named-$shard.log" 2>&1 &
+      --gtest_filter='-Cases/MoeLayerTailedTile.*:Cases/*.*small_*:Shapes/*:MoeLayer.*' >"$OUT/tests-B1-named-$shard.log" 2>&1 &
   done
   wait
   cat "$OUT"/tests-B1-named-*.log >"$OUT/tests-B1-named.log" && rm "$OUT"/tests-B1-named-*.log
