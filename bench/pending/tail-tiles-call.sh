@@ -100,9 +100,9 @@ else
   run B1 128 dsv3-fp8_block --workload dsv3 --precision fp8_block --tokens 8192
   # The small buckets on B1 (its swapAB code changed: tile_subtiles, the shared fragment helper)
   # beside main's, then issue 30's H200 figures: main's five kernels against its single kernel.
-  run B1 auto qwen35-a3b-fp8_block-per_stage --workload qwen35-a3b --precision fp8_block --tokens 1,16,128
+  run B1 auto qwen35-a3b-fp8_block-per_stage --workload qwen35-a3b --precision fp8_block --tokens 1,16,128 --breakdown
   for launch in per_stage single_kernel; do
-    LAUNCH=$launch run A auto qwen35-a3b-fp8_block-$launch --workload qwen35-a3b --precision fp8_block --tokens 1,16,128
+    LAUNCH=$launch run A auto qwen35-a3b-fp8_block-$launch --workload qwen35-a3b --precision fp8_block --tokens 1,16,128 --breakdown
   done
 fi
 echo "total $(( $(date +%s) - t0 )) s"
