@@ -32,8 +32,8 @@ struct WeightsView {
   const void* w13 = nullptr;
   const void* w2 = nullptr;
   DType dtype = DType::bf16;
-  const float* w13_scales = nullptr;  // fp8_e4m3 only
-  const float* w2_scales = nullptr;   // fp8_e4m3 only
+  const float* w13_scales = nullptr;  // fp8_e4m3 only (refused beside bf16 or fp32 values)
+  const float* w2_scales = nullptr;   // fp8_e4m3 only (refused beside bf16 or fp32 values)
   ScaleLayout w13_scale_layout = ScaleLayout::block_128x128;
   ScaleLayout w2_scale_layout = ScaleLayout::block_128x128;
   const float* w13_input_scale = nullptr;  // fp8_tensor: the scale of the layer input x

@@ -404,6 +404,15 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
     // Only a value cast from another language's integer gets here: it is named by that integer.
     throw Error(ErrorCode::invalid_argument, "weights.dtype=" + std::to_string(static_cast<int>(weights.dtype)) +
                                                  " is none of DType::bf16, fp32 and fp8_e4m3 (with scales)");
+  } else if (weights.w13_scales != nullptr || weights.w2_scales != nullptr) {
+    // bf16 and fp32 values are read as they are: scales beside them would be dropped without a word,
+    // and codes upcast from an fp8 checkpoint without their scales applied would pack as wrong
+    // values. The Python packer refuses them too.
+    throw Error(ErrorCode::invalid_argument,
+                std::string("weights.") + (weights.w13_scales != nullptr ? "w13_scales" : "w2_scales") +
+                    " is set, but weights.dtype=" + to_string(weights.dtype) +
+                    " takes no scales (they go with DType::fp8_e4m3 codes): apply them to the values first, or "
+                    "pass the E4M3 codes");
   }
   PackedWeights packed;
   packed.num_experts = E;

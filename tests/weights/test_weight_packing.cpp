@@ -263,6 +263,32 @@ TEST(PrepareWeights, RejectsBadInput) {
             ErrorCode::invalid_argument);
 }
 
+// Scales beside bf16 or fp32 values were dropped without a word: codes upcast from an fp8
+// checkpoint but passed with their scales packed each value off by its scale. Refused, naming the
+// scales given and the dtype; the same values without scales pack as before.
+TEST(PrepareWeights, RefusesScalesBesideValuesThatTakeNone) {
+  const MoeSpec spec = small_spec(Precision::fp8_block);  // E = 3, H = 256, I = 128
+  const std::vector<float> w(3ull * 2 * 128 * 256, 0.25f);
+  const std::vector<float> w13_blocks(3 * 2 * 2, 2.0f), w2_blocks(3 * 2 * 1, 2.0f);
+  for (DType dtype : {DType::fp32, DType::bf16}) {
+    SCOPED_TRACE(to_string(dtype));
+    std::vector<bf16_t> w_bf16(w.size(), bf16_t::from_float(0.25f));
+    const void* values = dtype == DType::fp32 ? static_cast<const void*>(w.data()) : w_bf16.data();
+    EXPECT_EQ(code_of(WeightsView{values, values, dtype}, spec), std::nullopt);
+    const std::pair<WeightsView, std::string> cases[] = {
+        {WeightsView{values, values, dtype, w13_blocks.data(), w2_blocks.data()}, "weights.w13_scales is set"},
+        {WeightsView{values, values, dtype, nullptr, w2_blocks.data()}, "weights.w2_scales is set"},
+    };
+    for (const auto& [view, expected] : cases) {
+      std::string message;
+      EXPECT_EQ(code_of(view, spec, &message), ErrorCode::invalid_argument) << expected;
+      EXPECT_NE(message.find(expected + ", but weights.dtype=" + to_string(dtype) + " takes no scales"),
+                std::string::npos)
+          << message;
+    }
+  }
+}
+
 // A NaN or inf weight, in any dtype and scale layout, is refused and named by its place in the
 // caller's [E, rows, cols] tensor (it would spoil its quantization block and every token routed to
 // its expert); a NaN code of an E4M3 checkpoint too, kept as it is by fp8_tensor or decoded by the
