@@ -109,7 +109,7 @@ using PackProgress = std::function<void(int done, int total)>;
 // Throws megamoe::Error(invalid_spec) for an invalid spec (as validate(spec)), and
 // (invalid_argument) unless `packed` was prepared for `spec` (same shapes, precision and, for
 // fp8_block, scale format; the message names the first field that differs) and holds the bytes
-// and scales its shapes need.
+// and scales its shapes need, its fp8 scales finite and positive (as prepare_weights packs them).
 void validate_packed(const MoeSpec& spec, const PackedWeights& packed);
 // The same for a view, whose pointers must also be set (scales for fp8 only), and whose
 // from_checkpoint fp8_tensor input scales must be positive normal floats (1 / scale must be finite).

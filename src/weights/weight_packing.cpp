@@ -274,6 +274,24 @@ void require_sizes(const PackedWeights& packed) {
   }
 }
 
+// A PackedWeights' fp8 weight scales (held on the host, so they can be read here): finite and
+// positive, as prepare_weights packs every one. A pack filled elsewhere with a NaN, inf, zero or
+// negative scale would pass every other check and turn each output row of that expert into NaN,
+// inf or zeros without an error.
+void require_scale_values(const PackedWeights& packed) {
+  for (auto [name, scales] : {std::pair{"w13_scales", &packed.w13_scales}, std::pair{"w2_scales", &packed.w2_scales}}) {
+    for (size_t i = 0; i < scales->size(); ++i) {
+      const float scale = (*scales)[i];
+      if (!std::isfinite(scale) || scale <= 0.0f) {
+        throw Error(ErrorCode::invalid_argument, std::string("packed weights: ") + name + "[" + std::to_string(i) +
+                                                     "] = " + format_float(scale) +
+                                                     ": fp8 weight scales must be finite and positive (prepare_weights "
+                                                     "packs no other)");
+      }
+    }
+  }
+}
+
 // The pointers a view of `packed.precision` needs, and its fp8_tensor input scales.
 void require_buffers(const PackedWeightsView& packed) {
   for (auto [name, pointer] : {std::pair{"w13", static_cast<const void*>(packed.w13)},
@@ -320,6 +338,7 @@ void validate_packed(const MoeSpec& spec, const PackedWeights& packed) {
   require_prepared_for(spec, view);
   require_sizes(packed);
   require_buffers(view);
+  require_scale_values(packed);
 }
 
 PackedWeightsView PackedWeights::view() const {

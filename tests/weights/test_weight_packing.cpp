@@ -784,6 +784,37 @@ TEST(PackedWeights, MismatchesNameTheFieldAndBothValues) {
   expect_refused([&] { validate_packed(spec, no_scales); }, ErrorCode::null_pointer, "w13_scales is null");
 }
 
+// A pack filled outside prepare_weights (a converter of the caller's, a file) holds its fp8 scales
+// on the host: a NaN, inf, zero or negative one passed every check and silently turned each output
+// row of its expert into NaN, inf or zeros. It is refused, named by its index and value, in either
+// fp8 precision and either matrix.
+TEST(PackedWeights, HostScalesMustBeFiniteAndPositive) {
+  const std::vector<float> w13(3ull * 2 * 128 * 256, 0.01f), w2(3ull * 256 * 128, 0.01f);
+  for (Precision precision : {Precision::fp8_block, Precision::fp8_tensor}) {
+    SCOPED_TRACE(to_string(precision));
+    const MoeSpec spec = small_spec(precision);
+    const PackedWeights packed = prepare_weights(spec, WeightsView{w13.data(), w2.data(), DType::fp32});
+    ASSERT_NO_THROW(validate_packed(spec, packed));
+    for (float bad : {std::nanf(""), INFINITY, 0.0f, -0.5f}) {
+      for (const bool in_w13 : {true, false}) {
+        PackedWeights corrupt = packed;
+        std::vector<float>& scales = in_w13 ? corrupt.w13_scales : corrupt.w2_scales;
+        scales.back() = bad;
+        const std::string expected = std::string("packed weights: ") + (in_w13 ? "w13_scales[" : "w2_scales[") +
+                                     std::to_string(scales.size() - 1) + "] = ";
+        try {
+          validate_packed(spec, corrupt);
+          ADD_FAILURE() << "accepted a scale of " << bad;
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+          EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("must be finite and positive"), std::string::npos) << e.what();
+        }
+      }
+    }
+  }
+}
+
 // unpack_weights reads a pack by its own shapes: one whose buffers are short of them, or whose
 // precision names none (read as fp8_block, from scales a bf16 pack lacks), is refused instead of
 // read past its end.
