@@ -344,6 +344,14 @@ def checked_weights(w13, w2, w13_scale, w2_scale, precision: str = "fp8_block", 
             if bad.any():
                 raise ValueError(f"megamoe: {packing.first_marked(name, values, bad)}: scales must be finite and "
                                  f"positive")
+            # A finite scale past FLT_MAX / 448 decodes E4M3's largest codes to inf: the host packer
+            # refuses such a weight, but the GPU packer packed it (an inf block scale and NaN codes,
+            # or fp8_tensor's kept scale), and every token routed to the expert came out NaN.
+            too_large = ~torch.isfinite(values * packing.E4M3_MAX)
+            if too_large.any():
+                raise ValueError(f"megamoe: {packing.first_marked(name, values, too_large)}: a scale past "
+                                 f"{torch.finfo(torch.float32).max / packing.E4M3_MAX:.3g} (float32's largest over "
+                                 f"E4M3's 448) decodes a weight to inf")
         w13_scale, w2_scale = scales["w13_scale"], scales["w2_scale"]
     elif w13_scale is not None or w2_scale is not None:
         raise ValueError(f"megamoe: weight scales go with float8_e4m3fn weights only; these are {w13.dtype}")

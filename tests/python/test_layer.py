@@ -511,6 +511,11 @@ def test_prepare_weights_checks_its_arguments():
     with pytest.raises(ValueError, match=r"w13_scale\[2\] = inf: scales must be finite and positive"):
         megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w2_scale=torch.ones(4),
                                 w13_scale=torch.tensor([1.0, 1.0, 1e300, 1.0], dtype=torch.float64))
+    # A finite scale whose 448 x is past float32's range: the GPU packer packed NaN codes and an inf
+    # block scale from it (the host packer refused only a code that overflowed); refused by name.
+    with pytest.raises(ValueError, match=r"w2_scale\[1\] = .*: a scale past 7.6e\+35 .* decodes a weight to inf"):
+        megamoe.prepare_weights(fp8_w13, fp8_w2, top_k=2, w13_scale=torch.ones(4),
+                                w2_scale=torch.tensor([1.0, 1e36, 1.0, 1.0]))
     # Integer scales were taken as numbers: uint8 exponent bytes 127 became scales of 127.
     with pytest.raises(TypeError, match=r"w13_scale must be a floating-point tensor \(float32 scales\), not "
                                         r"torch.uint8"):
