@@ -38,7 +38,9 @@ class MoeLayer {
   MoeLayer& operator=(const MoeLayer&) = delete;
 
   // y = MoE(x) on `stream`. Validates the arguments first (nothing is launched on bad input);
-  // enqueues kernels only: no host synchronization, so it can be captured in a CUDA graph.
+  // enqueues kernels only: no host synchronization, so it can be captured in a CUDA graph. The
+  // current device must be the one the layer was built on, and `stream` one of its streams
+  // (another current device is refused with Error(invalid_argument), as by take_invalid_routing_ids).
   // Calls share the layer's workspace: two calls may not run at the same time on the device (on
   // two streams without an event between them, or two graphs replayed concurrently). Order them,
   // or give each stream its own MoeLayer. Calls from several host threads are safe: one call's

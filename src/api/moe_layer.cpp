@@ -123,12 +123,30 @@ void set_routing_params(kernels::MoeLayerParams& p, const Routing& routing, cons
   }
 }
 
+// Refuses a call made while a device other than the layer's (`device`) is current: its kernels
+// would run there on this layer's weights and workspace, read through peer mappings where there
+// are some and faulting where there are none (an illegal address, which ends the CUDA context of
+// that device). cudaGetDevice is legal during stream capture; the stream's own device is not asked
+// for (cudaStreamGetDevice is refused during capture by some drivers, which invalidates the
+// capture), and a kernel launch into a stream of another device than the current one fails
+// before it runs. `call` names the method for the message.
+void require_layer_device(int device, const char* call) {
+  int current = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device) {
+    throw Error(ErrorCode::invalid_argument, std::string(call) + ": the current device is " + std::to_string(current) +
+                                                 ", but this layer lives on device " + std::to_string(device) +
+                                                 ": call cudaSetDevice(" + std::to_string(device) + ") first");
+  }
+}
+
 // A distinct set of launch choices, printed once under MEGAMOE_PRINT_CONFIGS=1.
 using ChoiceKey = std::tuple<int, bool, bool, bool, int>;
 
 }  // namespace
 
 struct MoeLayer::Impl {
+  int device = 0;  // the device the layer was built on, which holds its buffers
   uint8_t* w13 = nullptr;
   float* w13_scales = nullptr;
   uint8_t* w2 = nullptr;
@@ -207,6 +225,7 @@ MoeLayer::MoeLayer(const MoeSpec& spec, const PackedWeightsView& weights, int ma
   plan::LayerPlan layer_plan = plan::plan_layer(spec, max_tokens, options, facts, input_scales);
 
   auto impl = std::make_unique<Impl>();
+  impl->device = device;
   impl->facts = facts;
   impl->plan = layer_plan;
   impl->w13 = copy_to_device(weights.w13, weights.w13_bytes());
@@ -276,6 +295,7 @@ void MoeLayer::forward(cudaStream_t stream, const MoeInputs& inputs, const MoeOu
   // token count, so that the ranks of an expert-parallel call, some with no tokens, agree.
   const Routing& routing = inputs.routing != nullptr ? *inputs.routing : spec_.routing;
   require_routing_supported(routing);
+  require_layer_device(impl_->device, "forward");
   if (inputs.num_tokens == 0) return;
   std::lock_guard<std::mutex> lock(impl_->mutex);
   const CombineMode mode = combine.value_or(impl_->plan.options.combine);
@@ -339,6 +359,8 @@ std::string MoeLayer::describe_plan(int tokens, std::optional<CombineMode> combi
 }
 
 long MoeLayer::take_invalid_routing_ids(cudaStream_t stream) {
+  // Its reset is a memset of this layer's workspace, which must not run on another device.
+  require_layer_device(impl_->device, "take_invalid_routing_ids");
   std::lock_guard<std::mutex> lock(impl_->mutex);
   const layout::MoeWorkspaceLayout& w = impl_->plan.workspace;
   int32_t* flags = w.at<int32_t>(impl_->workspace, w.error_flags);

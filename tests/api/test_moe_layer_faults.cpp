@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -145,6 +146,52 @@ TEST(MoeLayerFaults, SizesOutsideTheLimitsAreRefusedByName) {
     EXPECT_THROW(f.layer->forward(nullptr, inputs, MoeOutputs{call.y.get()}), Error) << tokens << " tokens";
   }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// A layer lives on the device it was built on. A call made while another device was current
+// launched its kernels there on this layer's buffers: read through peer mappings where the devices
+// had them, else an illegal address that ended that device's context. It is refused by name
+// before anything is launched, on that device's default stream or one of its own, and the layer
+// and both devices work on. Needs two GPUs (scripts/gpu/gpu2_check.sh).
+TEST(MoeLayerFaults, CallsWhileAnotherDeviceIsCurrentAreRefused) {
+  MEGAMOE_REQUIRE_HOPPER();
+  int devices = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  if (devices < 2) GTEST_SKIP() << "needs two GPUs";
+  test::SeededRng rng;
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(0));
+  LayerFixture& f = small_layer();
+  const Inputs in = test::make_inputs(rng, f.spec, 8, Skew::uniform);
+  const std::vector<bf16_t> expected = test::run_device(*f.layer, f.spec, in, 8, CombineMode::deterministic);
+  DeviceCall call(f.spec, in, 8);
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(1));
+  cudaStream_t other_stream;
+  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&other_stream, cudaStreamNonBlocking));
+  auto expect_refused = [](auto&& call_it, const std::string& expected_text) {
+    try {
+      call_it();
+      ADD_FAILURE() << "accepted; expected: " << expected_text;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(expected_text), std::string::npos) << e.what();
+    }
+  };
+  for (cudaStream_t stream : {cudaStream_t{nullptr}, other_stream}) {
+    expect_refused([&] { f.layer->forward(stream, call.inputs(), MoeOutputs{call.y.get()}); },
+                   "forward: the current device is 1, but this layer lives on device 0: call cudaSetDevice(0)");
+    expect_refused([&] { f.layer->take_invalid_routing_ids(stream); },
+                   "take_invalid_routing_ids: the current device is 1, but this layer lives on device 0");
+  }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  MEGAMOE_CUDA_CHECK(cudaStreamDestroy(other_stream));
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());  // device 1 is unharmed
+  // Nothing ran: y is still poisoned, and a call on the layer's own device computes what it did.
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(0));
+  for (const bf16_t v : call.y.download()) ASSERT_TRUE(std::isnan(v.to_float()));
+  f.layer->forward(nullptr, call.inputs(), MoeOutputs{call.y.get()});
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_bits(call.y.download(), expected));
+  EXPECT_EQ(f.layer->take_invalid_routing_ids(nullptr), 0);
 }
 
 // Other work holding all but a few SMs slows the forward down and never hangs it: no role waits
