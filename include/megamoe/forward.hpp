@@ -10,7 +10,7 @@ namespace megamoe {
 // One call's inputs; all pointers address memory of the device that runs the call (host memory
 // for the CPU reference).
 struct MoeInputs {
-  int num_tokens = 0;                     // T, 1 <= T <= planned capacity
+  int num_tokens = 0;                     // T, 0 <= T <= planned capacity (0: nothing is read or written)
   const void* x = nullptr;                // [T, H] bf16, 16-byte aligned
   const float* router_logits = nullptr;   // [T, E] fp32 (softmax_topk, deepseek_grouped)
   const int32_t* topk_ids = nullptr;      // [T, k] int32 (precomputed); -1 = not routed here
