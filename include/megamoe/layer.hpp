@@ -55,8 +55,9 @@ class MoeLayer {
   // the reason for each choice: what MEGAMOE_PRINT_CONFIGS=1 prints when such a forward runs.
   std::string describe_plan(int tokens, std::optional<CombineMode> combine = std::nullopt) const;
 
-  // Synchronizes `stream`, returns how many routed ids were invalid (>= E, or a duplicate within
-  // a token) since the last call, and resets the count. Invalid ids contribute nothing.
+  // Synchronizes `stream`, returns how many routed ids were invalid (>= E, negative other than -1,
+  // or a duplicate within a token) since the last call, and resets the count. Invalid ids
+  // contribute nothing.
   long take_invalid_routing_ids(cudaStream_t stream);
 
   // fp8_tensor: the activation scales (x's, and FC2's input's) the last forward on `stream` used:
