@@ -162,13 +162,14 @@ inline const std::vector<std::pair<std::string, Precision>> kPrecisions = {{"bf1
                                                                            {"fp8_tensor", Precision::fp8_tensor}};
 
 // Runs `check` (library calls that judge the arguments: find_workload, validate) and turns the
-// megamoe::Error(invalid_argument) it throws into a UsageError with the library's message.
+// megamoe::Error it throws for a bad argument or spec (invalid_argument, invalid_spec) into a
+// UsageError with the library's message.
 template <class Check>
 void check_usage(Check&& check) {
   try {
     check();
   } catch (const Error& e) {
-    if (e.code() != ErrorCode::invalid_argument) throw;
+    if (e.code() != ErrorCode::invalid_argument && e.code() != ErrorCode::invalid_spec) throw;
     throw UsageError(e.what());
   }
 }

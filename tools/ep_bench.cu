@@ -270,14 +270,15 @@ std::vector<float> time_nccl_baseline(ncclComm_t nccl, MoeLayer& experts, const 
 
 void print_usage() {
   std::printf(
-      "usage: megamoe-run -n RANKS -- megamoe-ep-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3]\n"
+      "usage: megamoe-run -n RANKS -- megamoe-ep-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3|SHAPE]\n"
       "                                                [--tokens N[,N...]]\n"
       "                                                [--precision bf16|fp8_block|fp8_tensor]\n"
       "                                                [--token-rows automatic|bf16|fp8] [--partial-sums bf16|fp8]\n"
       "                                                [--symmetric-memory cuda_ipc|nvshmem] [--fused] [--json PATH]\n"
       "                                                [--timeline]\n"
       "Options take their value as --flag value or --flag=value.\n"
-      "  --workload   named workload (default dsv3)\n"
+      "  --workload   named workload (default dsv3), or a layer of your own shape, written as\n"
+      "               megamoe-bench takes it: experts=E,top_k=K,hidden=H,intermediate=I\n"
       "  --tokens     tokens per rank, comma-separated (default 128,4096)\n"
       "  --precision  bf16, fp8_block (default) or fp8_tensor (static activation scales calibrated per rank;\n"
       "               bf16 rows on the wire; not with --fused)\n"

@@ -39,7 +39,7 @@ namespace {
 
 void print_usage() {
   std::printf(
-      "usage: megamoe-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3] [--tokens N[,N...]]\n"
+      "usage: megamoe-bench [--workload qwen35-a3b|qwen3-30b-a3b|dsv3|SHAPE] [--tokens N[,N...]]\n"
       "                     [--precision bf16|fp8_block|fp8_tensor] [--scales fp32|ue8m0]\n"
       "                     [--input-scales static|dynamic]\n"
       "                     [--routing auto|softmax|grouped|precomputed|balanced] [--experts N] [--seed S]\n"
@@ -47,7 +47,9 @@ void print_usage() {
       "                     [--combine deterministic|fast] [--num-sms N] [--launch auto|per_stage|single_kernel]\n"
       "                     [--weight-multicast] [--json PATH] [--cpu] [--breakdown] [--warm-l2] [--print-plan]\n"
       "Options take their value as --flag value or --flag=value.\n"
-      "  --workload        named workload (default qwen35-a3b)\n"
+      "  --workload        named workload (default qwen35-a3b), or SHAPE, a layer of your own:\n"
+      "                    experts=E,top_k=K,hidden=H,intermediate=I (softmax routing, renormalized;\n"
+      "                    --routing picks another), e.g. experts=8,top_k=2,hidden=4096,intermediate=14336\n"
       "  --tokens          token counts, comma-separated (GPU default the buckets 1..8192;\n"
       "                    CPU default %d: the reference runs once per count)\n"
       "  --precision       bf16, fp8_block or fp8_tensor (default fp8_block; fp8_tensor's activation\n"
@@ -166,6 +168,11 @@ void check_usage(const Options& o) {
     spec.precision = o.precision;
     spec.scale_format = o.scale_format;
     validate(o.layer, spec);
+    // A shape of the user's own (or a routing the shape cannot split) is judged here too, so that
+    // a value the layer cannot take is a usage error naming it, before any weights are made.
+    MoeSpec routed = spec;
+    routed.routing = routing_for(o, spec, spec.num_experts, o.seed);
+    validate(routed);
   });
   // --experts sizes the reduced problem: a count that is not some of the workload's experts, or
   // that its routing cannot split, is refused here, naming the option, not after the weights.
