@@ -57,13 +57,14 @@ class MoeLayer {
 
   // Synchronizes `stream`, returns how many routed ids were invalid (>= E, negative other than -1,
   // or a duplicate within a token) since the last call, and resets the count. Invalid ids
-  // contribute nothing.
+  // contribute nothing. Refused (Error(invalid_argument)) while `stream` is being captured.
   long take_invalid_routing_ids(cudaStream_t stream);
 
   // fp8_tensor: the activation scales (x's, and FC2's input's) the last forward on `stream` used:
   // the static ones, or the dynamic ones it computed (InputScales::dynamic; 0 before the first
-  // forward, and a call of zero tokens leaves the previous ones). Synchronizes `stream`, so not
-  // while it is being captured; throws megamoe::Error(invalid_argument) for the other precisions.
+  // forward, and a call of zero tokens leaves the previous ones). Synchronizes `stream`, so it is
+  // refused while the stream is being captured; throws megamoe::Error(invalid_argument) then and
+  // for the other precisions.
   struct ActivationScales {
     float fc1;
     float fc2;

@@ -140,6 +140,20 @@ void require_layer_device(int device, const char* call) {
   }
 }
 
+// Refuses a call that synchronizes `stream` while the stream is being captured into a CUDA graph:
+// its copy to host memory and its synchronization would end the capture as invalidated, and the
+// caller's graph with it. `call` names the method for the message.
+void require_not_capturing(cudaStream_t stream, const char* call) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MEGAMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    throw Error(ErrorCode::invalid_argument,
+                std::string(call) + " reads the layer's device state back and synchronizes the stream, which is "
+                                    "being captured into a CUDA graph: call it after the capture has ended (after "
+                                    "a replay, to read what the replay did)");
+  }
+}
+
 // A distinct set of launch choices, printed once under MEGAMOE_PRINT_CONFIGS=1.
 using ChoiceKey = std::tuple<int, bool, bool, bool, int>;
 
@@ -361,6 +375,7 @@ std::string MoeLayer::describe_plan(int tokens, std::optional<CombineMode> combi
 long MoeLayer::take_invalid_routing_ids(cudaStream_t stream) {
   // Its reset is a memset of this layer's workspace, which must not run on another device.
   require_layer_device(impl_->device, "take_invalid_routing_ids");
+  require_not_capturing(stream, "take_invalid_routing_ids");
   std::lock_guard<std::mutex> lock(impl_->mutex);
   const layout::MoeWorkspaceLayout& w = impl_->plan.workspace;
   int32_t* flags = w.at<int32_t>(impl_->workspace, w.error_flags);
@@ -378,6 +393,7 @@ MoeLayer::ActivationScales MoeLayer::activation_scales(cudaStream_t stream) cons
                                                  to_string(spec_.precision) +
                                                  " layer has no per-tensor activation scales (fp8_tensor only)");
   }
+  require_not_capturing(stream, "activation_scales");
   layout::TensorScaleSlots slots{};
   {
     // Ordered after the forwards already enqueued on `stream`; other threads' forwards need not

@@ -194,6 +194,55 @@ TEST(MoeLayerFaults, CallsWhileAnotherDeviceIsCurrentAreRefused) {
   EXPECT_EQ(f.layer->take_invalid_routing_ids(nullptr), 0);
 }
 
+// Reading a layer's state back (take_invalid_routing_ids, activation_scales) copies to the host and
+// synchronizes the stream: inside a CUDA graph capture that ended the capture as invalidated, and
+// the caller's graph with it. It is refused by name; the capture goes on, and the graph it makes
+// replays the forward captured before the refusal.
+TEST(MoeLayerFaults, ReadBacksDuringCaptureAreRefused) {
+  MEGAMOE_REQUIRE_HOPPER();
+  test::SeededRng rng;
+  for (const Precision precision : {Precision::fp8_block, Precision::fp8_tensor}) {
+    SCOPED_TRACE(to_string(precision));
+    LayerFixture& f =
+        test::fixture_for(Case{"small", precision, 8, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic});
+    const Inputs in = test::make_inputs(rng, f.spec, 8, Skew::uniform);
+    const std::vector<bf16_t> expected = test::run_device(*f.layer, f.spec, in, 8, CombineMode::deterministic);
+    DeviceCall call(f.spec, in, 8);
+    cudaStream_t stream;
+    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    f.layer->forward(stream, call.inputs(), MoeOutputs{call.y.get()});
+    auto expect_refused = [](auto&& read_back, const char* name) {
+      try {
+        read_back();
+        ADD_FAILURE() << name << " was taken during capture";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+        EXPECT_NE(std::string(e.what()).find(std::string(name) + " reads the layer's device state back"),
+                  std::string::npos)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find("being captured"), std::string::npos) << e.what();
+      }
+    };
+    expect_refused([&] { f.layer->take_invalid_routing_ids(stream); }, "take_invalid_routing_ids");
+    if (precision == Precision::fp8_tensor) {
+      expect_refused([&] { f.layer->activation_scales(stream); }, "activation_scales");
+    }
+    cudaGraph_t graph;
+    MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));  // the capture was not invalidated
+    cudaGraphExec_t exec;
+    MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_TRUE(same_bits(call.y.download(), expected));
+    EXPECT_EQ(f.layer->take_invalid_routing_ids(stream), 0);  // after the capture: read as usual
+    MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MEGAMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+    MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  }
+}
+
 // Other work holding all but a few SMs slows the forward down and never hangs it: no role waits
 // for CTAs that cannot become resident. The results are those of the GPU to itself.
 TEST(MoeLayerFaults, ForwardBesideKernelsHoldingMostSms) {
