@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,6 +39,18 @@ LayerFixture& small_layer() {
 
 bool same_bits(const std::vector<bf16_t>& a, const std::vector<bf16_t>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16_t)) == 0;
+}
+
+// `call` throws Error(invalid_argument) whose message holds each of `texts`.
+template <class Call>
+void expect_refused(Call&& call, std::initializer_list<std::string> texts) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted; expected a refusal saying: " << *texts.begin();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+    for (const std::string& text : texts) EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
 }
 
 // Free device memory now, after the device is idle.
@@ -167,20 +180,11 @@ TEST(MoeLayerFaults, CallsWhileAnotherDeviceIsCurrentAreRefused) {
   MEGAMOE_CUDA_CHECK(cudaSetDevice(1));
   cudaStream_t other_stream;
   MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&other_stream, cudaStreamNonBlocking));
-  auto expect_refused = [](auto&& call_it, const std::string& expected_text) {
-    try {
-      call_it();
-      ADD_FAILURE() << "accepted; expected: " << expected_text;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
-      EXPECT_NE(std::string(e.what()).find(expected_text), std::string::npos) << e.what();
-    }
-  };
   for (cudaStream_t stream : {cudaStream_t{nullptr}, other_stream}) {
     expect_refused([&] { f.layer->forward(stream, call.inputs(), MoeOutputs{call.y.get()}); },
-                   "forward: the current device is 1, but this layer lives on device 0: call cudaSetDevice(0)");
+                   {"forward: the current device is 1, but this layer lives on device 0: call cudaSetDevice(0)"});
     expect_refused([&] { f.layer->take_invalid_routing_ids(stream); },
-                   "take_invalid_routing_ids: the current device is 1, but this layer lives on device 0");
+                   {"take_invalid_routing_ids: the current device is 1, but this layer lives on device 0"});
   }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   MEGAMOE_CUDA_CHECK(cudaStreamDestroy(other_stream));
@@ -212,21 +216,11 @@ TEST(MoeLayerFaults, ReadBacksDuringCaptureAreRefused) {
     MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     f.layer->forward(stream, call.inputs(), MoeOutputs{call.y.get()});
-    auto expect_refused = [](auto&& read_back, const char* name) {
-      try {
-        read_back();
-        ADD_FAILURE() << name << " was taken during capture";
-      } catch (const Error& e) {
-        EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
-        EXPECT_NE(std::string(e.what()).find(std::string(name) + " reads the layer's device state back"),
-                  std::string::npos)
-            << e.what();
-        EXPECT_NE(std::string(e.what()).find("being captured"), std::string::npos) << e.what();
-      }
-    };
-    expect_refused([&] { f.layer->take_invalid_routing_ids(stream); }, "take_invalid_routing_ids");
+    expect_refused([&] { f.layer->take_invalid_routing_ids(stream); },
+                   {"take_invalid_routing_ids reads the layer's device state back", "being captured"});
     if (precision == Precision::fp8_tensor) {
-      expect_refused([&] { f.layer->activation_scales(stream); }, "activation_scales");
+      expect_refused([&] { f.layer->activation_scales(stream); },
+                     {"activation_scales reads the layer's device state back", "being captured"});
     }
     cudaGraph_t graph;
     MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));  // the capture was not invalidated
