@@ -30,7 +30,7 @@ import torch
 import megamoe
 from megamoe import packing
 from megamoe.routing import DeepseekRouting
-from megamoe.workloads import WORKLOADS, Workload
+from megamoe.workloads import SHAPE_FORM, WORKLOADS, Workload, find_workload
 
 DEFAULT_TOKENS = (1, 16, 128, 512, 2048, 8192)
 IMPLEMENTATIONS = ("megamoe fp8_block", "megamoe bf16", "torch bf16", "torch fp8")
@@ -295,7 +295,7 @@ class Progress:
 
 def bench_workload(name: str, tokens: List[int], replays: int, read_bandwidth: float, dense_rate: float,
                    progress: Progress) -> List[dict]:
-    w = WORKLOADS[name]
+    w = find_workload(name)
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
     w13 = random_weights(w.experts, 2 * w.intermediate, w.hidden, generator)
@@ -339,7 +339,8 @@ def bench_workload(name: str, tokens: List[int], replays: int, read_bandwidth: f
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megamoe.bench", description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    parser.add_argument("--workload", default="all",
+                        help=f"{', '.join(WORKLOADS)}, all (default), or a layer of your own shape, {SHAPE_FORM}")
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
                         help="comma-separated token counts (default %(default)s)")
     parser.add_argument("--replays", type=int, default=100, help="CUDA-graph replays per measurement")
@@ -354,6 +355,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("--tokens must be positive")
     if args.replays < 1:
         parser.error("--replays must be positive")
+    if args.workload != "all":
+        try:
+            find_workload(args.workload)
+        except ValueError as e:
+            parser.error(f"--workload: {e}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("megamoe.bench needs a Hopper GPU (sm_90)", file=sys.stderr)
         return 2

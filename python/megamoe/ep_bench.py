@@ -34,7 +34,7 @@ import torch
 
 import megamoe
 from megamoe.bench import random_weights
-from megamoe.workloads import WORKLOADS, Workload
+from megamoe.workloads import SHAPE_FORM, WORKLOADS, Workload, find_workload
 
 DEFAULT_TOKENS = (8, 128, 512, 4096)
 LAUNCHES = ("staged", "fused")
@@ -98,7 +98,8 @@ def parse_options(argv: Optional[List[str]] = None) -> Options:
     """The options, checked; a usage error exits 2 with its message, before any rank or GPU work."""
     parser = argparse.ArgumentParser(prog="python -m megamoe.ep_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default="dsv3", help=f"{', '.join(WORKLOADS)} (default %(default)s)")
+    parser.add_argument("--workload", default="dsv3",
+                        help=f"{', '.join(WORKLOADS)} (default %(default)s), or a layer of your own shape, {SHAPE_FORM}")
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
                         help="tokens per rank, comma-separated positive integers (default %(default)s)")
     parser.add_argument("--precision", default="fp8_block", help="bf16 or fp8_block (default %(default)s)")
@@ -108,8 +109,10 @@ def parse_options(argv: Optional[List[str]] = None) -> Options:
     parser.add_argument("--json", metavar="PATH", help="rank 0 writes one record per token count and launch there")
     args = parser.parse_args(argv)
 
-    if args.workload not in WORKLOADS:
-        parser.error(f"--workload takes {', '.join(WORKLOADS)}, got {args.workload!r}")
+    try:
+        find_workload(args.workload)
+    except ValueError as e:
+        parser.error(f"--workload: {e}")
     try:
         tokens = token_counts(args.tokens)
     except ValueError:
@@ -317,7 +320,7 @@ def progress(text: str) -> None:
 def run(options: Options, place: Launched, origin: Dict[str, str]) -> None:
     """This rank's part; rank 0 also prints and writes the slowest rank's figures. Every layer call
     is collective, so every rank makes them in the same order."""
-    workload = WORKLOADS[options.workload]
+    workload = find_workload(options.workload)
     rank, world_size = place.rank, place.world_size
     torch.cuda.set_device(place.local_rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
@@ -380,7 +383,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     origin = provenance(argv)
     try:
         place = launched()
-        check_split(WORKLOADS[options.workload], options.workload, place.world_size)
+        check_split(find_workload(options.workload), options.workload, place.world_size)
     except UsageError as e:
         print(f"python -m megamoe.ep_bench: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE

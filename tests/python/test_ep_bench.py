@@ -47,7 +47,12 @@ def test_bad_tokens_are_refused(capsys, tokens):
 
 def test_unknown_workload_is_refused(capsys):
     message = refusal(capsys, ["--workload", "nope"])
-    assert "--workload takes " + ", ".join(WORKLOADS) + ", got 'nope'" in message
+    assert "--workload: unknown workload 'nope'; known: " + ", ".join(WORKLOADS) in message
+
+
+def test_a_shape_that_lacks_a_key_is_refused(capsys):
+    message = refusal(capsys, ["--workload", "experts=8,top_k=2,hidden=4096"])
+    assert "--workload: workload 'experts=8,top_k=2,hidden=4096': no intermediate" in message
 
 
 @pytest.mark.parametrize("precision", ["fp8_tensor", "fp16"])
