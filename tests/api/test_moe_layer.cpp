@@ -323,6 +323,24 @@ std::vector<Case> tokens_on_m_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerTokensOnMVsReference, ::testing::ValuesIn(tokens_on_m_cases()), name_of);
 
+// The tokens-on-M tile on the test shapes whose channel tiles the width fills part-way ("ragged":
+// FC2's last; "ragged64", bf16: FC1's and FC2's last, K blocks of 64) and with few experts holding
+// many rows ("top2"), against the swapAB tile's bits: short tiles (7), two subtiles (65), several
+// tiles an expert (1000).
+std::vector<Case> tokens_on_m_shape_cases() {
+  std::vector<Case> out;
+  for (Precision p : {Precision::bf16, Precision::fp8_block, Precision::fp8_tensor}) {
+    for (int t : {7, 65, 1000}) out.push_back({"ragged", p, t, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic});
+    out.push_back({"top2", p, 1000, RoutingKind::precomputed, Skew::uniform, CombineMode::deterministic});
+  }
+  for (int t : {7, 65, 1000}) {
+    out.push_back({"ragged64", Precision::bf16, t, RoutingKind::softmax, Skew::uniform, CombineMode::deterministic});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MoeLayerTokensOnMVsReference, ::testing::ValuesIn(tokens_on_m_shape_cases()), name_of);
+
 // CTA pairs that share each weight block by TMA multicast (options.weight_multicast, experimental:
 // docs/decisions.md#weight-multicast-pairs) against the references and, deterministic, against
 // single CTAs on the same tokens-on-M tile, bit for bit: pairs that share a weight block and
