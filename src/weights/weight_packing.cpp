@@ -170,6 +170,17 @@ void refuse_weight(const SourceMatrix& m, int row, int col, float value) {
                                                "every token routed to that expert)");
 }
 
+// Refuses the first of `count` weight scales that is not finite and positive, named `name`[i] with
+// its value, then `rule`.
+void require_finite_positive_scales(const std::string& name, const float* scales, size_t count, const char* rule) {
+  for (size_t i = 0; i < count; ++i) {
+    if (!std::isfinite(scales[i]) || scales[i] <= 0.0f) {
+      throw Error(ErrorCode::invalid_argument,
+                  name + "[" + std::to_string(i) + "] = " + format_float(scales[i]) + ": " + rule);
+    }
+  }
+}
+
 // fp8_tensor's activation scales: the device multiplies by 1 / scale, which a subnormal scale
 // overflows to inf (and 0 * inf is NaN), so only positive normal floats are taken.
 bool is_valid_input_scale(float scale) { return std::isnormal(scale) && scale > 0.0f; }
@@ -280,15 +291,8 @@ void require_sizes(const PackedWeights& packed) {
 // inf or zeros without an error.
 void require_scale_values(const PackedWeights& packed) {
   for (auto [name, scales] : {std::pair{"w13_scales", &packed.w13_scales}, std::pair{"w2_scales", &packed.w2_scales}}) {
-    for (size_t i = 0; i < scales->size(); ++i) {
-      const float scale = (*scales)[i];
-      if (!std::isfinite(scale) || scale <= 0.0f) {
-        throw Error(ErrorCode::invalid_argument, std::string("packed weights: ") + name + "[" + std::to_string(i) +
-                                                     "] = " + format_float(scale) +
-                                                     ": fp8 weight scales must be finite and positive (prepare_weights "
-                                                     "packs no other)");
-      }
-    }
+    require_finite_positive_scales(std::string("packed weights: ") + name, scales->data(), scales->size(),
+                                   "fp8 weight scales must be finite and positive (prepare_weights packs no other)");
   }
 }
 
@@ -410,14 +414,9 @@ PackedWeights prepare_weights(const MoeSpec& spec, const WeightsView& weights, c
                                                      std::to_string(H) + " and intermediate=" + std::to_string(I) +
                                                      " must be multiples of 128 (or pass scales per row)");
       }
-      const size_t count = static_cast<size_t>(E) * matrix_scale_count(layout, rows, cols);
-      for (size_t i = 0; i < count; ++i) {
-        if (!std::isfinite(scales[i]) || scales[i] <= 0.0f) {
-          throw Error(ErrorCode::invalid_argument, std::string("weights.") + name + "[" + std::to_string(i) +
-                                                       "] = " + format_float(scales[i]) +
-                                                       ": scales must be finite and positive");
-        }
-      }
+      require_finite_positive_scales(std::string("weights.") + name, scales,
+                                     static_cast<size_t>(E) * matrix_scale_count(layout, rows, cols),
+                                     "scales must be finite and positive");
     }
   } else if (weights.dtype != DType::bf16 && weights.dtype != DType::fp32) {
     // Only a value cast from another language's integer gets here: it is named by that integer.
