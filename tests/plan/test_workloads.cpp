@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <variant>
 
 #include "megamoe/error.hpp"
@@ -50,23 +51,23 @@ TEST(Workloads, AShapeInAnyOrderIsALayerOfThatShape) {
 }
 
 TEST(Workloads, AShapeSaysWhatItLacks) {
-  EXPECT_NE(refusal("experts=8,top_k=2,hidden=4096").find("no intermediate"), std::string::npos);
-  EXPECT_NE(refusal("experts=8").find("no top_k, hidden, intermediate"), std::string::npos);
-  EXPECT_NE(refusal("experts=8,top_k=2,hidden=4096,intermediate=14336,bias=1").find("unknown key 'bias'"),
-            std::string::npos);
-  EXPECT_NE(refusal("experts=8,experts=8,top_k=2,hidden=4096,intermediate=14336").find("experts given twice"),
-            std::string::npos);
-  EXPECT_NE(refusal("experts=8,top_k=two,hidden=4096,intermediate=14336").find("top_k needs a non-negative integer"),
-            std::string::npos);
-  EXPECT_NE(refusal("experts=-8,top_k=2,hidden=4096,intermediate=14336").find("got '-8'"), std::string::npos);
-  EXPECT_NE(refusal("experts=8,top_k=2,hidden=4096,intermediate=99999999999").find("at most 9 digits"),
-            std::string::npos);
-  EXPECT_NE(refusal("experts=8,top_k=2,hidden=4096,intermediate=14336,").find("'' is not key=value"),
-            std::string::npos);
-  EXPECT_NE(refusal("experts=8,top_k,hidden=4096,intermediate=14336").find("'top_k' is not key=value"),
-            std::string::npos);
-  // Every refusal shows the form it wants.
-  EXPECT_NE(refusal("experts=8").find("experts=E,top_k=K,hidden=H,intermediate=I"), std::string::npos);
+  const std::pair<const char*, const char*> cases[] = {
+      {"experts=8,top_k=2,hidden=4096", "no intermediate"},
+      {"experts=8", "no top_k, hidden, intermediate"},
+      {"experts=8,top_k=2,hidden=4096,intermediate=14336,bias=1", "unknown key 'bias'"},
+      {"experts=8,experts=8,top_k=2,hidden=4096,intermediate=14336", "experts given twice"},
+      {"experts=8,top_k=two,hidden=4096,intermediate=14336", "top_k needs a non-negative integer"},
+      {"experts=-8,top_k=2,hidden=4096,intermediate=14336", "got '-8'"},
+      {"experts=8,top_k=2,hidden=4096,intermediate=99999999999", "at most 9 digits"},
+      {"experts=8,top_k=2,hidden=4096,intermediate=14336,", "'' is not key=value"},
+      {"experts=8,top_k,hidden=4096,intermediate=14336", "'top_k' is not key=value"},
+  };
+  for (const auto& [name, says] : cases) {
+    const std::string message = refusal(name);
+    EXPECT_NE(message.find(says), std::string::npos) << message;
+    // Every refusal shows the form it wants.
+    EXPECT_NE(message.find("experts=E,top_k=K,hidden=H,intermediate=I"), std::string::npos) << message;
+  }
 }
 
 TEST(Workloads, AnUnknownNameListsTheNamesAndTheShapeForm) {
